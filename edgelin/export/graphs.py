@@ -1,0 +1,93 @@
+"""The two exported graphs and their I/O contract.
+
+Step:    (input_ids [batch], [position_ids [batch]], past_key_values.*) -> (logits [batch, vocab], present.*)
+Prefill: (input_ids [batch, sequence], [position_ids [batch]], past_key_values.*)
+                                                                 -> (logits of the last position, present.*)
+Names follow optimum / onnxruntime-genai: `past_key_values.{layer}.{name}` in, `present.{layer}.{name}`
+out, and each present feeds the past of the same name on the next call. position_ids (the position
+of the first token) exists only when a layer needs it (softmax attention, rotary families).
+Prefill takes a state too, so a long prompt can be prefilled piecewise in bounded memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from edgelin.model.lm import CausalLM
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class TensorIO:
+    name: str
+    dims: tuple[int | str, ...]
+    dtype: str
+    role: str  # input_ids | position_ids | state | logits
+    feeds: str | None = None  # a present.* output: the past input it becomes next call
+    layer: int | None = None
+    state_name: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TensorIO":
+        return cls(**{**data, "dims": tuple(data["dims"])})
+
+
+def _grown(dims: tuple, extra: str) -> tuple:
+    """A growing KV cache's present length is its past length plus the new tokens."""
+    return tuple(f"past_sequence + {extra}" if d == "past_sequence" else d for d in dims)
+
+
+def graph_io(model: CausalLM, kind: str) -> tuple[list[TensorIO], list[TensorIO]]:
+    ids_dims = ("batch",) if kind == "step" else ("batch", "sequence")
+    inputs = [TensorIO("input_ids", ids_dims, "int64", "input_ids")]
+    if model.needs_position:
+        inputs.append(TensorIO("position_ids", ("batch",), "int64", "position_ids"))
+    outputs = [TensorIO("logits", ("batch", model.config.vocab_size), "float32", "logits")]
+    new_tokens = "1" if kind == "step" else "sequence"
+    for layer, tensors in enumerate(model.state_tensors()):
+        for t in tensors:
+            past = f"past_key_values.{layer}.{t.name}"
+            inputs.append(TensorIO(past, t.dims, t.dtype, "state", layer=layer, state_name=t.name))
+            outputs.append(TensorIO(f"present.{layer}.{t.name}", _grown(t.dims, new_tokens), t.dtype, "state",
+                                    feeds=past, layer=layer, state_name=t.name))
+    return inputs, outputs
+
+
+class _Graph(nn.Module):
+    def __init__(self, model: CausalLM):
+        super().__init__()
+        self.model = model
+        self.layout = [[t.name for t in layer] for layer in model.state_tensors()]
+
+    def _run(self, ids: Tensor, start: Tensor | None, flat: tuple[Tensor, ...], mode: str):
+        state, it = [], iter(flat)
+        for names in self.layout:
+            state.append({name: next(it) for name in names})
+        logits, new_state = self.model(ids, state, start, mode=mode, last_only=True)
+        return (logits, *[layer[name] for layer, names in zip(new_state, self.layout) for name in names])
+
+
+class StepModel(_Graph):
+    """One token per sequence; the recurrent form."""
+
+    def forward(self, input_ids: Tensor, *args: Tensor):
+        start, flat = (args[0], args[1:]) if self.model.needs_position else (None, args)
+        return self._run(input_ids.unsqueeze(1), start, flat, "recurrent")
+
+
+class PrefillModel(_Graph):
+    """A whole prompt per call; the chunked parallel form."""
+
+    def forward(self, input_ids: Tensor, *args: Tensor):
+        start, flat = (args[0], args[1:]) if self.model.needs_position else (None, args)
+        return self._run(input_ids, start, flat, "chunked")
+
+
+GRAPHS = {"step": StepModel, "prefill": PrefillModel}

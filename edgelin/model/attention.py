@@ -1,0 +1,106 @@
+"""Softmax attention for hybrid stacks and the KV-cache baseline.
+
+Two cache policies, chosen by `AttentionConfig.window`:
+- window W (hybrids): the cache is a ring buffer of W slots; position p lives in slot p % W. Memory
+  is constant, so a hybrid decodes in constant memory like a pure linear model. The reference
+  forward uses the same sliding-window mask, so step and full-sequence outputs agree exactly.
+  Prefill is block-local (each block of W queries sees the previous block and itself): linear in T.
+- window None (baseline only): full context, the cache grows by one row per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgelin.families import StateTensor
+from edgelin.model.config import AttentionConfig
+from edgelin.model.layers import Rotary, positions_from
+
+Tensor = torch.Tensor
+
+
+class SoftmaxAttention(nn.Module):
+    def __init__(self, hidden_size: int, cfg: AttentionConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def state_tensors(self) -> list[StateTensor]:
+        length = self.cfg.window if self.cfg.window is not None else "past_sequence"
+        shape = ("batch", self.cfg.num_kv_heads, length, self.cfg.head_dim)
+        return [StateTensor("key", shape), StateTensor("value", shape)]
+
+    def forward(
+        self, x: Tensor, state: dict[str, Tensor], start: Tensor | None = None, mode: str = "chunked"
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg = self.cfg
+        batch, length, _ = x.shape
+        positions = positions_from(start, batch, length, x.device)
+        q = self.rotary(self.q_proj(x).view(batch, length, cfg.num_heads, cfg.head_dim), positions)
+        k = self.rotary(self.k_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim), positions)
+        v = self.v_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
+        if cfg.window is None:
+            out, new_state = self._full(q, k, v, state)
+        elif mode == "recurrent" and length == 1:
+            out, new_state = self._ring_step(q, k, v, state, positions[:, 0])
+        else:
+            out, new_state = self._ring_prefill(q, k, v, state, positions[:, 0])
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), new_state
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+        groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * self.cfg.head_dim**-0.5
+        return torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1) @ v
+
+    def _full(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Tensor]):
+        keys, values = torch.cat([state["key"], k], 2), torch.cat([state["value"], v], 2)
+        past, length = state["key"].shape[2], q.shape[2]
+        valid = torch.arange(past + length, device=q.device) <= past + torch.arange(length, device=q.device)[:, None]
+        return self._attend(q, keys, values, valid), {"key": keys, "value": values}
+
+    def _ring_step(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Tensor], position: Tensor):
+        window = self.cfg.window
+        slots = torch.arange(window, device=q.device)
+        write = (slots == position.unsqueeze(1) % window).view(-1, 1, window, 1)  # [B, 1, W, 1]
+        keys, values = torch.where(write, k, state["key"]), torch.where(write, v, state["value"])
+        held = position.unsqueeze(1) - (position.unsqueeze(1) - slots) % window  # position in each slot
+        valid = (held >= 0).view(-1, 1, 1, window)
+        return self._attend(q, keys, values, valid), {"key": keys, "value": values}
+
+    def _ring_prefill(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Tensor], start: Tensor):
+        window, (batch, heads, length, dim) = self.cfg.window, q.shape
+        kv_heads = k.shape[1]
+        slots = torch.arange(window, device=q.device)
+        # The cache in time order: positions start - W .. start - 1.
+        order = ((start.unsqueeze(1) + slots) % window).view(batch, 1, window, 1).expand(-1, kv_heads, -1, dim)
+        keys = torch.cat([state["key"].gather(2, order), k], 2)  # [B, Hkv, W + T, D]
+        values = torch.cat([state["value"].gather(2, order), v], 2)
+
+        blocks = (length + window - 1) // window
+        within = torch.arange(window, device=q.device)
+        q_index = torch.arange(blocks, device=q.device).unsqueeze(1) * window + within  # [N, W]
+        k_index = torch.arange(blocks, device=q.device).unsqueeze(1) * window + torch.arange(2 * window, device=q.device)
+        pad = q.new_zeros(batch, heads, window, dim)
+        q_blocks = torch.cat([q, pad], 2)[:, :, q_index]  # [B, H, N, W, D]
+        kv_pad = keys.new_zeros(batch, kv_heads, 2 * window, dim)
+        k_blocks = torch.cat([keys, kv_pad], 2)[:, :, k_index]  # [B, Hkv, N, 2W, D]
+        v_blocks = torch.cat([values, kv_pad], 2)[:, :, k_index]
+        q_pos = (start.view(batch, 1, 1) + q_index).unsqueeze(-1)  # [B, N, W, 1]
+        # Padding keys continue the positions, so a padding query always sees itself (no NaN rows).
+        k_pos = (start.view(batch, 1, 1) - window + k_index).unsqueeze(-2)  # [B, N, 1, 2W]
+        valid = (k_pos <= q_pos) & (k_pos > q_pos - window) & (k_pos >= 0)
+        out = self._attend(q_blocks, k_blocks, v_blocks, valid.unsqueeze(1))  # [B, H, N, W, D]
+        out = out.reshape(batch, heads, blocks * window, dim)[:, :, :length]
+
+        # The new ring: the last W keys, position p in slot p % W.
+        ring = ((slots - start.unsqueeze(1) - length) % window).view(batch, 1, window, 1).expand(-1, kv_heads, -1, dim)
+        tail_keys, tail_values = keys[:, :, length:], values[:, :, length:]
+        return out, {"key": tail_keys.gather(2, ring), "value": tail_values.gather(2, ring)}

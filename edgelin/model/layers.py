@@ -1,0 +1,52 @@
+"""Small building blocks shared by mixers and the LM: RMSNorm, rotary embedding, short conv."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Tensor = torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half layout) at absolute positions."""
+
+    def __init__(self, dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x [B, T, H, D]; positions [B, T] (int64)."""
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
+        cos = torch.cat([angles.cos()] * 2, -1).unsqueeze(2)
+        sin = torch.cat([angles.sin()] * 2, -1).unsqueeze(2)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+
+def positions_from(start: Tensor | None, batch: int, length: int, device) -> Tensor:
+    """[B, T] absolute positions given each row's start position [B] (None: start at 0)."""
+    steps = torch.arange(length, device=device).unsqueeze(0)
+    return steps.expand(batch, length) if start is None else start.unsqueeze(1) + steps
+
+
+def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal depthwise conv + SiLU. x [B, T, C], weight [C, W], conv_state [B, C, W-1]: the
+    last W-1 inputs before x. Returns (y [B, T, C], new conv_state)."""
+    width = weight.shape[-1]
+    padded = torch.cat([conv_state, x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
+    y = F.conv1d(padded, weight.unsqueeze(1), groups=weight.shape[0])
+    return F.silu(y).transpose(1, 2), padded[..., padded.shape[-1] - (width - 1):]

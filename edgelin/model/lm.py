@@ -1,0 +1,116 @@
+"""The config-driven causal LM: embeddings, pre-norm blocks (token mixer per layer + SwiGLU MLP),
+final norm, LM head. The recurrent state is explicit: a list (one entry per layer) of dicts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgelin.families import SOFTMAX, StateTensor
+from edgelin.model.attention import SoftmaxAttention
+from edgelin.model.config import ModelConfig
+from edgelin.model.layers import RMSNorm
+from edgelin.model.mixer import LinearMixer
+
+Tensor = torch.Tensor
+State = list[dict[str, Tensor]]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.layer_types[layer] == SOFTMAX:
+            self.mixer: nn.Module = SoftmaxAttention(config.hidden_size, config.attention)
+        else:
+            self.mixer = LinearMixer(
+                config.spec(layer), config.dims(), config.rms_norm_eps, config.rope_theta, config.feature_seed + layer
+            )
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: Tensor, state: dict[str, Tensor], start: Tensor | None, mode: str):
+        mixed, state = self.mixer(self.input_norm(x), state, start, mode)
+        x = x + mixed
+        return x + self.mlp(self.post_norm(x)), state
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(_init_weights)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_tensors(self) -> list[list[StateTensor]]:
+        return [block.mixer.state_tensors() for block in self.model.layers]
+
+    @property
+    def needs_position(self) -> bool:
+        return any(
+            isinstance(b.mixer, SoftmaxAttention) or b.mixer.spec.needs_position for b in self.model.layers
+        )
+
+    def initial_state(self, batch: int, past: int = 0, device=None) -> State:
+        """Zeros for every state tensor ('past_sequence' dims get length `past`)."""
+        sizes = {"batch": batch, "past_sequence": past}
+        return [
+            {t.name: torch.zeros([sizes.get(d, d) for d in t.dims], device=device) for t in layer}
+            for layer in self.state_tensors()
+        ]
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: Tensor,
+        state: State | None = None,
+        start: Tensor | None = None,
+        mode: str = "chunked",
+        last_only: bool = False,
+    ) -> tuple[Tensor, State]:
+        """input_ids [B, T] -> (logits [B, T, V] or [B, V] with last_only, new state).
+        start [B]: position of input_ids[:, 0] (None: 0). mode: 'chunked' or 'recurrent'."""
+        if state is None:
+            state = self.initial_state(input_ids.shape[0], device=input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        new_state: State = []
+        for block, layer_state in zip(self.model.layers, state):
+            x, layer_state = block(x, layer_state, start, mode)
+            new_state.append(layer_state)
+        if last_only:
+            x = x[:, -1]
+        return self.lm_head(self.model.norm(x)), new_state
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)

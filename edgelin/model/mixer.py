@@ -1,0 +1,138 @@
+"""The one linear-attention token mixer. Its parameters and its forward pass are read off the
+layer's `FamilySpec`; no family is named here.
+
+x -> q, k, v projections -> [short conv + SiLU] -> heads -> [rotary] -> feature map -> [L2 norm]
+  -> [scale q] -> decay g, beta from x -> recurrence engine -> [normaliser] -> [D skip]
+  -> [norm / gate] -> o_proj
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgelin.families import Decay, FamilySpec, Gate, LayerDims, OutputGate, StateTensor
+from edgelin.families.feature_maps import orthogonal_random_features
+from edgelin.families.spec import linear_state_tensors
+from edgelin.model.layers import RMSNorm, Rotary, positions_from, short_conv
+from edgelin.reference import recurrence
+
+Tensor = torch.Tensor
+NORMALISER_EPS = 1e-6
+
+
+def _projection(hidden: int, out: int, low_rank: int, bias: bool = False) -> nn.Module:
+    if low_rank:
+        return nn.Sequential(nn.Linear(hidden, low_rank, bias=False), nn.Linear(low_rank, out, bias=True))
+    return nn.Linear(hidden, out, bias=bias)
+
+
+class LinearMixer(nn.Module):
+    def __init__(self, spec: FamilySpec, dims: LayerDims, eps: float, rope_theta: float, feature_seed: int):
+        super().__init__()
+        self.spec, self.dims = spec, dims
+        h, d_k, d_v = dims.num_heads, dims.head_k_dim, dims.head_v_dim
+        self.d_state = spec.feature.out_dim(d_k)
+        self.q_proj = nn.Linear(dims.hidden_size, dims.key_width, bias=False)
+        self.k_proj = nn.Linear(dims.hidden_size, dims.key_width, bias=False)
+        self.v_proj = nn.Linear(dims.hidden_size, dims.value_width, bias=False)
+        if spec.short_conv:
+            self.conv1d = nn.Parameter(torch.randn(dims.conv_channels, dims.conv_size) / dims.conv_size**0.5)
+        if spec.feature.needs_projection:
+            self.register_buffer("feature_projection", orthogonal_random_features(self.d_state, d_k, feature_seed))
+        if spec.rotary:
+            self.rotary = Rotary(d_k, rope_theta)
+        if spec.decay is Decay.FIXED:
+            self.register_buffer("log_gamma", spec.fixed_log_decay(h), persistent=False)
+        if spec.gate is not None:
+            gate_width = h if spec.decay is Decay.SCALAR else h * self.d_state
+            self.gate_proj = _projection(dims.hidden_size, gate_width, spec.gate_low_rank)
+        if spec.gate is Gate.SOFTPLUS:
+            self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(1, 16)))
+            self.dt_bias = nn.Parameter(torch.log(torch.expm1(torch.empty(gate_width).uniform_(1e-3, 1e-1))))
+        if spec.delta_rule:
+            self.b_proj = nn.Linear(dims.hidden_size, h, bias=False)
+        if spec.skip_d:
+            self.D = nn.Parameter(torch.ones(h))
+        if spec.output_norm:
+            self.o_norm = RMSNorm(d_v, eps)
+        if spec.output_gate is not OutputGate.NONE:
+            self.g_proj = nn.Linear(dims.hidden_size, dims.value_width, bias=False)
+        self.o_proj = nn.Linear(dims.value_width, dims.hidden_size, bias=False)
+
+    # ---- state ---------------------------------------------------------------------------------
+    def state_tensors(self) -> list[StateTensor]:
+        return linear_state_tensors(self.spec, self.dims)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(
+        self, x: Tensor, state: dict[str, Tensor], start: Tensor | None = None, mode: str = "chunked"
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """x [B, T, hidden]; state per `state_tensors`; start [B]: position of x[:, 0].
+        mode: 'chunked' (parallel form) or 'recurrent' (token loop; the step graph uses T = 1)."""
+        spec, dims = self.spec, self.dims
+        batch, length, _ = x.shape
+        h, hk = dims.num_heads, dims.num_k_heads
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        new_state: dict[str, Tensor] = {}
+        if spec.short_conv:
+            qkv, new_state["conv_state"] = short_conv(torch.cat([q, k, v], -1), self.conv1d, state["conv_state"])
+            q, k, v = qkv.split([dims.key_width, dims.key_width, dims.value_width], -1)
+        q = q.reshape(batch, length, hk, dims.head_k_dim)
+        k = k.reshape(batch, length, hk, dims.head_k_dim)
+        v = v.reshape(batch, length, h, dims.head_v_dim)
+        if spec.rotary:
+            positions = positions_from(start, batch, length, x.device)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        projection = getattr(self, "feature_projection", None)
+        q, k = spec.feature.fn(q, projection, True), spec.feature.fn(k, projection, False)
+        if spec.qk_l2norm:
+            q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+        if spec.scale_queries:
+            q = q * dims.head_k_dim**-0.5
+        if hk != h:  # grouped value heads share a key head
+            q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
+
+        g, dt = self._log_decay(x, batch, length)
+        beta = torch.sigmoid(self.b_proj(x)) if spec.delta_rule else None
+        values = v * dt.unsqueeze(-1) if spec.value_dt else v
+
+        s = state["recurrent_state"]
+        if spec.normalizer:  # z is one more value column whose value is always 1
+            values = torch.cat([values, torch.ones_like(values[..., :1])], -1)
+            s = torch.cat([s, state["normalizer"].unsqueeze(-1)], -1)
+        if mode == "chunked":
+            o, s = recurrence.chunked(s, q, k, values, g, beta, spec.chunk_size)
+        else:
+            o, s = recurrence.recurrent(s, q, k, values, g, beta)
+        if spec.normalizer:
+            o = o[..., :-1] / (o[..., -1:] + NORMALISER_EPS)
+            s, new_state["normalizer"] = s[..., :-1], s[..., -1]
+        new_state["recurrent_state"] = s
+        return self._readout(o, v, x), new_state
+
+    def _log_decay(self, x: Tensor, batch: int, length: int) -> tuple[Tensor | None, Tensor | None]:
+        """(g, dt): g is [B, T, H, 1 | d_state] or None; dt is the softplus step size (or None)."""
+        spec, h = self.spec, self.dims.num_heads
+        if spec.decay is Decay.NONE:
+            return None, None
+        if spec.decay is Decay.FIXED:
+            return self.log_gamma.view(1, 1, h, 1).expand(batch, length, h, 1), None
+        raw = self.gate_proj(x).reshape(batch, length, h, -1)
+        if spec.gate is Gate.LOGSIGMOID:
+            return F.logsigmoid(raw) / spec.gate_normalizer, None
+        dt = F.softplus(raw + self.dt_bias.view(h, -1))
+        g = -torch.exp(self.A_log).view(1, 1, h, 1) * dt
+        return g, dt.squeeze(-1) if spec.decay is Decay.SCALAR else dt
+
+    def _readout(self, o: Tensor, v: Tensor, x: Tensor) -> Tensor:
+        spec = self.spec
+        if spec.skip_d:
+            o = o + self.D.view(-1, 1) * v
+        if spec.output_gate is OutputGate.NONE:
+            o = self.o_norm(o) if spec.output_norm else o
+        else:
+            gate = F.silu(self.g_proj(x).reshape(o.shape))
+            o = self.o_norm(o) * gate if spec.output_gate is OutputGate.SWISH_AFTER_NORM else self.o_norm(o * gate)
+        return self.o_proj(o.flatten(-2))
