@@ -13,6 +13,7 @@ import numpy as np
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile
     from edgelin.export.manifest import Manifest
+    from edgelin.families import FamilySpec
     from edgelin.model.lm import CausalLM
 
 State = dict[str, np.ndarray]
@@ -55,6 +56,10 @@ class Target(ABC):
         """None when the target can take this model on this device; otherwise the reason."""
         if device is not None and self.name not in device.targets:
             return f"device {device.name} does not list target {self.name} (it lists: {', '.join(device.targets)})"
+        return None
+
+    def family_support(self, spec: "FamilySpec") -> str | None:
+        """None when every layer of this family can be exported; otherwise why not."""
         return None
 
     @abstractmethod

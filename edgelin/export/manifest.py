@@ -112,6 +112,9 @@ class Manifest:
             if data.get("manifest_version") != MANIFEST_VERSION:
                 raise ValueError(f"manifest_version {data.get('manifest_version')} is not {MANIFEST_VERSION}")
             model = data["model"]
+            for name in [g["file"] for g in data["graphs"].values()] + [data.get("tokenizer")]:
+                if name is not None and (Path(name).name != name or name in (".", "..")):
+                    raise ValueError(f"file name {name!r} escapes the export folder")
             return cls(
                 target=data["target"], precision=data["precision"],
                 graphs={k: GraphEntry.from_dict(v) for k, v in data["graphs"].items()},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import warnings
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def export_onnx_graph(module: torch.nn.Module, model: CausalLM, inputs: list[Ten
                  for t in inputs]
     dynamic = (per_input[0], tuple(per_input[1:]))  # forward(input_ids, *args)
     log = io.StringIO()
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed" noise
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), warnings.catch_warnings():
             warnings.simplefilter("ignore")

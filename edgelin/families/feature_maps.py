@@ -24,6 +24,7 @@ class FeatureMap:
     # fn(x, projection, is_query): x is [..., d]; projection is the fixed random matrix or None.
     fn: Callable[[Tensor, Tensor | None, bool], Tensor]
     needs_projection: bool = False
+    dim_label: str = "d_k"  # the state width, for documentation tables
 
 
 def _poly2(x: Tensor, _proj: Tensor | None, _is_query: bool) -> Tensor:
@@ -53,7 +54,8 @@ FEATURE_MAPS: dict[str, FeatureMap] = {
         FeatureMap("elu1", "phi(x) = elu(x) + 1", lambda d: d, lambda x, _p, _q: F.elu(x) + 1.0),
         FeatureMap("relu", "phi(x) = relu(x)", lambda d: d, lambda x, _p, _q: F.relu(x)),
         FeatureMap("silu", "phi(x) = x * sigmoid(x)", lambda d: d, lambda x, _p, _q: F.silu(x)),
-        FeatureMap("poly2", "[1, x, x(x)x / sqrt 2]: Taylor-2 of exp", lambda d: 1 + d + d * d, _poly2),
+        FeatureMap("poly2", "[1, x, x(x)x / sqrt 2]: Taylor-2 of exp", lambda d: 1 + d + d * d, _poly2,
+                   dim_label="1+d_k+d_k^2"),
         FeatureMap("favor", "FAVOR+ positive random features", lambda d: d, _favor, needs_projection=True),
     )
 }

@@ -110,7 +110,8 @@ class LinearMixer(nn.Module):
             o = o[..., :-1] / (o[..., -1:] + NORMALISER_EPS)
             s, new_state["normalizer"] = s[..., :-1], s[..., -1]
         new_state["recurrent_state"] = s
-        return self._readout(o, v, x), new_state
+        ordered = {t.name: new_state[t.name] for t in self.state_tensors()}  # the spec's order
+        return self._readout(o, v, x), ordered
 
     def _log_decay(self, x: Tensor, batch: int, length: int) -> tuple[Tensor | None, Tensor | None]:
         """(g, dt): g is [B, T, H, 1 | d_state] or None; dt is the softplus step size (or None)."""

@@ -1,0 +1,202 @@
+"""Checkpoint directories (Hugging Face layout): config.json + safetensors weights (single or sharded
+with an index) + tokenizer.json. Loading never unpickles: pickle files are refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edgelin.errors import EdgelinError
+from edgelin.model.config import MODEL_TYPE, ModelConfig
+from edgelin.model.lm import CausalLM
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    format: str  # "edgelin" (upstream formats are converted on load)
+    model_type: str
+    sha256: str
+    tokenizer: Path | None
+
+
+def checkpoint_dir(path: Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise EdgelinError(f"checkpoint {path} does not exist", "nothing to load", "pass a checkpoint directory")
+    if not path.is_dir():
+        raise EdgelinError(f"checkpoint {path} is not a directory",
+                           "a checkpoint is a directory with config.json and *.safetensors", "pass its directory")
+    return path
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in index order for sharded ones."""
+    index = path / INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise EdgelinError(f"{index} is malformed", str(exc), "re-save the checkpoint") from exc
+        files = [_inside(path, s) for s in shards]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise EdgelinError(f"{path}: missing shards {', '.join(missing)}", f"{INDEX} lists them",
+                               "copy every shard listed in the index")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise EdgelinError(
+            f"{path} has only pickle weights ({', '.join(pickles)})",
+            "unpickling can run arbitrary code, so edgelin loads safetensors only",
+            "convert once in a trusted environment: save_pretrained(..., safe_serialization=True)",
+        )
+    raise EdgelinError(f"{path} has no weights", "no *.safetensors file found", "add model.safetensors")
+
+
+def _inside(root: Path, name: str) -> Path:
+    """Resolve a file name from a checkpoint's metadata, refusing anything outside the folder."""
+    candidate = (root / name).resolve()
+    if root.resolve() not in candidate.parents:
+        raise EdgelinError(f"{root}: file name {name!r} escapes the checkpoint folder",
+                           "metadata may only name files inside the checkpoint", "fix the index file")
+    return candidate
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(path):
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise EdgelinError(f"cannot read {file}", f"corrupt or truncated safetensors ({exc})",
+                               "re-download or re-save the checkpoint") from exc
+    return tensors
+
+
+def read_config(path: Path) -> dict:
+    file = path / CONFIG
+    if not file.is_file():
+        raise EdgelinError(f"no {CONFIG} in {path}", "the architecture is defined there",
+                           "pass a checkpoint directory with config.json")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EdgelinError(f"{file} is not valid JSON", str(exc), "repair or re-save the checkpoint") from exc
+    if not isinstance(data, dict):
+        raise EdgelinError(f"{file} is not a JSON object", "config.json maps fields to values", "repair it")
+    if data.get("auto_map"):
+        raise EdgelinError(f"{file} has an auto_map (remote code)",
+                           "edgelin never runs code shipped with a checkpoint",
+                           "use a model_type edgelin supports natively (edgelin inspect lists them)")
+    return data
+
+
+def checkpoint_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    names = [CONFIG, *[f.name for f in weight_files(path)], TOKENIZER]
+    for name in names:
+        file = path / name
+        if file.is_file():
+            digest.update(name.encode())
+            with open(file, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
+    """Build edgelin's reference model from a checkpoint directory (fp32, eval mode)."""
+    path = checkpoint_dir(path)
+    data = read_config(path)
+    model_type = data.get("model_type")
+    if model_type != MODEL_TYPE:
+        raise EdgelinError(f"{path}: model_type {model_type!r} is not supported",
+                           "edgelin has no converter for it", f"supported: {MODEL_TYPE}")
+    config = ModelConfig.from_dict(data, source=str(path / CONFIG))
+    model = CausalLM(config)
+    assign_weights(model, load_state_dict(path), path)
+    tokenizer = path / TOKENIZER
+    info = CheckpointInfo(path.resolve(), MODEL_TYPE, model_type, checkpoint_hash(path),
+                          tokenizer if tokenizer.is_file() else None)
+    return model.eval(), info
+
+
+def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    expected = {k: v for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [f"{k}: {tuple(tensors[k].shape)} vs config {tuple(expected[k].shape)}"
+             for k in sorted(set(expected) & set(tensors)) if tensors[k].shape != expected[k].shape]
+    problems = [f"missing {_few(missing)}" if missing else "", f"unexpected {_few(unexpected)}" if unexpected else "",
+                f"shape mismatch {_few(wrong)}" if wrong else ""]
+    problems = [p for p in problems if p]
+    if problems:
+        raise EdgelinError(f"weights in {path} do not match config.json", "; ".join(problems),
+                           "use the config.json saved with these weights")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            target = expected[name]
+            if not torch.isfinite(value.float()).all():
+                raise EdgelinError(f"{path}: tensor {name} has NaN or Inf", "the weights are corrupt",
+                                   "re-train or re-save the checkpoint")
+            target.copy_(value.to(target.dtype))
+
+
+def _few(items: list[str], n: int = 4) -> str:
+    return ", ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def save_checkpoint(model: CausalLM, out: Path, tokenizer: Path | None = None,
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer.json) atomically. `dtype` is the storage
+    type of floating-point tensors (float16 halves the file; loading always computes in fp32)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        config = {**model.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch.")}
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
+                 for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        if out.exists():
+            for item in out.iterdir():  # keep unrelated files (recipe.toml, logs) in place
+                if item.name in (CONFIG, WEIGHTS, TOKENIZER):
+                    item.unlink()
+            for item in tmp.iterdir():
+                item.rename(out / item.name)
+            tmp.rmdir()
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,25 @@
+"""The target registry. Each target module is imported only when asked for, so a user who
+installed one extra never imports another target's heavy dependencies."""
+
+from __future__ import annotations
+
+import difflib
+from importlib import import_module
+
+from edgelin.errors import EdgelinError
+from edgelin.export.base import Target
+
+_TARGETS = {"onnx": ("edgelin.export.onnx_target", "OnnxTarget")}
+
+
+def target_names() -> list[str]:
+    return list(_TARGETS)
+
+
+def get_target(name: str) -> Target:
+    if name not in _TARGETS:
+        close = difflib.get_close_matches(name, _TARGETS, n=1)
+        raise EdgelinError(f"unknown target {name!r}" + (f" (closest: {close[0]!r})" if close else ""),
+                           "edgelin has no such target", f"use one of: {', '.join(_TARGETS)}")
+    module, cls = _TARGETS[name]
+    return getattr(import_module(module), cls)()

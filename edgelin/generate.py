@@ -1,0 +1,124 @@
+"""`edgelin generate`: tokenizer + sampling over an exported folder, streaming tokens as they come.
+
+Memory stays flat: the loop holds the state (constant size), the last logits and a streaming
+detokenizer; generated ids are not accumulated unless asked for."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from edgelin.errors import EdgelinError
+from edgelin.runtime import open_runner, prefill, rss_bytes
+from edgelin.tokenizer import TextTokenizer
+
+
+SETTLE_STEPS = 16  # the runtime allocates its buffers in the first steps; growth is measured after
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 0.95
+    greedy: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0 and not self.greedy:
+            raise EdgelinError("--temperature must be > 0", "it divides the logits", "use --greedy for argmax")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise EdgelinError("bad --top-p/--top-k", "top-p must be in (0, 1], top-k >= 0 (0 = off)",
+                               "pass valid values")
+
+
+def sample(logits: np.ndarray, cfg: Sampling, rng: np.random.Generator) -> int:
+    """One token from logits [V]: greedy, or temperature + top-k + top-p (nucleus)."""
+    if cfg.greedy:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / cfg.temperature
+    order = np.argsort(-scaled)
+    if cfg.top_k:
+        order = order[: cfg.top_k]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    keep = int(np.searchsorted(np.cumsum(probs), cfg.top_p) + 1)
+    probs = probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(keep, p=probs)])
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    prompt_tokens: int
+    new_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    rss_start_bytes: int
+    rss_end_bytes: int
+    token_ids: list[int] | None
+    text: str | None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / max(self.decode_seconds, 1e-9)
+
+    def to_dict(self) -> dict:
+        return {**self.__dict__, "tokens_per_second": self.tokens_per_second,
+                "rss_growth_bytes": self.rss_end_bytes - self.rss_start_bytes}
+
+
+def generate(
+    folder: Path,
+    prompt: str,
+    max_new_tokens: int = 200,
+    sampling: Sampling = Sampling(),
+    on_text: Callable[[str], None] | None = None,
+    keep_ids: bool = True,
+    stop_at_eos: bool = True,
+    threads: int | None = None,
+) -> GenerateResult:
+    runner = open_runner(folder, threads)
+    manifest = runner.manifest
+    if manifest.tokenizer is None:
+        raise EdgelinError(f"{folder} has no tokenizer", "the checkpoint had no tokenizer.json",
+                           "add tokenizer.json to the checkpoint and re-export")
+    tokenizer = TextTokenizer(Path(folder) / manifest.tokenizer)
+    ids = tokenizer.encode(prompt)
+    if not ids and manifest.bos_token_id is not None:
+        ids = [manifest.bos_token_id]
+    if not ids:
+        raise EdgelinError("the prompt is empty", "there is no token to start from", "pass --prompt TEXT")
+    rng = np.random.default_rng(sampling.seed)
+    feed = tokenizer.stream()
+    for token in ids:  # prime the streaming decoder so the first new token decodes in context
+        feed(token)
+
+    started = time.perf_counter()
+    logits, state = prefill(runner, np.asarray([ids], np.int64))
+    prefill_seconds = time.perf_counter() - started
+    rss_start = rss_bytes()  # re-read once the step session's buffers exist (see below)
+    kept: list[int] | None = [] if keep_ids else None
+    position, produced = len(ids), 0
+    token_buf, position_buf = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    started = time.perf_counter()
+    for _ in range(max_new_tokens):
+        token = sample(logits[0], sampling, rng)
+        produced += 1
+        if kept is not None:
+            kept.append(token)
+        if on_text is not None:
+            on_text(feed(token))
+        if stop_at_eos and token == manifest.eos_token_id:
+            break
+        token_buf[0], position_buf[0] = token, position
+        logits, state = runner.step(token_buf, state, position_buf)
+        position += 1
+        if produced == SETTLE_STEPS:
+            rss_start = rss_bytes()
+    decode_seconds = time.perf_counter() - started
+    text = tokenizer.decode(kept) if kept is not None else None
+    return GenerateResult(len(ids), produced, prefill_seconds, decode_seconds, rss_start, rss_bytes(), kept, text)

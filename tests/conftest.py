@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny configs for every family, and tiny checkpoints saved in the real format."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+torch.set_num_threads(2)
+
+from edgelin.families import FAMILIES, SOFTMAX  # noqa: E402
+from edgelin.model.config import AttentionConfig, ModelConfig  # noqa: E402
+
+ALL_FAMILIES = list(FAMILIES)
+HYBRID = ("gated_deltanet", SOFTMAX, "gla")
+
+
+def tiny_config(layer_types, **changes) -> ModelConfig:
+    base = dict(
+        vocab_size=97, hidden_size=32, layer_types=tuple(layer_types), num_heads=2, head_k_dim=8, head_v_dim=8,
+        intermediate_size=64, attention=AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, window=8),
+        chunk_size=16,
+    )
+    base.update(changes)
+    return ModelConfig(**base)
+
+
+def family_layers(family: str) -> tuple[str, ...]:
+    """Two layers of a family; 'hybrid' is linear + sliding-window softmax + linear."""
+    return HYBRID if family == "hybrid" else (family, family)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,176 @@
+"""The model for every family and a hybrid: chunked forward == token loop, prefill + steps ==
+whole sequence (logits and state), state tensors as the spec declares, bad configs refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ALL_FAMILIES, family_layers, tiny_config
+from edgelin.errors import EdgelinError
+from edgelin.families import FAMILIES, get_family
+from edgelin.model.config import AttentionConfig, ModelConfig
+from edgelin.model.lm import CausalLM
+
+FAMILIES_AND_HYBRID = ALL_FAMILIES + ["hybrid"]
+
+
+def build(family: str, **changes) -> CausalLM:
+    return CausalLM(tiny_config(family_layers(family), **changes)).eval()
+
+
+def max_state_diff(a, b) -> float:
+    """Largest error relative to each tensor's scale (accumulating states grow with T)."""
+    return max(((x - y).abs().max() / y.abs().max().clamp_min(1.0)).item()
+               for la, lb in zip(a, b) for x, y in zip(la.values(), lb.values()))
+
+
+@pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
+@pytest.mark.parametrize("length", [1, 63, 100])
+def test_chunked_forward_matches_token_loop(family, length):
+    model = build(family)
+    ids = torch.randint(0, 97, (2, length))
+    with torch.no_grad():
+        logits_c, state_c = model(ids, mode="chunked")
+        logits_r, state_r = model(ids, mode="recurrent")
+    assert (logits_c - logits_r).abs().max() < 1e-5
+    assert max_state_diff(state_c, state_r) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
+def test_prefill_then_steps_equals_whole_sequence(family):
+    model, (batch, total, prompt) = build(family), (2, 45, 19)
+    ids = torch.randint(0, 97, (batch, total))
+    with torch.no_grad():
+        full, full_state = model(ids)
+        logits, state = model(ids[:, :prompt], last_only=True)
+        assert (logits - full[:, prompt - 1]).abs().max() < 1e-5
+        for t in range(prompt, total):
+            logits, state = model(ids[:, t:t + 1], state, torch.full((batch,), t), mode="recurrent", last_only=True)
+            assert (logits - full[:, t]).abs().max() < 1e-5, f"step {t}"
+    assert max_state_diff(state, full_state) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
+def test_prefill_in_pieces_equals_one_prefill(family):
+    """Prefill takes a state: a prompt prefilled in three pieces gives the same state and logits."""
+    model = build(family)
+    ids = torch.randint(0, 97, (2, 50))
+    with torch.no_grad():
+        whole, whole_state = model(ids, last_only=True)
+        state, start = None, 0
+        for end in (7, 31, 50):
+            start_t = torch.full((2,), start)
+            logits, state = model(ids[:, start:end], state, start_t, last_only=True)
+            start = end
+    assert (logits - whole).abs().max() < 1e-5
+    assert max_state_diff(state, whole_state) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
+def test_state_tensors_match_the_spec(family):
+    model = build(family)
+    declared = model.state_tensors()
+    _, state = model(torch.randint(0, 97, (3, 5)))
+    for layer, (tensors, actual) in enumerate(zip(declared, state)):
+        assert [t.name for t in tensors] == list(actual), f"layer {layer}"
+        for t in tensors:
+            assert list(actual[t.name].shape) == [3 if d == "batch" else d for d in t.dims]
+
+
+def test_rows_of_a_batch_are_independent():
+    model = build("hybrid")
+    ids = torch.randint(0, 97, (3, 30))
+    with torch.no_grad():
+        together, _ = model(ids)
+        alone, _ = model(ids[1:2])
+    assert (together[1] - alone[0]).abs().max() < 1e-5
+
+
+def test_sliding_window_forgets_beyond_the_window():
+    """Softmax layers only see `window` tokens: changing token 0 cannot change a pure-softmax model's
+    output at position >= window, while it does change it inside the window."""
+    config = tiny_config(("softmax",), attention=AttentionConfig(2, 1, 16, window=8))
+    model = CausalLM(config).eval()
+    ids = torch.randint(0, 97, (1, 20))
+    changed = ids.clone()
+    changed[0, 0] = (ids[0, 0] + 1) % 97
+    with torch.no_grad():
+        a, _ = model(ids)
+        b, _ = model(changed)
+    assert (a[0, 8:] - b[0, 8:]).abs().max() == 0
+    assert (a[0, 1:8] - b[0, 1:8]).abs().max() > 1e-4
+
+
+def test_full_context_kv_cache_grows():
+    config = tiny_config(("softmax",), attention=AttentionConfig(2, 2, 16, window=None))
+    model = CausalLM(config).eval()
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        full, _ = model(ids)
+        _, state = model(ids[:, :5], model.initial_state(2, past=0))
+        assert state[0]["key"].shape[2] == 5
+        logits, state = model(ids[:, 5:6], state, torch.full((2,), 5), mode="recurrent", last_only=True)
+    assert state[0]["key"].shape[2] == 6
+    assert (logits - full[:, 5]).abs().max() < 1e-5
+
+
+def test_grouped_value_heads():
+    model = build("gated_deltanet", num_heads=4, num_k_heads=2)
+    ids = torch.randint(0, 97, (1, 40))
+    with torch.no_grad():
+        c, _ = model(ids)
+        r, _ = model(ids, mode="recurrent")
+    assert (c - r).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("feature_map", ["identity", "relu", "poly2"])
+def test_linear_attn_feature_maps(feature_map):
+    normalizer = feature_map != "identity"
+    overrides = {"linear_attn": {"feature_map": feature_map, "normalizer": normalizer, "output_norm": not normalizer}}
+    model = build("linear_attn", family_overrides=overrides)
+    width = model.state_tensors()[0][0].dims[2]
+    assert width == (1 + 8 + 64 if feature_map == "poly2" else 8)
+    ids = torch.randint(0, 97, (2, 33))
+    with torch.no_grad():
+        c, _ = model(ids)
+        r, _ = model(ids, mode="recurrent")
+    assert (c - r).abs().max() < 1e-5
+
+
+def test_performer_projection_is_stored_and_seeded():
+    a, b = build("performer"), build("performer")
+    proj = a.model.layers[0].mixer.feature_projection
+    assert "model.layers.0.mixer.feature_projection" in a.state_dict()
+    assert torch.equal(proj, b.model.layers[0].mixer.feature_projection)
+    assert not torch.equal(proj, a.model.layers[1].mixer.feature_projection)
+
+
+def test_retnet_decay_schedule():
+    spec = FAMILIES["retnet"]
+    gamma = spec.fixed_log_decay(4).exp()
+    assert torch.allclose(gamma, torch.tensor([1 - 2**-5, 1 - 2**-6, 1 - 2**-7, 1 - 2**-8]))
+
+
+def test_unknown_family_lists_supported_ones():
+    with pytest.raises(EdgelinError) as err:
+        get_family("gated_deltnet")
+    assert "closest: 'gated_deltanet'" in err.value.line() and "mamba2" in err.value.line()
+
+
+def test_override_of_a_fixed_field_is_refused():
+    with pytest.raises(EdgelinError, match="does not expose"):
+        tiny_config(("gla",), family_overrides={"gla": {"delta_rule": True}})
+
+
+def test_softmax_layers_need_an_attention_section():
+    with pytest.raises(EdgelinError, match="no 'attention' section"):
+        ModelConfig(vocab_size=10, hidden_size=8, layer_types=("softmax",), num_heads=1, head_k_dim=8,
+                    head_v_dim=8, intermediate_size=8)
+
+
+def test_config_json_round_trip_and_unknown_field():
+    config = tiny_config(("gla", "softmax"))
+    assert ModelConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(EdgelinError, match="unknown fields use_magic"):
+        ModelConfig.from_dict({**config.to_dict(), "use_magic": True})
