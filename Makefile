@@ -1,0 +1,32 @@
+# The two set-up commands (README): `make demo` runs the main job on the shipped model,
+# `make test` runs the test suite. Each creates .venv with pinned dependencies first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+MODEL  := recipes/tiny-gdn-hybrid
+OUT    := out/tiny
+EXTRAS ?= onnx,dev
+
+.PHONY: demo test install clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	touch $@
+
+demo: install
+	$(BIN)/edgelin families
+	$(BIN)/edgelin export $(MODEL) --target onnx --out $(OUT) --force
+	$(BIN)/edgelin validate $(OUT) --steps 512
+	$(BIN)/edgelin bench $(OUT) --positions 1,1024,8192,32768 --baseline kv
+	$(BIN)/edgelin generate $(OUT) --prompt "def main(" --max-new-tokens 200
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache
