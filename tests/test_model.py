@@ -159,7 +159,7 @@ def test_unknown_family_lists_supported_ones():
 
 
 def test_override_of_a_fixed_field_is_refused():
-    with pytest.raises(EdgelinError, match="does not expose"):
+    with pytest.raises(EdgelinError, match="define the family"):
         tiny_config(("gla",), family_overrides={"gla": {"delta_rule": True}})
 
 
@@ -174,3 +174,55 @@ def test_config_json_round_trip_and_unknown_field():
     assert ModelConfig.from_dict(config.to_dict()) == config
     with pytest.raises(EdgelinError, match="unknown fields use_magic"):
         ModelConfig.from_dict({**config.to_dict(), "use_magic": True})
+
+
+KNOB_VARIANTS = {
+    "linear_attn-hadamard": ("linear_attn", {"linear_attn": {"feature_map": "hadamard"}}, {}),
+    "linear_attn-hedgehog": ("linear_attn", {"linear_attn": {"feature_map": "hedgehog", "normalizer_eps": 1e-10}}, {}),
+    "linear_attn-t2r": ("linear_attn", {"linear_attn": {"feature_map": "t2r"}}, {}),
+    "linear_attn-dpfp": ("linear_attn", {"linear_attn": {"feature_map": "dpfp"}}, {}),
+    "gla-clamp-conv-bias": ("gla", {"gla": {"gate_clamp_min": -0.05, "short_conv": True}}, {"conv_bias": True}),
+    "retnet-relu": ("retnet", {"retnet": {"feature_map": "relu"}}, {}),
+    "deltanet-sum-nobeta": ("deltanet", {"deltanet": {"qk_norm": "sum", "use_beta": False}}, {}),
+    "gdn-negeig-sigmoid": ("gated_deltanet", {"gated_deltanet": {"beta_scale": 2.0, "output_gate_activation": "sigmoid"}},
+                           {"num_heads": 4, "num_k_heads": 2}),
+    "mamba2-groups-clamp-nomlp": ("mamba2", {"mamba2": {"dt_clamp": (0.0, 0.05)}},
+                                  {"num_heads": 4, "num_k_heads": 2, "intermediate_size": 0, "conv_bias": True}),
+}
+
+
+@pytest.mark.parametrize("variant", KNOB_VARIANTS)
+def test_knob_variants_keep_the_chain(variant):
+    """Every knob real checkpoints use keeps chunked == token loop and prefill + steps == whole."""
+    family, overrides, changes = KNOB_VARIANTS[variant]
+    model = build(family, family_overrides=overrides, **changes)
+    for p in model.parameters():  # non-trivial biases and norms
+        p.data.add_(torch.randn_like(p) * 0.02)
+    ids = torch.randint(0, 97, (2, 41))
+    with torch.no_grad():
+        full, full_state = model(ids)
+        loop, _ = model(ids, mode="recurrent")
+        logits, state = model(ids[:, :30], last_only=True)
+        for t in range(30, 41):
+            logits, state = model(ids[:, t:t + 1], state, torch.full((2,), t), mode="recurrent", last_only=True)
+    assert (full - loop).abs().max() < 1e-5
+    assert (logits - full[:, -1]).abs().max() < 1e-5
+    assert max_state_diff(state, full_state) < 1e-5
+
+
+def test_gated_attention_with_qk_norm_and_partial_rotary():
+    attention = AttentionConfig(4, 2, 16, window=None, rotary_dim=4, qk_norm=True, output_gate=True, qkv_bias=True)
+    model = CausalLM(tiny_config(("gated_deltanet", "softmax"), attention=attention)).eval()
+    assert {"q_norm", "k_norm", "g_proj"} <= set(dict(model.model.layers[1].mixer.named_children()))
+    ids = torch.randint(0, 97, (2, 23))
+    with torch.no_grad():
+        full, _ = model(ids)
+        logits, state = model(ids[:, :10], last_only=True)
+        for t in range(10, 23):
+            logits, state = model(ids[:, t:t + 1], state, torch.full((2,), t), mode="recurrent", last_only=True)
+            assert (logits - full[:, t]).abs().max() < 1e-5
+    # partial rotary: channels past rotary_dim are position-independent
+    rot = model.model.layers[1].mixer.rotary
+    x = torch.randn(1, 2, 1, 16)
+    y = rot(x, torch.tensor([[0, 7]]))
+    assert torch.equal(y[..., 4:], x[..., 4:]) and not torch.allclose(y[0, 1, :, :4], x[0, 1, :, :4])

@@ -5,7 +5,7 @@ from edgelin.families.spec import FamilySpec
 SPEC = FamilySpec(
     name="deltanet",
     summary="delta rule S += beta k (v - S^T k)^T; short conv + SiLU, L2-normalised q, k",
-    qk_l2norm=True,
+    qk_norm="l2",
     short_conv=True,
     delta_rule=True,
     output_norm=True,

@@ -9,12 +9,12 @@ from edgelin.families.spec import Decay, FamilySpec, Gate, OutputGate
 SPEC = FamilySpec(
     name="gated_deltanet",
     summary="alpha_t-decayed delta rule, alpha per head and token; gated RMSNorm out",
-    qk_l2norm=True,
+    qk_norm="l2",
     short_conv=True,
     decay=Decay.SCALAR,
     gate=Gate.SOFTPLUS,
     delta_rule=True,
     output_norm=True,
-    output_gate=OutputGate.SWISH_AFTER_NORM,
+    output_gate=OutputGate.AFTER_NORM,
     chunk_size=32,
 )

@@ -13,5 +13,5 @@ SPEC = FamilySpec(
     gate_low_rank=16,
     gate_normalizer=16.0,
     output_norm=True,
-    output_gate=OutputGate.SWISH_AFTER_NORM,
+    output_gate=OutputGate.AFTER_NORM,
 )

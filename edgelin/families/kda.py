@@ -9,14 +9,13 @@ from edgelin.families.spec import Decay, FamilySpec, Gate, OutputGate
 SPEC = FamilySpec(
     name="kda",
     summary="per-key-channel decayed delta rule; low-rank gate; gated RMSNorm out",
-    qk_l2norm=True,
+    qk_norm="l2",
     short_conv=True,
     decay=Decay.PER_KEY,
     gate=Gate.SOFTPLUS,
     gate_low_rank=16,
     delta_rule=True,
     output_norm=True,
-    output_gate=OutputGate.SWISH_AFTER_NORM,
-    configurable=("gate_low_rank",),
+    output_gate=OutputGate.AFTER_NORM,
     chunk_size=32,
 )

@@ -1,6 +1,6 @@
 """Linear transformer (Katharopoulos et al., 2020): phi(q)^T S_t / phi(q)^T z_t, phi = elu + 1.
 
-The feature map is configurable (identity, relu, poly2, ...); without the normaliser the output
+The feature map is a knob (identity, relu, poly2, ...); without the normaliser the output
 is RMS-normalised instead (TransNormer style), which keeps identity maps stable.
 """
 
@@ -12,5 +12,4 @@ SPEC = FamilySpec(
     feature_map="elu1",
     normalizer=True,
     scale_queries=False,
-    configurable=("feature_map", "normalizer", "output_norm"),
 )

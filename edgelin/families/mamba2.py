@@ -15,5 +15,5 @@ SPEC = FamilySpec(
     value_dt=True,
     skip_d=True,
     output_norm=True,
-    output_gate=OutputGate.SWISH_BEFORE_NORM,
+    output_gate=OutputGate.BEFORE_NORM,
 )

@@ -8,5 +8,5 @@ SPEC = FamilySpec(
     rotary=True,
     decay=Decay.FIXED,
     output_norm=True,
-    output_gate=OutputGate.SWISH_AFTER_NORM,
+    output_gate=OutputGate.AFTER_NORM,
 )

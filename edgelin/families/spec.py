@@ -10,6 +10,10 @@ Shared math per head (state S is d_k x d_v):
     S_t = S_t + k_t v_t^T                                   (additive rule), or
     S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T              (delta rule)
     o_t = S_t^T q_t   [ / (q_t^T z_t + eps) with normaliser z_t = decay z_{t-1} + k_t ]
+
+A family is its identity (decay kind, gate, update rule, Mamba2's dt-scaled values and D skip,
+RetNet's rotary); the knobs below it (`KNOBS`) are details real checkpoints vary, which a model
+config may set per family. Anything else is refused.
 """
 
 from __future__ import annotations
@@ -38,47 +42,68 @@ class Gate(str, Enum):
 
 class OutputGate(str, Enum):
     NONE = "none"
-    SWISH_AFTER_NORM = "swish_after_norm"  # rmsnorm(o) * silu(W_g x)   (GLA, GDN, RetNet, KDA)
-    SWISH_BEFORE_NORM = "swish_before_norm"  # rmsnorm(o * silu(W_z x))  (Mamba2)
+    AFTER_NORM = "after_norm"  # rmsnorm(o) * act(W_g x)   (GLA, GDN, RetNet, KDA)
+    BEFORE_NORM = "before_norm"  # rmsnorm(o * act(W_z x))  (Mamba2)
+
+
+KNOBS = (
+    "feature_map", "qk_norm", "scale_queries", "short_conv", "gate_low_rank", "gate_normalizer",
+    "gate_clamp_min", "dt_clamp", "use_beta", "beta_scale", "normalizer", "normalizer_eps", "output_norm",
+    "output_norm_scope", "output_gate", "output_gate_activation", "chunk_size",
+)
 
 
 @dataclass(frozen=True)
 class FamilySpec:
     name: str
     summary: str
-    # queries and keys
-    feature_map: str = "identity"
-    qk_l2norm: bool = False
-    scale_queries: bool = True  # multiply q by d_k^-0.5 before the readout
-    rotary: bool = False  # rotary position on q and k (RetNet's xPos without the scale)
-    short_conv: bool = False  # causal depthwise conv + SiLU over q, k, v (conv state)
-    # the update rule
+    # ---- identity ----
     decay: Decay = Decay.NONE
     gate: Gate | None = None
-    gate_low_rank: int = 0  # 0: W x is one Linear; r > 0: Linear(hidden, r) -> Linear(r, out)
-    gate_normalizer: float = 1.0
-    fixed_decay_offset: float = 5.0  # Decay.FIXED: gamma_h = 1 - 2^-(offset + h)
     delta_rule: bool = False
-    # the readout
-    normalizer: bool = False
-    output_norm: bool = False  # RMSNorm over each head's output
-    output_gate: OutputGate = OutputGate.NONE
+    rotary: bool = False  # rotary position on q and k after the feature map (RetNet)
     value_dt: bool = False  # v is scaled by the step size dt (Mamba2's x * dt)
     skip_d: bool = False  # o += D * v (Mamba2's skip)
-    # which of the fields above a model config may override for this family
-    configurable: tuple[str, ...] = ()
+    fixed_decay_offset: float = 5.0  # Decay.FIXED: gamma_h = 1 - 2^-(offset + h)
+    # ---- knobs ----
+    feature_map: str = "identity"
+    qk_norm: str = "none"  # none | l2: x / sqrt(|x|^2 + 1e-6) | sum: x / sum(x)
+    scale_queries: bool = True  # multiply q by d_k^-0.5 before the readout
+    short_conv: bool = False  # causal depthwise conv + SiLU over q, k, v (conv state)
+    gate_low_rank: int = 0  # 0: W x is one Linear; r > 0: Linear(hidden, r) -> Linear(r, out)
+    gate_normalizer: float = 1.0
+    gate_clamp_min: float | None = None  # logsigmoid gates: floor of the log-decay (GLA's clamp_min)
+    dt_clamp: tuple[float, float] | None = None  # softplus gates: clamp of dt (Mamba2's time_step_limit)
+    use_beta: bool = True  # delta rule: beta = sigmoid(W_b x); False: beta = 1
+    beta_scale: float = 1.0  # 2.0 allows negative eigenvalues (beta in (0, 2))
+    normalizer: bool = False
+    normalizer_eps: float = 1e-6
+    output_norm: bool = False  # RMSNorm over each head's output
+    output_norm_scope: str = "head"  # head | group: one norm over the value heads sharing a key head
+    output_gate: OutputGate = OutputGate.NONE
+    output_gate_activation: str = "silu"  # silu | sigmoid
     chunk_size: int = 64
 
     def __post_init__(self) -> None:
+        problems = []
         if self.feature_map not in FEATURE_MAPS:
-            raise ValueError(f"{self.name}: unknown feature map {self.feature_map!r}")
-        data_dependent = self.decay in (Decay.SCALAR, Decay.PER_KEY)
-        if data_dependent != (self.gate is not None):
-            raise ValueError(f"{self.name}: a data-dependent decay needs a gate, and only it")
+            problems.append(f"unknown feature map {self.feature_map!r} (known: {', '.join(FEATURE_MAPS)})")
+        if (self.decay in (Decay.SCALAR, Decay.PER_KEY)) != (self.gate is not None):
+            problems.append("a data-dependent decay needs a gate, and only it")
         if self.value_dt and (self.gate is not Gate.SOFTPLUS or self.decay is not Decay.SCALAR):
-            raise ValueError(f"{self.name}: value_dt needs a scalar softplus step size")
+            problems.append("value_dt needs a scalar softplus step size")
         if self.output_gate is not OutputGate.NONE and not self.output_norm:
-            raise ValueError(f"{self.name}: an output gate comes with the output norm")
+            problems.append("an output gate comes with the output norm")
+        if self.qk_norm not in ("none", "l2", "sum"):
+            problems.append(f"qk_norm must be none, l2 or sum, not {self.qk_norm!r}")
+        if self.output_norm_scope not in ("head", "group"):
+            problems.append(f"output_norm_scope must be head or group, not {self.output_norm_scope!r}")
+        if self.output_gate_activation not in ("silu", "sigmoid"):
+            problems.append(f"output_gate_activation must be silu or sigmoid, not {self.output_gate_activation!r}")
+        if self.chunk_size < 1:
+            problems.append("chunk_size must be >= 1")
+        if problems:
+            raise ValueError(f"{self.name}: " + "; ".join(problems))
 
     @property
     def feature(self):
@@ -96,20 +121,21 @@ class FamilySpec:
         return torch.log1p(-torch.pow(2.0, -(self.fixed_decay_offset + heads))).float()
 
     def with_overrides(self, overrides: dict) -> "FamilySpec":
-        """Apply config overrides, refusing any field this family does not expose."""
+        """Apply config overrides, refusing any field that is not a knob."""
         if not overrides:
             return self
-        bad = sorted(set(overrides) - set(self.configurable))
+        bad = sorted(set(overrides) - set(KNOBS))
         if bad:
             raise EdgelinError(
                 f"config sets {', '.join(bad)} for family {self.name!r}",
-                "these fields change the math and this family does not expose them",
-                f"remove them; {self.name} accepts: {', '.join(self.configurable) or 'none'}",
+                "these fields define the family (or are unknown) and cannot be overridden",
+                f"remove them; settable per family: {', '.join(KNOBS)}",
             )
         values = dict(overrides)
-        for key in ("decay", "gate", "output_gate"):
-            if key in values and isinstance(values[key], str):
-                values[key] = {"decay": Decay, "gate": Gate, "output_gate": OutputGate}[key](values[key])
+        if "output_gate" in values and isinstance(values["output_gate"], str):
+            values["output_gate"] = OutputGate(values["output_gate"])
+        if isinstance(values.get("dt_clamp"), list):
+            values["dt_clamp"] = tuple(values["dt_clamp"])
         try:
             return dataclasses.replace(self, **values)
         except ValueError as exc:
@@ -126,6 +152,7 @@ class LayerDims:
     head_k_dim: int  # query/key width before the feature map
     head_v_dim: int
     conv_size: int = 4
+    conv_bias: bool = False
 
     @property
     def key_width(self) -> int:

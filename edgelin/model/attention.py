@@ -16,20 +16,24 @@ from torch import nn
 
 from edgelin.families import StateTensor
 from edgelin.model.config import AttentionConfig
-from edgelin.model.layers import Rotary, positions_from
+from edgelin.model.layers import RMSNorm, Rotary, positions_from
 
 Tensor = torch.Tensor
 
 
 class SoftmaxAttention(nn.Module):
-    def __init__(self, hidden_size: int, cfg: AttentionConfig):
+    def __init__(self, hidden_size: int, cfg: AttentionConfig, eps: float = 1e-6):
         super().__init__()
         self.cfg = cfg
-        self.q_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, eps), RMSNorm(cfg.head_dim, eps)
+        if cfg.output_gate:
+            self.g_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
 
     def state_tensors(self) -> list[StateTensor]:
         length = self.cfg.window if self.cfg.window is not None else "past_sequence"
@@ -42,8 +46,11 @@ class SoftmaxAttention(nn.Module):
         cfg = self.cfg
         batch, length, _ = x.shape
         positions = positions_from(start, batch, length, x.device)
-        q = self.rotary(self.q_proj(x).view(batch, length, cfg.num_heads, cfg.head_dim), positions)
-        k = self.rotary(self.k_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim), positions)
+        q = self.q_proj(x).view(batch, length, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, positions), self.rotary(k, positions)
         v = self.v_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
         if cfg.window is None:
@@ -52,7 +59,10 @@ class SoftmaxAttention(nn.Module):
             out, new_state = self._ring_step(q, k, v, state, positions[:, 0])
         else:
             out, new_state = self._ring_prefill(q, k, v, state, positions[:, 0])
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1)), new_state
+        out = out.transpose(1, 2).reshape(batch, length, -1)
+        if cfg.output_gate:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out), new_state
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
         groups = self.cfg.num_heads // self.cfg.num_kv_heads

@@ -25,6 +25,10 @@ class AttentionConfig:
     # An int: sliding window; the cache is a ring buffer of that many slots, so memory is constant.
     window: int | None = 256
     rope_theta: float = 10000.0
+    rotary_dim: int | None = None  # partial rotary: only the first rotary_dim channels (None: all)
+    qkv_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3.5)
+    output_gate: bool = False  # o * sigmoid(W_g x) before o_proj (Qwen3.5's gated attention)
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,10 @@ class ModelConfig:
     num_heads: int
     head_k_dim: int
     head_v_dim: int
-    intermediate_size: int
+    intermediate_size: int  # SwiGLU MLP width; 0: blocks have no MLP (Mamba2)
     num_k_heads: int | None = None  # defaults to num_heads
     conv_size: int = 4
+    conv_bias: bool = False
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     rope_theta: float = 10000.0  # rotary families (RetNet)
@@ -80,7 +85,7 @@ class ModelConfig:
     def dims(self) -> LayerDims:
         return LayerDims(
             self.hidden_size, self.num_heads, self.num_k_heads or self.num_heads,
-            self.head_k_dim, self.head_v_dim, self.conv_size,
+            self.head_k_dim, self.head_v_dim, self.conv_size, self.conv_bias,
         )
 
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -20,21 +20,24 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half layout) at absolute positions."""
+    """Rotary position embedding (rotate-half layout) at absolute positions, on the first `dim`
+    channels of each head (partial rotary leaves the rest as is)."""
 
     def __init__(self, dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        self.dim = dim
+        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x [B, T, H, D]; positions [B, T] (int64)."""
-        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, T, D/2]
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, T, dim/2]
         cos = torch.cat([angles.cos()] * 2, -1).unsqueeze(2)
         sin = torch.cat([angles.sin()] * 2, -1).unsqueeze(2)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-        return x * cos + rotated * sin
+        rot, rest = x[..., : self.dim], x[..., self.dim:]
+        half = self.dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)
+        return torch.cat([rot * cos + rotated * sin, rest], -1)
 
 
 def positions_from(start: Tensor | None, batch: int, length: int, device) -> Tensor:
@@ -43,10 +46,10 @@ def positions_from(start: Tensor | None, batch: int, length: int, device) -> Ten
     return steps.expand(batch, length) if start is None else start.unsqueeze(1) + steps
 
 
-def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor) -> tuple[Tensor, Tensor]:
+def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv + SiLU. x [B, T, C], weight [C, W], conv_state [B, C, W-1]: the
     last W-1 inputs before x. Returns (y [B, T, C], new conv_state)."""
     width = weight.shape[-1]
     padded = torch.cat([conv_state, x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
-    y = F.conv1d(padded, weight.unsqueeze(1), groups=weight.shape[0])
+    y = F.conv1d(padded, weight.unsqueeze(1), bias, groups=weight.shape[0])
     return F.silu(y).transpose(1, 2), padded[..., padded.shape[-1] - (width - 1):]

@@ -33,18 +33,19 @@ class Block(nn.Module):
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.layer_types[layer] == SOFTMAX:
-            self.mixer: nn.Module = SoftmaxAttention(config.hidden_size, config.attention)
+            self.mixer: nn.Module = SoftmaxAttention(config.hidden_size, config.attention, config.rms_norm_eps)
         else:
             self.mixer = LinearMixer(
                 config.spec(layer), config.dims(), config.rms_norm_eps, config.rope_theta, config.feature_seed + layer
             )
-        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        if config.intermediate_size:
+            self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x: Tensor, state: dict[str, Tensor], start: Tensor | None, mode: str):
         mixed, state = self.mixer(self.input_norm(x), state, start, mode)
         x = x + mixed
-        return x + self.mlp(self.post_norm(x)), state
+        return (x + self.mlp(self.post_norm(x)) if hasattr(self, "mlp") else x), state
 
 
 class Backbone(nn.Module):

@@ -19,7 +19,6 @@ from edgelin.model.layers import RMSNorm, Rotary, positions_from, short_conv
 from edgelin.reference import recurrence
 
 Tensor = torch.Tensor
-NORMALISER_EPS = 1e-6
 
 
 def _projection(hidden: int, out: int, low_rank: int, bias: bool = False) -> nn.Module:
@@ -39,10 +38,14 @@ class LinearMixer(nn.Module):
         self.v_proj = nn.Linear(dims.hidden_size, dims.value_width, bias=False)
         if spec.short_conv:
             self.conv1d = nn.Parameter(torch.randn(dims.conv_channels, dims.conv_size) / dims.conv_size**0.5)
+            if dims.conv_bias:
+                self.conv1d_bias = nn.Parameter(torch.zeros(dims.conv_channels))
         if spec.feature.needs_projection:
             self.register_buffer("feature_projection", orthogonal_random_features(self.d_state, d_k, feature_seed))
+        if spec.feature.module is not None:
+            self.feature_map_q, self.feature_map_k = spec.feature.module(d_k), spec.feature.module(d_k)
         if spec.rotary:
-            self.rotary = Rotary(d_k, rope_theta)
+            self.rotary = Rotary(self.d_state, rope_theta)
         if spec.decay is Decay.FIXED:
             self.register_buffer("log_gamma", spec.fixed_log_decay(h), persistent=False)
         if spec.gate is not None:
@@ -51,12 +54,13 @@ class LinearMixer(nn.Module):
         if spec.gate is Gate.SOFTPLUS:
             self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(1, 16)))
             self.dt_bias = nn.Parameter(torch.log(torch.expm1(torch.empty(gate_width).uniform_(1e-3, 1e-1))))
-        if spec.delta_rule:
+        if spec.delta_rule and spec.use_beta:
             self.b_proj = nn.Linear(dims.hidden_size, h, bias=False)
         if spec.skip_d:
             self.D = nn.Parameter(torch.ones(h))
         if spec.output_norm:
-            self.o_norm = RMSNorm(d_v, eps)
+            scope = d_v * (h // dims.num_k_heads) if spec.output_norm_scope == "group" else d_v
+            self.o_norm = RMSNorm(scope, eps)
         if spec.output_gate is not OutputGate.NONE:
             self.g_proj = nn.Linear(dims.hidden_size, dims.value_width, bias=False)
         self.o_proj = nn.Linear(dims.value_width, dims.hidden_size, bias=False)
@@ -77,25 +81,31 @@ class LinearMixer(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         new_state: dict[str, Tensor] = {}
         if spec.short_conv:
-            qkv, new_state["conv_state"] = short_conv(torch.cat([q, k, v], -1), self.conv1d, state["conv_state"])
+            qkv, new_state["conv_state"] = short_conv(torch.cat([q, k, v], -1), self.conv1d, state["conv_state"],
+                                                      getattr(self, "conv1d_bias", None))
             q, k, v = qkv.split([dims.key_width, dims.key_width, dims.value_width], -1)
         q = q.reshape(batch, length, hk, dims.head_k_dim)
         k = k.reshape(batch, length, hk, dims.head_k_dim)
         v = v.reshape(batch, length, h, dims.head_v_dim)
+        q = spec.feature.fn(q, getattr(self, "feature_map_q", getattr(self, "feature_projection", None)), True)
+        k = spec.feature.fn(k, getattr(self, "feature_map_k", getattr(self, "feature_projection", None)), False)
         if spec.rotary:
             positions = positions_from(start, batch, length, x.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        projection = getattr(self, "feature_projection", None)
-        q, k = spec.feature.fn(q, projection, True), spec.feature.fn(k, projection, False)
-        if spec.qk_l2norm:
-            q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+        if spec.qk_norm == "l2":  # x / sqrt(|x|^2 + eps): fla's and transformers' form
+            q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        elif spec.qk_norm == "sum":
+            q, k = F.normalize(q, p=1, dim=-1, eps=1e-6), F.normalize(k, p=1, dim=-1, eps=1e-6)
         if spec.scale_queries:
-            q = q * dims.head_k_dim**-0.5
+            q = q * self.d_state**-0.5
         if hk != h:  # grouped value heads share a key head
             q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
 
         g, dt = self._log_decay(x, batch, length)
-        beta = torch.sigmoid(self.b_proj(x)) if spec.delta_rule else None
+        beta = None
+        if spec.delta_rule:
+            beta = torch.sigmoid(self.b_proj(x)) if spec.use_beta else x.new_ones(batch, length, h)
+            beta = beta * spec.beta_scale if spec.beta_scale != 1.0 else beta
         values = v * dt.unsqueeze(-1) if spec.value_dt else v
 
         s = state["recurrent_state"]
@@ -107,7 +117,7 @@ class LinearMixer(nn.Module):
         else:
             o, s = recurrence.recurrent(s, q, k, values, g, beta)
         if spec.normalizer:
-            o = o[..., :-1] / (o[..., -1:] + NORMALISER_EPS)
+            o = o[..., :-1] / (o[..., -1:] + spec.normalizer_eps)
             s, new_state["normalizer"] = s[..., :-1], s[..., -1]
         new_state["recurrent_state"] = s
         ordered = {t.name: new_state[t.name] for t in self.state_tensors()}  # the spec's order
@@ -122,8 +132,11 @@ class LinearMixer(nn.Module):
             return self.log_gamma.view(1, 1, h, 1).expand(batch, length, h, 1), None
         raw = self.gate_proj(x).reshape(batch, length, h, -1)
         if spec.gate is Gate.LOGSIGMOID:
-            return F.logsigmoid(raw) / spec.gate_normalizer, None
+            g = F.logsigmoid(raw) / spec.gate_normalizer
+            return (g if spec.gate_clamp_min is None else g.clamp_min(spec.gate_clamp_min)), None
         dt = F.softplus(raw + self.dt_bias.view(h, -1))
+        if spec.dt_clamp is not None:
+            dt = dt.clamp(*spec.dt_clamp)
         g = -torch.exp(self.A_log).view(1, 1, h, 1) * dt
         return g, dt.squeeze(-1) if spec.decay is Decay.SCALAR else dt
 
@@ -131,9 +144,19 @@ class LinearMixer(nn.Module):
         spec = self.spec
         if spec.skip_d:
             o = o + self.D.view(-1, 1) * v
-        if spec.output_gate is OutputGate.NONE:
-            o = self.o_norm(o) if spec.output_norm else o
-        else:
-            gate = F.silu(self.g_proj(x).reshape(o.shape))
-            o = self.o_norm(o) * gate if spec.output_gate is OutputGate.SWISH_AFTER_NORM else self.o_norm(o * gate)
+        if spec.output_gate is not OutputGate.NONE:
+            raw = self.g_proj(x).reshape(o.shape)
+            gate = torch.sigmoid(raw) if spec.output_gate_activation == "sigmoid" else F.silu(raw)
+            if spec.output_gate is OutputGate.BEFORE_NORM:
+                o = o * gate
+        if spec.output_norm:
+            o = self._norm(o)
+        if spec.output_gate is OutputGate.AFTER_NORM:
+            o = o * gate
         return self.o_proj(o.flatten(-2))
+
+    def _norm(self, o: Tensor) -> Tensor:
+        if self.spec.output_norm_scope == "head":
+            return self.o_norm(o)
+        groups = self.dims.num_k_heads  # one norm over the value heads that share a key head
+        return self.o_norm(o.reshape(*o.shape[:-2], groups, -1)).reshape(o.shape)
