@@ -124,18 +124,25 @@ def checkpoint_hash(path: Path) -> str:
 
 
 def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
-    """Build edgelin's reference model from a checkpoint directory (fp32, eval mode)."""
+    """Build edgelin's reference model from a checkpoint directory (fp32, eval mode): edgelin's own
+    format, or an upstream one (fla, transformers) through its converter."""
     path = checkpoint_dir(path)
     data = read_config(path)
     model_type = data.get("model_type")
-    if model_type != MODEL_TYPE:
-        raise EdgelinError(f"{path}: model_type {model_type!r} is not supported",
-                           "edgelin has no converter for it", f"supported: {MODEL_TYPE}")
-    config = ModelConfig.from_dict(data, source=str(path / CONFIG))
+    source = str(path / CONFIG)
+    if model_type == MODEL_TYPE:
+        config, fmt = ModelConfig.from_dict(data, source=source), MODEL_TYPE
+        tensors = load_state_dict(path)
+    else:
+        from edgelin.convert import convert_config
+
+        config, converter = convert_config(data, source)
+        fmt = converter.source
+        tensors = converter.map_weights(load_state_dict(path), config, data)
     model = CausalLM(config)
-    assign_weights(model, load_state_dict(path), path)
+    assign_weights(model, tensors, path)
     tokenizer = path / TOKENIZER
-    info = CheckpointInfo(path.resolve(), MODEL_TYPE, model_type, checkpoint_hash(path),
+    info = CheckpointInfo(path.resolve(), fmt, str(model_type), checkpoint_hash(path),
                           tokenizer if tokenizer.is_file() else None)
     return model.eval(), info
 

@@ -16,4 +16,5 @@ SPEC = FamilySpec(
     skip_d=True,
     output_norm=True,
     output_gate=OutputGate.BEFORE_NORM,
+    output_norm_scope="group",  # one RMSNorm over the heads of each B/C group, per-channel weights
 )

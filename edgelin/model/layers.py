@@ -19,6 +19,20 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+class GroupRMSNorm(nn.Module):
+    """RMSNorm over `groups` equal slices of the last dim, one weight per channel (Mamba2's gated norm)."""
+
+    def __init__(self, dim: int, groups: int, eps: float = 1e-6):
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        grouped = x.reshape(*x.shape[:-1], self.groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return grouped.reshape(x.shape) * self.weight
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (rotate-half layout) at absolute positions, on the first `dim`
     channels of each head (partial rotary leaves the rest as is)."""

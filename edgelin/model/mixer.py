@@ -15,7 +15,7 @@ from torch import nn
 from edgelin.families import Decay, FamilySpec, Gate, LayerDims, OutputGate, StateTensor
 from edgelin.families.feature_maps import orthogonal_random_features
 from edgelin.families.spec import linear_state_tensors
-from edgelin.model.layers import RMSNorm, Rotary, positions_from, short_conv
+from edgelin.model.layers import GroupRMSNorm, RMSNorm, Rotary, positions_from, short_conv
 from edgelin.reference import recurrence
 
 Tensor = torch.Tensor
@@ -58,9 +58,9 @@ class LinearMixer(nn.Module):
             self.b_proj = nn.Linear(dims.hidden_size, h, bias=False)
         if spec.skip_d:
             self.D = nn.Parameter(torch.ones(h))
-        if spec.output_norm:
-            scope = d_v * (h // dims.num_k_heads) if spec.output_norm_scope == "group" else d_v
-            self.o_norm = RMSNorm(scope, eps)
+        if spec.output_norm:  # per head (weights shared by heads), or per group of heads sharing a key head
+            self.o_norm = RMSNorm(d_v, eps) if spec.output_norm_scope == "head" else \
+                GroupRMSNorm(dims.value_width, dims.num_k_heads, eps)
         if spec.output_gate is not OutputGate.NONE:
             self.g_proj = nn.Linear(dims.hidden_size, dims.value_width, bias=False)
         self.o_proj = nn.Linear(dims.value_width, dims.hidden_size, bias=False)
@@ -158,5 +158,4 @@ class LinearMixer(nn.Module):
     def _norm(self, o: Tensor) -> Tensor:
         if self.spec.output_norm_scope == "head":
             return self.o_norm(o)
-        groups = self.dims.num_k_heads  # one norm over the value heads that share a key head
-        return self.o_norm(o.reshape(*o.shape[:-2], groups, -1)).reshape(o.shape)
+        return self.o_norm(o.flatten(-2)).reshape(o.shape)

@@ -1,0 +1,3 @@
+"""flash-linear-attention checkpoints (filled in below)."""
+
+CONVERTERS: list = []
