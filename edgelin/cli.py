@@ -35,6 +35,8 @@ def command(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             out.error("interrupted")
             raise typer.Exit(130)
+        except BrokenPipeError:  # `edgelin ... | head`: the reader left; nothing to report
+            raise typer.Exit(0)
         except (typer.Exit, typer.Abort):
             raise
         except Exception as exc:  # a bug in edgelin: still one line unless --debug
@@ -81,6 +83,33 @@ def devices(out: Output, as_json: bool = JSON) -> None:
     out.result([p.__dict__ for p in profiles.values()])
     out.table(f"Device profiles ({DEVICES_DIR})", ["device", "title", "targets", "compute", "precision", "state"],
               [[p.name, p.title, ", ".join(p.targets), p.compute, p.precision, p.state_dtype] for p in profiles.values()])
+
+
+@command
+def inspect(
+    out: Output,
+    checkpoint: Path = typer.Argument(..., help="Checkpoint directory (edgelin, fla or transformers format)."),
+    as_json: bool = JSON,
+) -> None:
+    """Detected architecture, family per layer, parameters, state bytes, and where it can go (or why not)."""
+    from edgelin.inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(checkpoint)
+    out.result(report.to_dict())
+    if not report.supported:
+        raise EdgelinError(f"{checkpoint} cannot be exported", report.reason or "unsupported",
+                           report.fix or "see the supported checkpoints in README.md")
+    out.line(f"[bold]{checkpoint}[/]: {report.model_type} ({report.source}), {report.num_parameters:,} parameters"
+             + (f" — {report.note}" if report.note else ""))
+    kinds: dict[str, int] = {}
+    for layer in report.layers:
+        kinds[layer["type"]] = kinds.get(layer["type"], 0) + 1
+    out.line("layers: " + ", ".join(f"{n} x {k}" for k, n in kinds.items()))
+    growth = f" + {human_bytes(report.kv_bytes_per_token)} per token of context (full-attention KV cache)" \
+        if report.kv_bytes_per_token else " (constant)"
+    out.line(f"state per sequence: {human_bytes(report.state_bytes_per_sequence)}{growth}")
+    out.table("Targets by device", ["device", "target", "ok", "why not"],
+              [[r["device"], r["target"], "yes" if r["ok"] else "no", r["reason"] or ""] for r in report.targets])
 
 
 @command

@@ -120,6 +120,14 @@ def qwen35_multimodal_config(cfg: ConfigReader) -> ModelConfig:
 
 # ---- Mamba2 ---------------------------------------------------------------------------------------
 def mamba2_config(cfg: ConfigReader) -> ModelConfig:
+    """transformers' Mamba2Config, or fla's (same weights; a few fields named differently)."""
+    if "norm_before_gate" in cfg.data or "dt_limit" in cfg.data:  # fla's spelling
+        cfg.expect("rmsnorm", True, "the output gate without its RMSNorm", default=True)
+        cfg.expect("D_has_hdim", False, "a D skip per channel", default=False)
+        cfg.seen.update({"A_init_range", "conv_init", "dt_init_floor", "dt_max", "dt_min", "norm_eps", "dt_limit"})
+        cfg.data = {**cfg.data, "layer_norm_epsilon": cfg.data.get("norm_eps", 1e-5),
+                    "time_step_limit": cfg.data.get("dt_limit", (0.0, math.inf))}
+    gate = "after_norm" if cfg.get("norm_before_gate", False) else None
     cfg.expect("hidden_act", ("silu", "swish"), "the short conv activation")
     cfg.expect("use_bias", False, "biases on the in/out projections", default=False)
     hidden, heads, head_dim = cfg.require("hidden_size"), cfg.require("num_heads"), cfg.require("head_dim")
@@ -138,7 +146,7 @@ def mamba2_config(cfg: ConfigReader) -> ModelConfig:
         head_v_dim=head_dim, intermediate_size=0, conv_size=cfg.get("conv_kernel", 4),
         conv_bias=bool(cfg.get("use_conv_bias", True)), rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        family_overrides={"mamba2": {"dt_clamp": clamp}} if clamp else {},
+        family_overrides={"mamba2": {k: v for k, v in (("dt_clamp", clamp), ("output_gate", gate)) if v}},
         bos_token_id=_first(cfg.get("bos_token_id")), eos_token_id=_first(cfg.get("eos_token_id")),
     )
 
@@ -182,5 +190,6 @@ CONVERTERS = [
               "Qwen3.5 language model: Gated DeltaNet layers + gated full attention (KV cache grows)"),
     Converter("qwen3_5", "transformers", qwen35_multimodal_config, qwen35_weights,
               "Qwen3.5 multimodal checkpoint: the text model only; the vision tower is left out"),
-    Converter("mamba2", "transformers", mamba2_config, mamba2_weights, "Mamba2 (SSD)"),
+    Converter("mamba2", "transformers", mamba2_config, mamba2_weights,
+              "Mamba2 (SSD); fla's Mamba2 checkpoints share the layout and load the same way"),
 ]

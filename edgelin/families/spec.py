@@ -47,9 +47,9 @@ class OutputGate(str, Enum):
 
 
 KNOBS = (
-    "feature_map", "qk_norm", "scale_queries", "short_conv", "gate_low_rank", "gate_normalizer",
+    "feature_map", "qk_norm", "scale_queries", "short_conv", "gate_low_rank", "gate_low_rank_bias", "gate_normalizer",
     "gate_clamp_min", "dt_clamp", "use_beta", "beta_scale", "normalizer", "normalizer_eps", "output_norm",
-    "output_norm_scope", "output_gate", "output_gate_activation", "chunk_size",
+    "output_norm_scope", "output_gate", "output_gate_activation", "output_gate_low_rank", "chunk_size",
 )
 
 
@@ -71,6 +71,7 @@ class FamilySpec:
     scale_queries: bool = True  # multiply q by d_k^-0.5 before the readout
     short_conv: bool = False  # causal depthwise conv + SiLU over q, k, v (conv state)
     gate_low_rank: int = 0  # 0: W x is one Linear; r > 0: Linear(hidden, r) -> Linear(r, out)
+    gate_low_rank_bias: bool = True  # bias on the second Linear of a low-rank gate
     gate_normalizer: float = 1.0
     gate_clamp_min: float | None = None  # logsigmoid gates: floor of the log-decay (GLA's clamp_min)
     dt_clamp: tuple[float, float] | None = None  # softplus gates: clamp of dt (Mamba2's time_step_limit)
@@ -82,6 +83,7 @@ class FamilySpec:
     output_norm_scope: str = "head"  # head | group: one norm over the value heads sharing a key head
     output_gate: OutputGate = OutputGate.NONE
     output_gate_activation: str = "silu"  # silu | sigmoid
+    output_gate_low_rank: int = 0  # like gate_low_rank, for the output gate (KDA); second Linear has a bias
     chunk_size: int = 64
 
     def __post_init__(self) -> None:

@@ -31,7 +31,8 @@ class SoftmaxAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden_size, bias=False)
         self.rotary = Rotary(cfg.rotary_dim or cfg.head_dim, cfg.rope_theta)
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, eps), RMSNorm(cfg.head_dim, eps)
+            qk_eps = cfg.qk_norm_eps if cfg.qk_norm_eps is not None else eps
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, qk_eps), RMSNorm(cfg.head_dim, qk_eps)
         if cfg.output_gate:
             self.g_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
 

@@ -28,6 +28,7 @@ class AttentionConfig:
     rotary_dim: int | None = None  # partial rotary: only the first rotary_dim channels (None: all)
     qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3.5)
+    qk_norm_eps: float | None = None  # None: the model's rms_norm_eps
     output_gate: bool = False  # o * sigmoid(W_g x) before o_proj (Qwen3.5's gated attention)
 
 

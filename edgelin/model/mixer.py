@@ -21,10 +21,10 @@ from edgelin.reference import recurrence
 Tensor = torch.Tensor
 
 
-def _projection(hidden: int, out: int, low_rank: int, bias: bool = False) -> nn.Module:
+def _projection(hidden: int, out: int, low_rank: int, low_rank_bias: bool = True) -> nn.Module:
     if low_rank:
-        return nn.Sequential(nn.Linear(hidden, low_rank, bias=False), nn.Linear(low_rank, out, bias=True))
-    return nn.Linear(hidden, out, bias=bias)
+        return nn.Sequential(nn.Linear(hidden, low_rank, bias=False), nn.Linear(low_rank, out, bias=low_rank_bias))
+    return nn.Linear(hidden, out, bias=False)
 
 
 class LinearMixer(nn.Module):
@@ -50,7 +50,7 @@ class LinearMixer(nn.Module):
             self.register_buffer("log_gamma", spec.fixed_log_decay(h), persistent=False)
         if spec.gate is not None:
             gate_width = h if spec.decay is Decay.SCALAR else h * self.d_state
-            self.gate_proj = _projection(dims.hidden_size, gate_width, spec.gate_low_rank)
+            self.gate_proj = _projection(dims.hidden_size, gate_width, spec.gate_low_rank, spec.gate_low_rank_bias)
         if spec.gate is Gate.SOFTPLUS:
             self.A_log = nn.Parameter(torch.log(torch.empty(h).uniform_(1, 16)))
             self.dt_bias = nn.Parameter(torch.log(torch.expm1(torch.empty(gate_width).uniform_(1e-3, 1e-1))))
@@ -62,7 +62,7 @@ class LinearMixer(nn.Module):
             self.o_norm = RMSNorm(d_v, eps) if spec.output_norm_scope == "head" else \
                 GroupRMSNorm(dims.value_width, dims.num_k_heads, eps)
         if spec.output_gate is not OutputGate.NONE:
-            self.g_proj = nn.Linear(dims.hidden_size, dims.value_width, bias=False)
+            self.g_proj = _projection(dims.hidden_size, dims.value_width, spec.output_gate_low_rank)
         self.o_proj = nn.Linear(dims.value_width, dims.hidden_size, bias=False)
 
     # ---- state ---------------------------------------------------------------------------------

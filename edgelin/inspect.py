@@ -1,0 +1,79 @@
+"""`edgelin inspect`: what a checkpoint is, what it costs per sequence, and where it can go."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from edgelin.checkpoint import checkpoint_dir, load_model, read_config
+from edgelin.devices import load_devices
+from edgelin.errors import EdgelinError
+from edgelin.export.targets import get_target, target_names
+from edgelin.model.lm import CausalLM
+
+
+@dataclass
+class InspectReport:
+    path: str
+    model_type: str | None
+    source: str  # edgelin | fla | transformers | unsupported
+    supported: bool
+    reason: str | None = None
+    fix: str | None = None
+    note: str = ""
+    layers: list[dict] = field(default_factory=list)
+    num_parameters: int = 0
+    state_bytes_per_sequence: int = 0
+    kv_bytes_per_token: int = 0  # growing KV caches (full-context softmax layers)
+    targets: list[dict] = field(default_factory=list)  # device x target -> ok / reason
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _state_costs(model: CausalLM) -> tuple[int, int]:
+    fixed = per_token = 0
+    for layer in model.state_tensors():
+        for t in layer:
+            size = 4  # float32
+            for d in t.dims:
+                size *= 1 if isinstance(d, str) else d
+            if "past_sequence" in t.dims:
+                per_token += size
+            else:
+                fixed += size
+    return fixed, per_token
+
+
+def _placements(model: CausalLM) -> list[dict]:
+    rows = []
+    for device in load_devices().values():
+        for name in device.targets:
+            if name not in target_names():
+                rows.append({"device": device.name, "target": name, "ok": False,
+                             "reason": f"the {name} target is not implemented in this edgelin version"})
+                continue
+            target = get_target(name)
+            reason = target.supports(model, device) or target.unavailable_reason()
+            rows.append({"device": device.name, "target": name, "ok": reason is None, "reason": reason})
+    return rows
+
+
+def inspect_checkpoint(path: Path) -> InspectReport:
+    path = checkpoint_dir(Path(path))
+    data = read_config(path)
+    model_type = data.get("model_type")
+    try:
+        model, info = load_model(path)
+    except EdgelinError as exc:
+        return InspectReport(str(path), model_type, "unsupported", False, reason=f"{exc.what}: {exc.why}", fix=exc.fix)
+    note = ""
+    if info.format != "edgelin":
+        from edgelin.convert import get_converter
+
+        note = get_converter(model_type, str(path)).note
+    fixed, per_token = _state_costs(model)
+    layers = [{"index": i, "type": t, "state": [s.name for s in model.state_tensors()[i]]}
+              for i, t in enumerate(model.config.layer_types)]
+    return InspectReport(str(path), model_type, info.format, True, None, None, note, layers,
+                         model.num_parameters(), fixed, per_token, _placements(model))
