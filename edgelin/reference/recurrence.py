@@ -5,21 +5,89 @@ The engines never see a family name. A family is expressed by which tensors exis
     beta  None (additive rule) or [...] (delta rule)
 Layouts: q, k [B, T, H, d_k]; v [B, T, H, d_v]; g [B, T, H, 1 | d_k]; beta [B, T, H];
 state S [B, H, d_k, d_v]. Everything is fp32 reference math.
+
+Backends: on CUDA the same calls run edgelin's own kernels (edgelin.kernels). `use_backend(name)`
+/ `set_backend(name)` or the environment variable EDGELIN_KERNELS choose: "auto" (kernels for
+CUDA tensors when Triton is importable, torch otherwise), "torch", "triton", "cuda" (the CUDA C++
+step kernel for decode, Triton for prefill). Tracing, export, torch.compile and autograd always
+take the torch engines; CPU tensors never reach a kernel (except a forced "triton" under
+TRITON_INTERPRET=1, which the CPU tests use).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import os
 
 import torch
 
+from edgelin.errors import EdgelinError
+
 Tensor = torch.Tensor
+BACKENDS = ("auto", "torch", "triton", "cuda")
+_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("edgelin_kernels", default=None)
+
+
+def get_backend() -> str:
+    name = _backend.get() or os.environ.get("EDGELIN_KERNELS", "auto") or "auto"
+    if name not in BACKENDS:
+        raise EdgelinError(f"unknown recurrence backend {name!r}", f"choose one of {', '.join(BACKENDS)}",
+                           "fix EDGELIN_KERNELS or the set_backend() argument")
+    return name
+
+
+def set_backend(name: str | None) -> None:
+    """Set this context's backend (None: back to EDGELIN_KERNELS / "auto")."""
+    if name is not None and name not in BACKENDS:
+        raise EdgelinError(f"unknown recurrence backend {name!r}", f"choose one of {', '.join(BACKENDS)}",
+                           "pass a known backend")
+    _backend.set(name)
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    token = _backend.set(name)
+    try:
+        get_backend()
+        yield
+    finally:
+        _backend.reset(token)
+
+
+def kernel_path(*tensors: Tensor | None) -> str | None:
+    """'triton', 'cuda' or None (torch engines) for these inputs under the current backend."""
+    name = get_backend()
+    if name == "torch" or torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+        return None
+    present = [t for t in tensors if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        if name == "auto":
+            return None
+        raise EdgelinError(f"backend {name!r} asked for with autograd on", "the kernels are forward-only",
+                           "run under torch.no_grad() / inference_mode(), or use the torch backend")
+    from edgelin import kernels
+
+    if name == "auto":
+        fits = present[0].shape[-1] <= 256 and present[2].shape[-1] <= 256  # q, k, v, ...
+        return "triton" if present[0].is_cuda and fits and kernels.triton_available() else None
+    if not present[0].is_cuda and not (name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
+        raise EdgelinError(f"backend {name!r} with tensors on {present[0].device}", "kernels run on CUDA devices",
+                           "move the model to CUDA or use the torch backend")
+    return name
 
 
 def recurrent_step(
     state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """One token: q, k [B, H, d_k], v [B, H, d_v], g [B, H, 1|d_k], beta [B, H] -> (o, state)."""
+    path = kernel_path(q, k, v, state, g, beta)
+    if path is not None:
+        from edgelin import kernels
+
+        step = kernels.cuda_step if path == "cuda" else kernels.fused_step
+        return step(q, k, v, state, g, beta)
     if g is not None:
         state = state * g.exp().unsqueeze(-1)
     if beta is not None:
@@ -32,6 +100,11 @@ def recurrent(
     state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """The naive token loop: the ground truth the chunked form and every kernel are tested against."""
+    path = kernel_path(q, k, v, state, g, beta)
+    if path == "triton" or (path == "cuda" and q.shape[1] != 1):  # the CUDA kernel is a step kernel
+        from edgelin import kernels
+
+        return kernels.fused_recurrent(q, k, v, state, g, beta)
     outputs = []
     for t in range(q.shape[1]):
         o, state = recurrent_step(
@@ -89,6 +162,10 @@ def chunked(
         O  = (Q * e^b) S0 + P U
         S1 = e^{b_C} S0 + (K * e^{b_C - b})^T U
     """
+    if kernel_path(q, k, v, state, g, beta) is not None:
+        from edgelin import kernels
+
+        return kernels.chunk_prefill(q, k, v, g, beta, state)
     batch, length, heads, d_k = q.shape
     num_chunks = (length + chunk_size - 1) // chunk_size
     q, k, v = (_chunk(x, chunk_size, num_chunks) for x in (q, k, v))

@@ -1,0 +1,91 @@
+// The plain-C launcher: validates EdgelinStepArgs, picks the template instance for the flags
+// (dtype x gate x delta x vectorised), and enqueues it on the caller's stream. No allocation, no
+// synchronisation: safe inside CUDA-graph capture and from a TensorRT plugin's enqueue().
+#include <stdint.h>
+
+#include "edgelin_step.h"
+#include "step.cuh"
+
+namespace {
+
+using edgelin::kThreads;
+using edgelin::kTileV;
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// 16-byte state accesses need d_v % 4 == 0, every row start 16-byte aligned, both buffers.
+bool can_vectorise(const EdgelinStepArgs& a) {
+  const bool strides = a.in_stride_b % 4 == 0 && a.in_stride_h % 4 == 0 && a.in_stride_k % 4 == 0 &&
+                       a.out_stride_b % 4 == 0 && a.out_stride_h % 4 == 0 && a.out_stride_k % 4 == 0;
+  return a.d_v % 4 == 0 && strides && aligned(a.state_in, 16) && aligned(a.state_out, 16);
+}
+
+template <typename T, int GATE, bool DELTA>
+int launch_vec(const EdgelinStepArgs& a, cudaStream_t stream) {
+  // 1-D grid, column tiles fastest: neighbouring CTAs stream one head's contiguous state together
+  const unsigned tiles = static_cast<unsigned>((a.d_v + kTileV - 1) / kTileV);
+  const dim3 grid(static_cast<unsigned>(a.batch) * static_cast<unsigned>(a.heads) * tiles);
+  const bool vec = can_vectorise(a), wide = a.d_k > 8 * edgelin::kRowGroups;
+  if (vec && !wide)
+    edgelin::step_kernel<T, GATE, DELTA, true, 8><<<grid, kThreads, 0, stream>>>(a);
+  else if (vec)
+    edgelin::step_kernel<T, GATE, DELTA, true, 16><<<grid, kThreads, 0, stream>>>(a);
+  else if (!wide)
+    edgelin::step_kernel<T, GATE, DELTA, false, 8><<<grid, kThreads, 0, stream>>>(a);
+  else
+    edgelin::step_kernel<T, GATE, DELTA, false, 16><<<grid, kThreads, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T, int GATE>
+int launch_delta(const EdgelinStepArgs& a, cudaStream_t stream) {
+  return a.delta ? launch_vec<T, GATE, true>(a, stream) : launch_vec<T, GATE, false>(a, stream);
+}
+
+template <typename T>
+int launch_gate(const EdgelinStepArgs& a, cudaStream_t stream) {
+  switch (a.gate) {
+    case EDGELIN_GATE_NONE: return launch_delta<T, EDGELIN_GATE_NONE>(a, stream);
+    case EDGELIN_GATE_SCALAR: return launch_delta<T, EDGELIN_GATE_SCALAR>(a, stream);
+    default: return launch_delta<T, EDGELIN_GATE_PER_KEY>(a, stream);
+  }
+}
+
+}  // namespace
+
+extern "C" int edgelin_step_launch(const EdgelinStepArgs* args, cudaStream_t stream) {
+  if (args == nullptr) return EDGELIN_ERR_NULL;
+  const EdgelinStepArgs& a = *args;
+  if (!a.q || !a.k || !a.v || !a.o || !a.state_in || !a.state_out) return EDGELIN_ERR_NULL;
+  if (a.batch < 1 || a.heads < 1 || a.d_k < 1 || a.d_v < 1 || a.d_k > EDGELIN_STEP_MAX_HEAD_DIM ||
+      a.d_v > EDGELIN_STEP_MAX_HEAD_DIM)
+    return EDGELIN_ERR_DIMS;
+  if (a.dtype < EDGELIN_F32 || a.dtype > EDGELIN_BF16 || a.gate < EDGELIN_GATE_NONE ||
+      a.gate > EDGELIN_GATE_PER_KEY || (a.delta != 0 && a.delta != 1))
+    return EDGELIN_ERR_FLAGS;
+  if ((a.gate != EDGELIN_GATE_NONE && !a.g) || (a.delta && !a.beta)) return EDGELIN_ERR_NULL;
+  const int64_t ctas = static_cast<int64_t>(a.batch) * a.heads * ((a.d_v + kTileV - 1) / kTileV);
+  if (ctas > 0x7fffffffLL) return EDGELIN_ERR_GRID;
+  const size_t elem = a.dtype == EDGELIN_F32 ? 4 : 2;
+  if (!aligned(a.q, elem) || !aligned(a.k, elem) || !aligned(a.v, elem) || !aligned(a.o, elem) ||
+      (a.g && !aligned(a.g, elem)) || (a.beta && !aligned(a.beta, elem)) || !aligned(a.state_in, 4) ||
+      !aligned(a.state_out, 4))
+    return EDGELIN_ERR_ALIGN;
+  switch (a.dtype) {
+    case EDGELIN_F32: return launch_gate<float>(a, stream);
+    case EDGELIN_F16: return launch_gate<__half>(a, stream);
+    default: return launch_gate<__nv_bfloat16>(a, stream);
+  }
+}
+
+extern "C" const char* edgelin_step_status_string(int code) {
+  switch (code) {
+    case EDGELIN_OK: return "ok";
+    case EDGELIN_ERR_NULL: return "a required pointer is NULL (q, k, v, o, states; g or beta when flagged)";
+    case EDGELIN_ERR_DIMS: return "batch and heads must be >= 1 and d_k, d_v within 1..256";
+    case EDGELIN_ERR_FLAGS: return "unknown dtype or gate, or delta not 0/1";
+    case EDGELIN_ERR_ALIGN: return "a pointer is not aligned to its element size";
+    case EDGELIN_ERR_GRID: return "batch * heads * ceil(d_v / 32) exceeds 2^31 - 1";
+    default: return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown edgelin status";
+  }
+}

@@ -1,0 +1,110 @@
+"""The CUDA C++ step kernel from Python: an nvcc build check (any machine with nvcc) and a small
+torch extension (torch.utils.cpp_extension.load) that calls the same C launcher the TensorRT
+plugin calls, `edgelin_step_launch` in edgelin/kernels/cuda/step.cu."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from edgelin.kernels._common import (
+    KernelError, Tensor, check_aux, check_out, check_qkv, check_state, last_dim_contiguous,
+)
+
+CUDA_DIR = Path(__file__).parent / "cuda"
+SOURCES = ("step.cu",)
+HEADERS = ("edgelin_step.h", "step.cuh")
+# Ampere desktop (sm_86), Jetson Orin (sm_87), Ada (sm_89), Hopper H100/H200 (sm_90)
+ARCHS = ("86", "87", "89", "90")
+
+
+def gencode_flags(archs: tuple[str, ...] | list[str]) -> list[str]:
+    return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+
+
+def nvcc_build(out_dir: Path, archs: tuple[str, ...] = ARCHS, nvcc: str | None = None, threads: int = 2) -> Path:
+    """Compile step.cu to an object file for `archs` (no torch involved). Returns its path;
+    raises KernelError with nvcc's output when the compile fails or nvcc is missing."""
+    nvcc = nvcc or shutil.which("nvcc")
+    if nvcc is None:
+        raise KernelError("nvcc not found", "the CUDA step kernel is compiled with nvcc", "install the CUDA toolkit")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    obj = out_dir / "edgelin_step.o"
+    cmd = [nvcc, "-c", str(CUDA_DIR / "step.cu"), "-o", str(obj), "-O3", "-std=c++17", f"--threads={threads}",
+           "-Werror=all-warnings", *gencode_flags(archs)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise KernelError("nvcc failed on step.cu", (done.stdout + done.stderr)[-2000:], "fix the CUDA source")
+    return obj
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension(verbose: bool = False):
+    """Build (once per machine; torch caches it) and import the torch binding of the launcher,
+    for the current GPU's architecture (EDGELIN_CUDA_ARCHS="86;90" to choose others)."""
+    if not torch.cuda.is_available():
+        raise KernelError("the CUDA step extension needs a CUDA device", "torch.cuda.is_available() is False",
+                          "run on a GPU machine, or use the Triton kernels / torch engines")
+    from torch.utils import cpp_extension
+
+    archs = os.environ.get("EDGELIN_CUDA_ARCHS")
+    if archs:
+        archs_list = archs.replace(",", ";").split(";")
+    else:
+        major, minor = torch.cuda.get_device_capability()
+        archs_list = [f"{major}{minor}"]
+    # torch adds its own -gencode flags from TORCH_CUDA_ARCH_LIST; make them the same archs
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ";".join(f"{a[:-1]}.{a[-1]}" for a in archs_list))
+    return cpp_extension.load(
+        name="edgelin_cuda_step",
+        sources=[str(CUDA_DIR / "torch_ext.cpp"), *(str(CUDA_DIR / s) for s in SOURCES)],
+        extra_include_paths=[str(CUDA_DIR)],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=["-O3", "-std=c++17", *gencode_flags(archs_list)],
+        verbose=verbose,
+    )
+
+
+def cuda_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Tensor,
+    g: Tensor | None = None,
+    beta: Tensor | None = None,
+    *,
+    out: Tensor | None = None,
+    state_out: Tensor | None = None,
+    inplace: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The CUDA kernel's decode step, same contract as `edgelin.kernels.fused_step`:
+    q, k [B, H, d_k], v [B, H, d_v], g [B, H, 1|d_k], beta [B, H], state [B, H, d_k, d_v] fp32."""
+    what = "cuda_step"
+    if q.dim() != 3:
+        raise KernelError(f"{what}: q has {q.dim()} dims", "expected [B, H, d_k]", "drop the time axis")
+    batch, heads, _ = q.shape
+    d_k, d_v = check_qkv(q, k, v, (batch, heads), what)
+    check_aux(g, beta, (batch, heads), d_k, what)
+    if not q.is_cuda:
+        raise KernelError(f"{what}: tensors on {q.device}", "the CUDA kernel runs on a CUDA device", "move them")
+    dtype = q.dtype  # the C interface takes one dtype for q, k, v, o, g and beta
+    g = None if g is None else last_dim_contiguous(g.to(dtype))
+    beta = None if beta is None else beta.to(dtype)
+    q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
+    shape = (batch, heads, d_k, d_v)
+    check_state(state, shape, what)
+    if inplace:
+        state_out = state
+    elif state_out is None:
+        state_out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    check_state(state_out, shape, what, "state_out")
+    if out is None:
+        out = torch.empty(batch, heads, d_v, dtype=dtype, device=q.device)
+    check_out(out, (batch, heads, d_v), dtype, what)
+    load_extension().step(q, k, v, g, beta, state, state_out, out)
+    return out, state_out

@@ -1,0 +1,298 @@
+"""edgelin's kernels against the naive engines (float64), on CPU through Triton's interpreter.
+
+Tiny fp32 shapes (the interpreter is 100-1000x slower than torch, and wrong for bf16); every gate
+kind x update rule, odd lengths, odd d_v (normaliser families append a ones column), in-place
+and ping-pong state, varlen prefill, NaN-poisoned output buffers. On a machine with a CUDA device
+the same tests run the compiled kernels on the GPU instead. Also: the CUDA C++ source compiles
+with nvcc for every target arch, and its C launcher rejects bad arguments before touching a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # before triton is imported: triton.jit reads it at decoration
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -c constraints.txt triton)")
+
+from conftest import tiny_config  # noqa: E402
+from edgelin import kernels  # noqa: E402
+from edgelin.errors import EdgelinError  # noqa: E402
+from edgelin.kernels import cuda_ext  # noqa: E402
+from edgelin.model.lm import CausalLM  # noqa: E402
+from edgelin.reference import recurrence  # noqa: E402
+from edgelin.reference.recurrence import recurrent, recurrent_step  # noqa: E402
+
+GATES = ["none", "scalar", "per_key"]
+RULES = [False, True]
+RULE_IDS = ["additive", "delta"]
+
+
+def make(b, t, h, d_k, d_v, gate, delta, seed=0, strong_decay=False):
+    """Fresh random inputs in the engines' layouts; g <= 0 (a decay), keys normalised for delta."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(b, t, h, d_k, generator=gen), torch.randn(b, t, h, d_k, generator=gen)
+    v = torch.randn(b, t, h, d_v, generator=gen)
+    q, k = (F.normalize(q, dim=-1), F.normalize(k, dim=-1)) if delta else (q * d_k**-0.5, k * d_k**-0.5)
+    width = {"none": 0, "scalar": 1, "per_key": d_k}[gate]
+    g = F.logsigmoid(torch.randn(b, t, h, width, generator=gen) + (-3.0 if strong_decay else 2.0)) if width else None
+    if strong_decay and g is not None:
+        g = g * 20  # e^{-60} within a few tokens: e^{+b} would overflow fp32, the kernels must never form it
+    beta = torch.rand(b, t, h, generator=gen) if delta else None
+    s0 = torch.randn(b, h, d_k, d_v, generator=gen) * 0.1
+    return [x if x is None else x.to(DEVICE) for x in (s0, q, k, v, g, beta)]
+
+
+def reference(s0, q, k, v, g, beta):
+    d = [None if x is None else x.double().cpu() for x in (s0, q, k, v, g, beta)]
+    with recurrence.use_backend("torch"):
+        return recurrent(*d)
+
+
+def rel(x, ref) -> float:
+    x = x.double().cpu()
+    assert torch.isfinite(x).all(), "non-finite (or unwritten NaN-poisoned) elements"
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def nan_like(shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def case_id(case) -> str:
+    b, t, h, d_k, d_v = case
+    return f"B{b}-T{t}-H{h}-K{d_k}-V{d_v}"
+
+
+# ---- fused step ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [(2, 1, 3, 16, 9), (1, 1, 2, 32, 33)], ids=case_id)
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+@pytest.mark.parametrize("mode", ["inplace", "pingpong"])
+def test_fused_step(case, gate, delta, mode):
+    b, _, h, d_k, d_v = case
+    s0, q, k, v, g, beta = make(*case, gate, delta)
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    sq = lambda x: None if x is None else x[:, 0]  # noqa: E731
+    state = s0.clone()
+    out = nan_like((b, h, d_v))
+    if mode == "inplace":
+        o, s = kernels.fused_step(sq(q), sq(k), sq(v), state, sq(g), sq(beta), out=out, inplace=True)
+        assert s.data_ptr() == state.data_ptr()
+    else:
+        other = nan_like(state.shape)
+        o, s = kernels.fused_step(sq(q), sq(k), sq(v), state, sq(g), sq(beta), out=out, state_out=other)
+        assert s.data_ptr() == other.data_ptr() and torch.equal(state, s0)  # the input state is untouched
+    assert o.data_ptr() == out.data_ptr()
+    assert rel(o, o_ref[:, 0]) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+def test_fused_step_strided_inputs_and_expanded_gate():
+    """The model hands over views: q/k sliced from a wider tensor, a fixed decay expanded over B."""
+    s0, q, k, v, _, beta = make(3, 1, 4, 16, 16, "none", True)
+    wide = torch.randn(3, 4, 40, device=DEVICE)
+    qs, ks = wide[..., :16], wide[..., 20:36]
+    qs, ks = F.normalize(qs, dim=-1), F.normalize(ks, dim=-1)
+    g = torch.tensor([-0.1, -0.2, -0.3, -0.4], device=DEVICE).view(1, 4, 1).expand(3, 4, 1)
+    o_ref, s_ref = reference(s0, qs[:, None], ks[:, None], v, g[:, None], beta)
+    o, s = kernels.fused_step(qs, ks, v[:, 0], s0, g, beta[:, 0])
+    assert rel(o, o_ref[:, 0]) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+# ---- fused recurrence (token loop in one kernel) ------------------------------------------------
+@pytest.mark.parametrize("case", [(2, 63, 2, 16, 9)], ids=case_id)
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_fused_recurrent(case, gate, delta):
+    s0, q, k, v, g, beta = make(*case, gate, delta, seed=1)
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kernels.fused_recurrent(q, k, v, s0, g, beta, out=nan_like(v.shape), state_out=nan_like(s0.shape))
+    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+# ---- chunked prefill ----------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [(2, 63, 2, 16, 9), (1, 130, 1, 32, 17)], ids=case_id)
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_chunk_prefill(case, gate, delta):
+    s0, q, k, v, g, beta = make(*case, gate, delta, seed=2)
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kernels.chunk_prefill(q, k, v, g, beta, s0, out=nan_like(v.shape), final_state=nan_like(s0.shape))
+    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_chunk_prefill_without_initial_state(gate, delta):
+    s0, q, k, v, g, beta = make(1, 70, 2, 16, 16, gate, delta, seed=3)
+    o_ref, s_ref = reference(torch.zeros_like(s0), q, k, v, g, beta)
+    o, s = kernels.chunk_prefill(q, k, v, g, beta)
+    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("gate", ["scalar", "per_key"])
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_chunk_prefill_strong_decay_stays_finite(gate, delta):
+    """Decays of e^-20 per token: a factorisation through e^{+b} would overflow fp32 inside a chunk."""
+    s0, q, k, v, g, beta = make(1, 80, 1, 16, 16, gate, delta, seed=4, strong_decay=True)
+    assert g.sum(1).min() < -200  # the cumulative decay really leaves fp32's exponent range
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kernels.chunk_prefill(q, k, v, g, beta, s0)
+    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_varlen_prefill_and_recurrence(gate, delta):
+    """One call for prompts of lengths 1, 0, 65, 20 packed along T, each with its own state."""
+    lengths = [1, 0, 65, 20]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    s0, q, k, v, g, beta = make(1, sum(lengths), 2, 16, 9, gate, delta, seed=5)
+    states = torch.randn(len(lengths), 2, 16, 9, device=DEVICE) * 0.1
+    o_chunk, s_chunk = kernels.chunk_prefill(q, k, v, g, beta, states, cu_seqlens=cu, out=nan_like(v.shape),
+                                             final_state=nan_like(states.shape))
+    o_rec, s_rec = kernels.fused_recurrent(q, k, v, states, g, beta, cu_seqlens=cu)
+    for n, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        piece = lambda x: None if x is None else x[:, a:z]  # noqa: E731
+        if z == a:  # an empty prompt keeps its state
+            s_ref = states[n:n + 1].double().cpu()
+        else:
+            o_ref, s_ref = reference(states[n:n + 1], *(piece(x) for x in (q, k, v, g, beta)))
+            assert rel(o_chunk[:, a:z], o_ref) < 1e-5 and rel(o_rec[:, a:z], o_ref) < 1e-5
+        assert rel(s_chunk[n:n + 1], s_ref) < 1e-5 and rel(s_rec[n:n + 1], s_ref) < 1e-5
+
+
+# ---- errors -------------------------------------------------------------------------------------
+def test_wrappers_refuse_bad_arguments_with_clear_errors():
+    s0, q, k, v, g, beta = make(1, 4, 2, 16, 8, "per_key", True)
+    with pytest.raises(EdgelinError, match="last dim 3"):
+        kernels.chunk_prefill(q, k, v, g[..., :3], beta, s0)
+    with pytest.raises(EdgelinError, match="share one of"):
+        kernels.fused_recurrent(q.double(), k, v, s0)
+    with pytest.raises(EdgelinError, match="always float32"):
+        kernels.chunk_prefill(q, k, v, g, beta, s0.half())
+    with pytest.raises(EdgelinError, match="1..256"):
+        big = torch.zeros(1, 1, 1, 300, device=DEVICE)
+        kernels.fused_recurrent(big, big, big)
+    with pytest.raises(EdgelinError, match="offsets must rise"):
+        kernels.chunk_prefill(q, k, v, cu_seqlens=torch.tensor([0, 3, 2, 4], dtype=torch.int32, device=DEVICE))
+
+
+# ---- the backend switch in edgelin.reference.recurrence -----------------------------------------
+def test_backend_switch_routes_only_what_it_may(monkeypatch):
+    s0, q, k, v, g, beta = make(1, 5, 2, 16, 8, "scalar", True)
+    calls = []
+    real = kernels.chunk_prefill
+    monkeypatch.setattr("edgelin.kernels.chunk.chunk_prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    recurrence.chunked(s0, q, k, v, g, beta, 4)
+    assert calls == ([1] if DEVICE == "cuda" else [])  # auto: kernels for CUDA tensors only
+    with recurrence.use_backend("torch"):
+        recurrence.chunked(s0, q, k, v, g, beta, 4)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with recurrence.use_backend("triton"):
+        recurrence.chunked(s0, q, k, v, g, beta, 4)  # compiling/exporting: always the torch engines
+    assert len(calls) == (1 if DEVICE == "cuda" else 0)
+    monkeypatch.undo()
+    monkeypatch.setenv("EDGELIN_KERNELS", "bogus")
+    with pytest.raises(EdgelinError, match="unknown recurrence backend"):
+        recurrence.chunked(s0, q, k, v, g, beta, 4)
+    monkeypatch.setenv("EDGELIN_KERNELS", "triton")
+    q.requires_grad_(True)
+    with pytest.raises(EdgelinError, match="forward-only"):
+        recurrence.chunked(s0, q, k, v, g, beta, 4)
+    with torch.no_grad():
+        o, s = recurrence.chunked(s0, q, k, v, g, beta, 4)
+    o_ref, s_ref = reference(s0, q.detach(), k, v, g, beta)
+    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["gated_deltanet", "gla", "linear_attn", "retnet"])
+def test_model_through_kernels_matches_torch_engines(family):
+    """The whole model with the Triton backend (interpreted on CPU): prefill logits and state, and
+    decode steps, equal the torch engines'. Covers expanded gates (RetNet), odd d_v (normaliser)."""
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config((family, family))).eval().to(DEVICE)
+    ids = torch.randint(0, 97, (2, 21), device=DEVICE)
+    with torch.no_grad():
+        with recurrence.use_backend("torch"):
+            ref_logits, ref_state = model(ids, mode="chunked")
+            ref_step, _ = model(ids[:, :1], ref_state, torch.full((2,), 21, device=DEVICE), mode="recurrent")
+        with recurrence.use_backend("triton"):
+            logits, state = model(ids, mode="chunked")
+            step, _ = model(ids[:, :1], state, torch.full((2,), 21, device=DEVICE), mode="recurrent")
+    assert rel(logits, ref_logits.double().cpu()) < 1e-5 and rel(step, ref_step.double().cpu()) < 1e-5
+    for layer, ref_layer in zip(state, ref_state):
+        for name in layer:
+            assert rel(layer[name], ref_layer[name].double().cpu()) < 1e-5, name
+
+
+# ---- the CUDA C++ kernel: build check for every target arch, launcher validation ---------------
+NVCC = shutil.which("nvcc")
+
+
+@pytest.fixture(scope="module")
+def cuda_object(tmp_path_factory):
+    if NVCC is None:
+        pytest.skip("nvcc not found on PATH: the CUDA step kernel build check needs the CUDA toolkit")
+    return cuda_ext.nvcc_build(tmp_path_factory.mktemp("cuda"), cuda_ext.ARCHS)
+
+
+def test_cuda_kernel_compiles_for_every_target_arch(cuda_object):
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = shutil.which("cuobjdump") or (bundled if os.path.exists(bundled) else None)
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found (CUDA toolkit or triton's bundled copy); the compile itself succeeded")
+    listing = subprocess.run([cuobjdump, "--list-elf", str(cuda_object)], capture_output=True, text=True)
+    assert listing.returncode == 0, listing.stderr
+    for arch in cuda_ext.ARCHS:
+        assert f"sm_{arch}" in listing.stdout, f"no sm_{arch} code in the object"
+
+
+LAUNCHER_CHECK = r"""
+#include <stdio.h>
+#include "edgelin_step.h"
+int main(void) {
+  float state[16 * 9];
+  float qkv[32];
+  EdgelinStepArgs a = {0};
+  int bad_null = edgelin_step_launch(&a, 0);
+  a.q = qkv; a.k = qkv; a.v = qkv; a.o = qkv; a.state_in = state; a.state_out = state;
+  a.batch = 1; a.heads = 1; a.d_k = 300; a.d_v = 9;
+  int bad_dims = edgelin_step_launch(&a, 0);
+  a.d_k = 16; a.gate = 7;
+  int bad_flags = edgelin_step_launch(&a, 0);
+  a.gate = EDGELIN_GATE_SCALAR;
+  int no_gate_tensor = edgelin_step_launch(&a, 0);
+  a.gate = EDGELIN_GATE_NONE; a.dtype = EDGELIN_F16; a.q = (const char*)qkv + 1;
+  int misaligned = edgelin_step_launch(&a, 0);
+  printf("%d %d %d %d %d|%s\n", bad_null, bad_dims, bad_flags, no_gate_tensor, misaligned,
+         edgelin_step_status_string(bad_dims));
+  return 0;
+}
+"""
+
+
+def test_c_launcher_is_plain_c_and_validates_before_launching(cuda_object, tmp_path):
+    """The header compiles as C; bad arguments come back as codes (no GPU needed to see them)."""
+    src = tmp_path / "check.c"
+    src.write_text(LAUNCHER_CHECK)
+    exe = tmp_path / "check"
+    for cmd in ([NVCC, "-c", str(src), "-o", str(tmp_path / "check.o"), f"-I{cuda_ext.CUDA_DIR}",
+                 "-Xcompiler=-std=c99,-Wall,-Werror"],  # nvcc hands a .c file to the host C compiler
+                [NVCC, str(tmp_path / "check.o"), str(cuda_object), "-o", str(exe)]):
+        build = subprocess.run(cmd, capture_output=True, text=True)
+        assert build.returncode == 0, build.stderr[-2000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    codes, message = run.stdout.strip().split("|")
+    assert codes.split() == ["-1", "-2", "-3", "-1", "-4"], run.stdout
+    assert "1..256" in message
