@@ -19,6 +19,7 @@ import argparse
 import json
 import platform
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -247,12 +248,12 @@ def bench_prefill(sweep: bool) -> None:
             q, kk, vv, g, beta = inputs(b, t, h, k, v, gate, delta, seed=2)
             s0 = torch.randn(b, h, k, v, device=DEV) * 0.1
             ours = lambda: kernels.chunk_prefill(q, kk, vv, g, beta, s0)  # noqa: E731
-            t_ours = ms(ours)
+            t_ours = ms(ours, rep=50)
             name, fla = fla_chunk(gate, delta)
             line = f"B={b} T={t:6d} {gate + ('/delta' if delta else '/add'):14} ours {b * t / t_ours / 1e3:7.1f}"
             entry = {"ours_ms": t_ours, "ours_Mtok_s": b * t / t_ours / 1e3}
             try:
-                t_fla = ms(lambda: fla(q, kk, vv, g, beta, s0))
+                t_fla = ms(lambda: fla(q, kk, vv, g, beta, s0), rep=50)
                 o_fla, s_fla = fla(q, kk, vv, g, beta, s0)
                 o, s = ours()
                 diff = ((o.float() - o_fla.float()).norm() / o_fla.float().norm()).item()
@@ -335,15 +336,17 @@ def main() -> None:
     say(f"edgelin kernel bench: {RESULTS['env']}")
     RESULTS["copy_TBps"] = copy_bandwidth() / 1e12
     sections = [("step", lambda: bench_step_bandwidth(RESULTS["copy_TBps"] * 1e12, "sweep" not in skip)),
-                ("latency", bench_step_latency), ("prefill", lambda: bench_prefill("sweep" not in skip)),
-                ("model", bench_model)]
+                ("latency", bench_step_latency), ("model", bench_model),
+                ("prefill", lambda: bench_prefill("sweep" not in skip))]
     for name, fn in sections:
         if name in skip:
             continue
+        began = time.time()
         try:
             fn()
         except Exception:
             say(f"!! section {name} failed:\n{traceback.format_exc()[-1500:]}")
+        say(f"[section {name}: {time.time() - began:.0f} s]")
         if args.json:
             args.json.write_text(json.dumps(RESULTS, indent=1))
     say(f"\nre-measured copy bandwidth at the end: {copy_bandwidth() / 1e12:.2f} TB/s")
