@@ -137,7 +137,7 @@ def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
         from edgelin.convert import convert_config
 
         config, converter = convert_config(data, source)
-        fmt = converter.source
+        fmt = converter.origin(data)
         tensors = converter.map_weights(load_state_dict(path), config, data)
     model = CausalLM(config)
     assign_weights(model, tensors, path)

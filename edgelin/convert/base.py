@@ -84,6 +84,10 @@ class Converter:
     to_config: Callable[[ConfigReader], ModelConfig]
     map_weights: Callable[[dict[str, Tensor], ModelConfig, dict[str, Any]], dict[str, Tensor]]
     note: str = ""
+    source_of: Callable[[dict[str, Any]], str] | None = None  # when one model_type has several origins
+
+    def origin(self, data: dict[str, Any]) -> str:
+        return self.source_of(data) if self.source_of else self.source
 
 
 class Weights:

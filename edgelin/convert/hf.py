@@ -191,5 +191,6 @@ CONVERTERS = [
     Converter("qwen3_5", "transformers", qwen35_multimodal_config, qwen35_weights,
               "Qwen3.5 multimodal checkpoint: the text model only; the vision tower is left out"),
     Converter("mamba2", "transformers", mamba2_config, mamba2_weights,
-              "Mamba2 (SSD); fla's Mamba2 checkpoints share the layout and load the same way"),
+              "Mamba2 (SSD); fla's Mamba2 checkpoints share the layout and load the same way",
+              source_of=lambda data: "fla" if "norm_before_gate" in data or "dt_limit" in data else "transformers"),
 ]
