@@ -1,0 +1,397 @@
+"""Recipes as data, one generic trainer: a TOML recipe ([model], [data], [tokenizer], [train]) ->
+byte-level BPE tokenizer + token stream -> CausalLM trained on CPU in fp32 -> a checkpoint directory
+(config.json, model.safetensors, tokenizer.json) + training_log.json. See recipes/README.md.
+    python -m edgelin.train recipes/tiny-gdn-hybrid/recipe.toml [--steps N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from edgelin.checkpoint import save_checkpoint
+from edgelin.errors import EdgelinError
+from edgelin.model.config import AttentionConfig, ModelConfig
+from edgelin.model.lm import CausalLM
+
+SEPARATOR = "<|endoftext|>"  # between files: the model learns where a file ends
+EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages"})
+SAMPLE_PROMPT, SAMPLE_TOKENS = "def main(", 200
+CACHE_FORMAT = 1  # bump when the cached corpus layout changes
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "python-stdlib"
+    max_bytes: int = 16_000_000
+    val_fraction: float = 0.05
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    kind: str = "bpe"
+    vocab_size: int = 2048
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    warmup: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    threads: int = 2
+    eval_every: int = 100
+    eval_windows: int = 32  # periodic evals use this many val windows; the final eval uses all
+    save_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    path: Path
+    sha256: str
+    model: dict[str, Any]  # ModelConfig fields except vocab_size (known once the tokenizer exists)
+    data: DataConfig
+    tokenizer: TokenizerConfig
+    train: TrainConfig
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Recipe":
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+            doc = tomllib.loads(raw.decode())
+        except OSError as exc:
+            raise EdgelinError(f"cannot read recipe {path}", exc.strerror or str(exc), "pass a recipe.toml") from exc
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise EdgelinError(f"{path} is not valid TOML", str(exc), "fix the syntax") from exc
+        _reject_unknown(path, "the top level", doc, {"model", "data", "tokenizer", "train"})
+        model = dict(doc.get("model", {}))
+        _reject_unknown(path, "[model]", model, {f.name for f in dataclasses.fields(ModelConfig)} - {"vocab_size"})
+        if "attention" in model:
+            _reject_unknown(path, "[model.attention]", model["attention"],
+                            {f.name for f in dataclasses.fields(AttentionConfig)})
+        recipe = cls(path.resolve(), hashlib.sha256(raw).hexdigest(), model,
+                     _section(path, "data", doc, DataConfig), _section(path, "tokenizer", doc, TokenizerConfig),
+                     _section(path, "train", doc, TrainConfig))
+        recipe.model_config(recipe.tokenizer.vocab_size)  # fail now on a bad [model], not after tokenizing
+        recipe._check_values()
+        return recipe
+
+    def _check_values(self) -> None:
+        for section, key, value, allowed in [("data", "source", self.data.source, ("python-stdlib",)),
+                                             ("tokenizer", "kind", self.tokenizer.kind, ("bpe",)),
+                                             ("train", "save_dtype", self.train.save_dtype, ("float32", "float16"))]:
+            if value not in allowed:
+                raise EdgelinError(f"{self.path}: [{section}] {key} = {value!r}", "not supported",
+                                   f"use one of: {', '.join(allowed)}")
+        t = self.train
+        if min(t.steps, t.batch_size, t.seq_len, t.threads, t.eval_every, t.eval_windows) < 1 or t.lr <= 0:
+            raise EdgelinError(f"{self.path}: [train] has a non-positive size or lr", "nothing would train",
+                               "use positive steps, batch_size, seq_len, threads, eval_every, eval_windows, lr")
+        if not 0 < self.data.val_fraction < 0.5:
+            raise EdgelinError(f"{self.path}: [data] val_fraction = {self.data.val_fraction}",
+                               "it must be in (0, 0.5)", "use e.g. 0.05")
+
+    def model_config(self, vocab_size: int, **extra: Any) -> ModelConfig:
+        data = {**self.model, **extra, "vocab_size": vocab_size}
+        try:
+            data["layer_types"] = tuple(data["layer_types"])
+            if isinstance(data.get("attention"), dict):
+                data["attention"] = AttentionConfig(**data["attention"])
+            return ModelConfig(**data)
+        except (TypeError, KeyError) as exc:
+            why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise EdgelinError(f"{self.path}: invalid [model] section", why, "see recipes/README.md") from exc
+
+
+def _reject_unknown(path: Path, section: str, table: Any, known: set[str]) -> None:
+    if not isinstance(table, dict):
+        raise EdgelinError(f"{path}: {section} is not a table", "it must map fields to values", "fix the recipe")
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise EdgelinError(f"{path}: unknown key(s) {', '.join(unknown)} in {section}",
+                           "a misspelt setting would otherwise be silently ignored",
+                           f"use only: {', '.join(sorted(known))}")
+
+
+def _section(path: Path, name: str, doc: dict, cls: type) -> Any:
+    table = doc.get(name, {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    _reject_unknown(path, f"[{name}]", table, set(fields))
+    for key, value in table.items():
+        want = type(fields[key].default)
+        if type(value) is not want and not (want is float and type(value) is int):  # bool is not an int here
+            raise EdgelinError(f"{path}: [{name}] {key} = {value!r}", f"expected {want.__name__}",
+                               f"write {key} as a {want.__name__}")
+    return cls(**table)
+
+
+# ---- corpus and tokenizer --------------------------------------------------------------------------
+def _fill_in_hash_order(sizes: dict[str, int], cap: float) -> set[str]:
+    """Names taken in a fixed hash order, skipping any that would overflow the cap: deterministic, and
+    spread over the whole set rather than its first letters."""
+    chosen: set[str] = set()
+    total = 0
+    for name in sorted(sizes, key=lambda n: hashlib.sha256(n.encode()).digest()):
+        if total + sizes[name] <= cap:
+            chosen.add(name)
+            total += sizes[name]
+    return chosen
+
+
+def stdlib_files(max_bytes: int) -> list[tuple[str, str]]:
+    """(relative path, text) of the stdlib's own Python sources, sorted by path, at most max_bytes."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = {p.relative_to(root).as_posix(): p for p in root.rglob("*.py")
+             if not EXCLUDED_DIRS & set(p.relative_to(root).parts[:-1])}
+    chosen = _fill_in_hash_order({name: path.stat().st_size for name, path in files.items()}, max_bytes)
+    return [(name, files[name].read_text(encoding="utf-8", errors="replace")) for name in sorted(chosen)]
+
+
+def split_files(files: list[tuple[str, str]], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Whole held-out files holding ~val_fraction of the text: validation measures unseen files."""
+    val_names = _fill_in_hash_order({name: len(text) for name, text in files},
+                                    val_fraction * sum(len(text) for _, text in files))
+    if not val_names or len(val_names) == len(files):
+        raise EdgelinError("the corpus is too small for a validation split", f"{len(files)} files",
+                           "raise [data] max_bytes or val_fraction")
+    return ([text for name, text in files if name not in val_names],
+            [text for name, text in files if name in val_names])
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE: every string maps to bytes, so any text (any Unicode) round-trips exactly."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[SEPARATOR], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _encode(tok: Tokenizer, texts: list[str]) -> np.ndarray:
+    sep = [tok.token_to_id(SEPARATOR)]
+    encoded = tok.encode_batch(texts, add_special_tokens=False)
+    return np.asarray([i for e in encoded for i in e.ids + sep], dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    tokenizer_path: Path
+    train: np.ndarray
+    val: np.ndarray
+    val_bytes: int  # UTF-8 bytes the val tokens encode (for bits per byte)
+
+
+def build_corpus(recipe: Recipe, cache_root: Path) -> Corpus:
+    """Tokenizer + token streams, cached by a hash of the corpus text and the settings that shape it."""
+    files = stdlib_files(recipe.data.max_bytes)
+    key = hashlib.sha256(json.dumps([CACHE_FORMAT, tokenizers.__version__, dataclasses.asdict(recipe.data),
+                                     dataclasses.asdict(recipe.tokenizer)]).encode())
+    for name, text in files:
+        key.update(name.encode() + b"\0" + text.encode() + b"\0")
+    cache = cache_root / f"corpus-{key.hexdigest()[:16]}"
+    if not (cache / "tokens.npz").is_file():
+        train_texts, val_texts = split_files(files, recipe.data.val_fraction)
+        tok = train_tokenizer(train_texts, recipe.tokenizer.vocab_size)  # fit on train files only
+        tmp = cache.with_name(cache.name + f".tmp-{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        tok.save(str(tmp / "tokenizer.json"))
+        val_bytes = sum(len(t.encode()) for t in val_texts)  # source bytes only, not the separators
+        np.savez(tmp / "tokens.npz", train=_encode(tok, train_texts), val=_encode(tok, val_texts),
+                 val_bytes=np.int64(val_bytes))
+        shutil.rmtree(tmp) if cache.exists() else tmp.rename(cache)  # a racing process wrote the same
+    arrays = np.load(cache / "tokens.npz")
+    return Corpus(cache / "tokenizer.json", arrays["train"], arrays["val"], int(arrays["val_bytes"]))
+
+
+# ---- training --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainResult:
+    out_dir: Path
+    model: CausalLM  # weights as saved (rounded through save_dtype), eval mode
+    train_losses: tuple[float, ...]  # every step
+    final_val_loss: float
+    val_bpb: float
+    wall_time_s: float
+    sample: str
+    log: dict[str, Any]
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warmup, then cosine down to 10% of the peak."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, total - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _optimizer(model: CausalLM, cfg: TrainConfig) -> torch.optim.Optimizer:
+    # Decay matrices only: decaying norms, biases or decay rates (A_log, dt_bias) just hurts.
+    params = list(model.parameters())  # deduplicated: tied embeddings count once
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def _windows(stream: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+    return torch.from_numpy(np.stack([stream[s:s + length + 1] for s in starts]).astype(np.int64))
+
+
+def _loss(model: CausalLM, batch: torch.Tensor) -> torch.Tensor:
+    logits, _ = model(batch[:, :-1], mode="chunked")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: CausalLM, stream: np.ndarray, seq_len: int, batch_size: int, windows: int | None) -> float:
+    """Mean loss over non-overlapping val windows (the first `windows` of them; None: all)."""
+    starts = np.arange(0, len(stream) - seq_len - 1, seq_len)[:windows]
+    if len(starts) == 0:
+        raise EdgelinError("the validation set is shorter than one window", f"{len(stream)} tokens",
+                           "raise [data] val_fraction or max_bytes, or lower [train] seq_len")
+    was_training, total = model.training, 0.0
+    model.eval()
+    for i in range(0, len(starts), batch_size):
+        chunk = starts[i:i + batch_size]
+        total += _loss(model, _windows(stream, chunk, seq_len)).item() * len(chunk)
+    model.train(was_training)
+    return total / len(starts)
+
+
+@torch.no_grad()
+def generate(model: CausalLM, ids: list[int], new_tokens: int) -> list[int]:
+    """Greedy decoding: chunked prefill, then one recurrent step per token (the edge runtime's path)."""
+    model.eval()
+    logits, state = model(torch.tensor([ids]), mode="chunked", last_only=True)
+    out: list[int] = []
+    for position in range(len(ids), len(ids) + new_tokens):
+        out.append(int(logits[0].argmax()))
+        logits, state = model(torch.tensor([out[-1:]]), state, torch.tensor([position]), "recurrent", True)
+    return out
+
+
+def train(recipe_path: Path | str, out_dir: Path | str | None = None, steps: int | None = None,
+          progress: Callable[[int, int, float], None] | None = None) -> TrainResult:
+    recipe = Recipe.load(recipe_path)
+    cfg = recipe.train
+    total = steps if steps is not None else cfg.steps
+    out = Path(out_dir) if out_dir is not None else recipe.path.parent
+    cache_root = Path(os.environ.get("EDGELIN_CACHE", recipe.path.parent / ".edgelin-cache"))
+    started = time.perf_counter()
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    corpus = build_corpus(recipe, cache_root)
+    corpus_time = time.perf_counter() - started
+    tok = Tokenizer.from_file(str(corpus.tokenizer_path))
+    extra = {} if "eos_token_id" in recipe.model else {"eos_token_id": tok.token_to_id(SEPARATOR)}
+    model = CausalLM(recipe.model_config(tok.get_vocab_size(), **extra)).train()
+    optimizer = _optimizer(model, cfg)
+    rng = np.random.default_rng(cfg.seed)  # batches depend on the seed only, not on torch's RNG use
+    if len(corpus.train) <= cfg.seq_len + 1 or total < 1:
+        raise EdgelinError("nothing to train", f"{len(corpus.train)} train tokens, {total} steps",
+                           "raise [data] max_bytes, lower [train] seq_len, use steps >= 1")
+
+    losses: list[float] = []
+    curve: list[dict[str, float]] = []
+    for step in range(total):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg, total)
+        starts = rng.integers(0, len(corpus.train) - cfg.seq_len - 1, cfg.batch_size)
+        loss = _loss(model, _windows(corpus.train, starts, cfg.seq_len))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise EdgelinError(f"training diverged at step {step}", f"loss is {losses[-1]}",
+                               "lower [train] lr or raise warmup")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == total:
+            val = evaluate(model, corpus.val, cfg.seq_len, cfg.batch_size, cfg.eval_windows)
+            curve.append({"step": step + 1, "train_loss": float(np.mean(losses[-cfg.eval_every:])), "val_loss": val})
+        if progress is not None:
+            progress(step + 1, total, losses[-1])
+    train_time = time.perf_counter() - started - corpus_time
+
+    # Round the weights through the storage dtype: the numbers below describe the shipped file.
+    dtype = {"float32": torch.float32, "float16": torch.float16}[cfg.save_dtype]
+    with torch.no_grad():
+        for value in model.state_dict().values():  # shares storage with the parameters and buffers
+            if value.is_floating_point():
+                value.copy_(value.to(dtype).float())
+    model.eval()
+    val_loss = evaluate(model, corpus.val, cfg.seq_len, cfg.batch_size, None)
+    bpb = val_loss / math.log(2) * len(corpus.val) / corpus.val_bytes
+    sample = tok.decode(generate(model, tok.encode(SAMPLE_PROMPT, add_special_tokens=False).ids, SAMPLE_TOKENS),
+                        skip_special_tokens=False)
+    wall = time.perf_counter() - started
+
+    save_checkpoint(model, out, corpus.tokenizer_path, dtype=dtype)
+    if (out / recipe.path.name).resolve() != recipe.path:  # keep the recipe next to what it made
+        shutil.copyfile(recipe.path, out / "recipe.toml")
+    log = {
+        "recipe": recipe.path.name, "recipe_sha256": recipe.sha256, "steps": total, "wall_time_s": round(wall, 1),
+        "corpus_time_s": round(corpus_time, 1), "train_loop_time_s": round(train_time, 1),
+        "tokens_seen": total * cfg.batch_size * cfg.seq_len, "parameters": model.num_parameters(),
+        "train_tokens": len(corpus.train), "val_tokens": len(corpus.val), "val_bytes": corpus.val_bytes,
+        "save_dtype": cfg.save_dtype, "curve": curve, "final_val_loss": val_loss, "val_bits_per_byte": bpb,
+        "sample_prompt": SAMPLE_PROMPT, "sample": SAMPLE_PROMPT + sample,
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "python": platform.python_version(), "torch": torch.__version__},
+    }
+    (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    return TrainResult(out, model, tuple(losses), val_loss, bpb, wall, SAMPLE_PROMPT + sample, log)
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m edgelin.train", description="Train a recipe.")
+    parser.add_argument("recipe", type=Path)
+    parser.add_argument("--steps", type=int, default=None, help="override [train] steps")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: the recipe's)")
+    args = parser.parse_args()
+    marks: list[float] = []  # step end times, for the s/step shown
+
+    def report(step: int, total: int, loss: float) -> None:
+        marks.append(time.perf_counter())
+        if step % 10 == 0 or step == total:
+            rate = (marks[-1] - marks[0]) / max(1, len(marks) - 1)  # from step 1: excludes tokenizing
+            print(f"step {step}/{total}  loss {loss:.3f}  {rate:.2f} s/step", file=sys.stderr, flush=True)
+
+    try:
+        result = train(args.recipe, args.out, args.steps, report)
+    except EdgelinError as exc:
+        print(f"error: {exc.line()}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+    print(f"val loss {result.final_val_loss:.4f}  val bpb {result.val_bpb:.4f}  "
+          f"wall {result.wall_time_s:.0f} s  -> {result.out_dir}\n{result.sample}")
+
+
+if __name__ == "__main__":
+    _main()

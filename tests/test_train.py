@@ -1,0 +1,117 @@
+"""The generic trainer: recipes parse strictly, a tiny recipe learns, and its checkpoint reloads exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgelin.checkpoint import load_model
+from edgelin.errors import EdgelinError
+from edgelin.train import Recipe, TrainResult, train
+
+TINY = """
+[model]
+hidden_size = 32
+layer_types = ["gla", "softmax"]
+num_heads = 2
+head_k_dim = 16
+head_v_dim = 16
+intermediate_size = 64
+
+[model.attention]
+num_heads = 2
+num_kv_heads = 1
+head_dim = 16
+window = 32
+
+[data]
+source = "python-stdlib"
+max_bytes = 200_000
+val_fraction = 0.1
+
+[tokenizer]
+kind = "bpe"
+vocab_size = 300
+
+[train]
+seed = 0
+steps = 30
+batch_size = 8
+seq_len = 64
+lr = 1e-2
+warmup = 5
+eval_every = 10
+eval_windows = 8
+threads = 1  # one thread: no OpenMP barrier stalls when the test machine is busy
+save_dtype = "float32"
+"""
+
+SNIPPET = 'def f(x: int) -> str:\n\tif x > 0:\n        return f"{x!r} \u00e9\u4e2d\U0001f600"\n\n\n'
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> TrainResult:
+    root = tmp_path_factory.mktemp("recipe")
+    (root / "recipe.toml").write_text(TINY)
+    return train(root / "recipe.toml")
+
+
+def test_loss_decreases(trained: TrainResult) -> None:
+    losses = trained.train_losses
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
+    log = json.loads((trained.out_dir / "training_log.json").read_text())
+    assert [p["step"] for p in log["curve"]] == [10, 20, 30]
+    assert log["sample"].startswith("def main(") and log["final_val_loss"] == trained.final_val_loss
+
+
+def test_checkpoint_reloads_exactly(trained: TrainResult) -> None:
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "training_log.json", "recipe.toml"):
+        assert (trained.out_dir / name).is_file(), name
+    loaded, info = load_model(trained.out_dir)
+    assert info.tokenizer is not None
+    ids = torch.randint(0, loaded.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, _ = trained.model(ids)
+        actual, _ = loaded(ids)
+    assert (expected - actual).abs().max().item() < 1e-5
+
+
+def test_tokenizer_round_trips(trained: TrainResult) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(trained.out_dir / "tokenizer.json"))
+    assert tok.get_vocab_size() == trained.model.config.vocab_size == 300
+    assert tok.decode(tok.encode(SNIPPET, add_special_tokens=False).ids) == SNIPPET
+
+
+def test_training_is_deterministic(trained: TrainResult, tmp_path: Path) -> None:
+    out = train(trained.out_dir / "recipe.toml", out_dir=tmp_path / "again", steps=3)
+    assert out.train_losses[0] == trained.train_losses[0]  # same init, same first batch
+    again = train(trained.out_dir / "recipe.toml", out_dir=tmp_path / "again", steps=3)
+    assert again.train_losses == out.train_losses
+
+
+@pytest.mark.parametrize("section, line", [
+    ("[train]", "learning_rate = 0.1"),
+    ("[model]", "hiden_size = 3"),
+    ("[model.attention]", "windw = 3"),
+    ("[optimizer]", "beta = 0.9"),
+])
+def test_unknown_key_is_refused(tmp_path: Path, section: str, line: str) -> None:
+    path = tmp_path / "recipe.toml"
+    path.write_text(TINY.replace(f"{section}\n", f"{section}\n{line}\n") if section in TINY
+                    else TINY + f"\n{section}\n{line}\n")
+    with pytest.raises(EdgelinError, match="unknown key") as err:
+        Recipe.load(path)
+    assert "\n" not in err.value.line()
+
+
+def test_wrong_type_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "recipe.toml"
+    path.write_text(TINY.replace("steps = 30", 'steps = "30"'))
+    with pytest.raises(EdgelinError, match="expected int"):
+        Recipe.load(path)
