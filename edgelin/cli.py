@@ -242,6 +242,26 @@ def generate(
              f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}[/]")
 
 
+@command
+def train(
+    out: Output,
+    recipe: Path = typer.Argument(..., help="A recipe.toml (recipes/*/recipe.toml)."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Checkpoint folder (default: next to the recipe)."),
+    steps: Optional[int] = typer.Option(None, help="Override the recipe's step count (smoke runs)."),
+    as_json: bool = JSON,
+) -> None:
+    """Train a recipe on CPU into a checkpoint folder (config.json + safetensors + tokenizer.json)."""
+    from edgelin.train import train as run_train
+
+    with out.progress(f"training {recipe}", total=steps) as update:
+        result = run_train(recipe, out_dir, steps, progress=lambda step, total, loss: update(
+            step, description=f"step {step}/{total} loss {loss:.3f}"))
+    out.result({"out_dir": str(result.out_dir), "final_val_loss": result.final_val_loss, "val_bpb": result.val_bpb,
+                "wall_time_s": result.wall_time_s, "sample": result.sample})
+    out.line(f"trained {recipe}: val loss {result.final_val_loss:.3f} nats/token, {result.val_bpb:.3f} bits/byte "
+             f"in {result.wall_time_s:.0f} s -> {result.out_dir}")
+
+
 def main() -> None:
     app()
 

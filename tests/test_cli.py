@@ -250,3 +250,49 @@ def test_source_checkpoint_changed_since_export(exported, tmp_path):
     (moved / "config.json").write_text((moved / "config.json").read_text().replace('"rms_norm_eps": 1e-06',
                                                                                    '"rms_norm_eps": 1e-05'))
     assert_clean_failure(run("validate", out, "--steps", "4", "--reference", moved), "differs from the one exported")
+
+
+def test_train_command_writes_a_loadable_checkpoint(tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text("""
+[model]
+hidden_size = 32
+layer_types = ["gated_deltanet", "softmax"]
+num_heads = 2
+head_k_dim = 16
+head_v_dim = 16
+intermediate_size = 64
+[model.attention]
+num_heads = 2
+num_kv_heads = 1
+head_dim = 16
+window = 32
+[data]
+source = "python-stdlib"
+max_bytes = 100_000
+val_fraction = 0.05
+[tokenizer]
+kind = "bpe"
+vocab_size = 300
+[train]
+seed = 0
+steps = 4
+batch_size = 2
+seq_len = 32
+lr = 3e-3
+warmup = 1
+weight_decay = 0.0
+grad_clip = 1.0
+threads = 1
+eval_every = 2
+eval_windows = 2
+save_dtype = "float32"
+""")
+    result = run("train", recipe, "--out", tmp_path / "ckpt", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["final_val_loss"] > 0 and (tmp_path / "ckpt" / "model.safetensors").exists()
+    assert run("inspect", tmp_path / "ckpt", "--json").exit_code == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text(recipe.read_text().replace("steps = 4", "stepz = 4"))
+    assert_clean_failure(run("train", bad), "stepz")
