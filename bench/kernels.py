@@ -177,7 +177,7 @@ def bench_step_bandwidth(copy_bw: float, sweep: bool) -> None:
                 row[f"triton BV{bv}/w{warps}"] = 100 * nbytes / (t * 1e-3) / copy_bw
                 cells.append(f"BV{bv}/w{warps}:{100 * nbytes / (t * 1e-3) / copy_bw:.0f}%")
             say("      sweep " + " ".join(cells))
-    say(f"(Triton step config BV, warps = {step_config(k, v)}; bytes = state read + write + q/k/v/o/g/beta)")
+    say(f"(Triton step default BV, warps = {step_config(k, v, b * h)}; bytes = state r + w + q/k/v/o/g/beta)")
 
 
 def graph_us_per_call(calls, layers: int, replays: int = 200) -> float:

@@ -95,6 +95,15 @@ def test_fused_step(case, gate, delta, mode):
     assert rel(o, o_ref[:, 0]) < 1e-5 and rel(s, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("block_v", [16, 64])
+def test_fused_step_tile_configs(block_v):
+    """Other d_v tiles than the default (the large-grid default is BV=64 at d_k=128)."""
+    s0, q, k, v, g, beta = make(1, 1, 2, 128, 96, "per_key", True, seed=6)
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kernels.fused_step(q[:, 0], k[:, 0], v[:, 0], s0, g[:, 0], beta[:, 0], block_v=block_v)
+    assert rel(o, o_ref[:, 0]) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
 def test_fused_step_strided_inputs_and_expanded_gate():
     """The model hands over views: q/k sliced from a wider tensor, a fixed decay expanded over B."""
     s0, q, k, v, _, beta = make(3, 1, 4, 16, 16, "none", True)

@@ -104,6 +104,18 @@ def test_step_head_dims(impl, dims, gate, delta):
     assert rel(o, o_ref[:, 0]) < STEP_TOL[dtype] and rel(s, s_ref) < STEP_TOL[dtype] / 4
 
 
+@pytest.mark.parametrize("mode", ["inplace", "pingpong"])
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_step_large_grid(mode, gate, delta):
+    """B*H = 1024: the step's large-grid tile (BV=64 at d_k=128), as in the bandwidth benchmark."""
+    s0, q, k, v, g, beta = make(64, 1, 16, 128, 128, gate, delta, torch.bfloat16, seed=3)
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    sq = lambda x: None if x is None else x[:, 0]  # noqa: E731
+    o, s = run_step("triton", sq(q), sq(k), sq(v), s0, sq(g), sq(beta), mode)
+    assert rel(o, o_ref[:, 0]) < STEP_TOL[torch.bfloat16] and rel(s, s_ref) < STEP_TOL[torch.bfloat16] / 4
+
+
 # ---- token loop and chunked prefill -------------------------------------------------------------
 @pytest.mark.parametrize("length", [1, 63, 1000])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
