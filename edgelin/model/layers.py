@@ -60,10 +60,18 @@ def positions_from(start: Tensor | None, batch: int, length: int, device) -> Ten
     return steps.expand(batch, length) if start is None else start.unsqueeze(1) + steps
 
 
-def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor, bias: Tensor | None = None,
+               taps: bool = False) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv + SiLU. x [B, T, C], weight [C, W], conv_state [B, C, W-1]: the
-    last W-1 inputs before x. Returns (y [B, T, C], new conv_state)."""
+    last W-1 inputs before x. Returns (y [B, T, C], new conv_state).
+    taps=True sums the W shifted products instead of calling conv1d: the same numbers, and for a
+    single decode token a handful of elementwise ops instead of a grouped Conv node."""
     width = weight.shape[-1]
     padded = torch.cat([conv_state, x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
-    y = F.conv1d(padded, weight.unsqueeze(1), bias, groups=weight.shape[0])
+    if taps:
+        length = x.shape[1]
+        y = sum(padded[..., j:j + length] * weight[:, j:j + 1] for j in range(width))
+        y = y if bias is None else y + bias.unsqueeze(-1)
+    else:
+        y = F.conv1d(padded, weight.unsqueeze(1), bias, groups=weight.shape[0])
     return F.silu(y).transpose(1, 2), padded[..., padded.shape[-1] - (width - 1):]

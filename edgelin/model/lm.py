@@ -76,11 +76,15 @@ class CausalLM(nn.Module):
             isinstance(b.mixer, SoftmaxAttention) or b.mixer.spec.needs_position for b in self.model.layers
         )
 
-    def initial_state(self, batch: int, past: int = 0, device=None) -> State:
-        """Zeros for every state tensor ('past_sequence' dims get length `past`)."""
+    def initial_state(self, batch: int, past: int = 0, device=None, dtype: torch.dtype = torch.float32) -> State:
+        """Zeros for every state tensor ('past_sequence' dims get length `past`). Recurrent states
+        (and normalisers) stay fp32 whatever `dtype` is; conv and KV caches take `dtype`, the
+        weights' precision, since they hold projected activations."""
         sizes = {"batch": batch, "past_sequence": past}
+        accumulators = ("recurrent_state", "normalizer")
         return [
-            {t.name: torch.zeros([sizes.get(d, d) for d in t.dims], device=device) for t in layer}
+            {t.name: torch.zeros([sizes.get(d, d) for d in t.dims], device=device,
+                                 dtype=torch.float32 if t.name in accumulators else dtype) for t in layer}
             for layer in self.state_tensors()
         ]
 

@@ -82,7 +82,7 @@ class LinearMixer(nn.Module):
         new_state: dict[str, Tensor] = {}
         if spec.short_conv:
             qkv, new_state["conv_state"] = short_conv(torch.cat([q, k, v], -1), self.conv1d, state["conv_state"],
-                                                      getattr(self, "conv1d_bias", None))
+                                                      getattr(self, "conv1d_bias", None), taps=mode == "recurrent")
             q, k, v = qkv.split([dims.key_width, dims.key_width, dims.value_width], -1)
         q = q.reshape(batch, length, hk, dims.head_k_dim)
         k = k.reshape(batch, length, hk, dims.head_k_dim)

@@ -67,6 +67,8 @@ def kernel_path(*tensors: Tensor | None) -> str | None:
             return None
         raise EdgelinError(f"backend {name!r} asked for with autograd on", "the kernels are forward-only",
                            "run under torch.no_grad() / inference_mode(), or use the torch backend")
+    if name == "auto" and not present[0].is_cuda:  # CPU: never import the kernels (Triton is heavy)
+        return None
     from edgelin import kernels
 
     if name == "auto":
@@ -90,10 +92,10 @@ def recurrent_step(
         return step(q, k, v, state, g, beta)
     if g is not None:
         state = state * g.exp().unsqueeze(-1)
-    if beta is not None:
-        v = beta.unsqueeze(-1) * (v - torch.einsum("bhkv,bhk->bhv", state, k))
+    if beta is not None:  # (k^T S) as a batched matmul: runtimes run MatMul far faster than Einsum
+        v = beta.unsqueeze(-1) * (v - (k.unsqueeze(-2) @ state).squeeze(-2))
     state = state + k.unsqueeze(-1) * v.unsqueeze(-2)
-    return torch.einsum("bhkv,bhk->bhv", state, q), state
+    return (q.unsqueeze(-2) @ state).squeeze(-2), state
 
 
 def recurrent(
