@@ -10,12 +10,13 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 torch.set_num_threads(2)
 
-try:  # fla's own models run on CPU only under the Triton interpreter, which must be on before import
-    from upstream_fla import enable_fla_cpu
+if not torch.cuda.is_available():  # on a GPU machine Triton and fla run natively
+    try:  # fla's models run on CPU only under the Triton interpreter, on before anything imports triton
+        from upstream_fla import enable_fla_cpu
 
-    enable_fla_cpu()
-except ImportError:  # fla or triton not installed: the fla parity tests skip with the reason
-    pass
+        enable_fla_cpu()
+    except ImportError:  # fla or triton not installed: the fla parity tests skip with the reason
+        pass
 
 from edgelin.families import FAMILIES, SOFTMAX  # noqa: E402
 from edgelin.model.config import AttentionConfig, ModelConfig  # noqa: E402
