@@ -89,11 +89,16 @@ def measure(runner: Runner, label: str, positions: list[int], batch: int, warmup
 def prefill_throughput(runner: Runner, tokens: int, batch: int, prefill_chunk: int, seed: int) -> tuple[float, float]:
     """(prefill tokens/s, token-by-token steps tokens/s) over the same `tokens`-long prompt."""
     ids = np.random.default_rng(seed).integers(0, runner.manifest.vocab_size, (batch, tokens), dtype=np.int64)
-    prefill(runner, ids[:, :8], chunk=prefill_chunk)  # warm up both sessions
-    t0 = time.perf_counter()
-    prefill(runner, ids, chunk=prefill_chunk)
-    prefill_s = time.perf_counter() - t0
+    prefill(runner, ids, chunk=prefill_chunk)  # warm-up at the timed shapes: the runtime plans per shape
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        prefill(runner, ids, chunk=prefill_chunk)
+        runs.append(time.perf_counter() - t0)
+    prefill_s = float(np.median(runs))
     state = runner.initial_state(batch)
+    for t in range(min(tokens, 16)):  # warm up the step session too
+        runner.step(ids[:, t], state, np.full(batch, t, np.int64))
     t0 = time.perf_counter()
     for t in range(tokens):
         _, state = runner.step(ids[:, t], state, np.full(batch, t, np.int64))
