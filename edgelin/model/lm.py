@@ -42,9 +42,11 @@ class Block(nn.Module):
             self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: Tensor, state: dict[str, Tensor], start: Tensor | None, mode: str):
+    def forward(self, x: Tensor, state: dict[str, Tensor], start: Tensor | None, mode: str, last_only: bool = False):
         mixed, state = self.mixer(self.input_norm(x), state, start, mode)
         x = x + mixed
+        if last_only:  # the state needed every token; what follows only feeds the last logits
+            x = x[:, -1:]
         return (x + self.mlp(self.post_norm(x)) if hasattr(self, "mlp") else x), state
 
 
@@ -103,8 +105,9 @@ class CausalLM(nn.Module):
             state = self.initial_state(input_ids.shape[0], device=input_ids.device)
         x = self.model.embed_tokens(input_ids)
         new_state: State = []
-        for block, layer_state in zip(self.model.layers, state):
-            x, layer_state = block(x, layer_state, start, mode)
+        last = len(self.model.layers) - 1
+        for i, (block, layer_state) in enumerate(zip(self.model.layers, state)):
+            x, layer_state = block(x, layer_state, start, mode, last_only=last_only and i == last)
             new_state.append(layer_state)
         if last_only:
             x = x[:, -1]

@@ -117,13 +117,24 @@ def recurrent(
     return torch.stack(outputs, dim=1), state
 
 
-def invert_unit_lower(a: Tensor) -> Tensor:
-    """(I + A)^-1 for strictly lower-triangular A [..., C, C].
+def invert_unit_lower(a: Tensor, block: int = 8) -> Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], exportable everywhere (ONNX has no
+    triangular solve).
 
-    N = -A is nilpotent (N^C = 0), so (I - N)^-1 = sum_k N^k = prod_i (I + N^(2^i)): log2(C)
-    matrix products, exact, and exportable everywhere (ONNX has no triangular solve).
+    Blocks of at most `block` rows use N = -A nilpotent: (I - N)^-1 = prod_i (I + N^(2^i)), a few
+    matrix products. Larger matrices recurse on halves, [[T11, 0], [-T22 A21 T11, T22]]: powers of
+    N grow like binomial coefficients with cancelling signs, so applying the product form to a whole
+    32- or 64-row chunk loses digits (1e-4..3e-2 relative on trained Gated DeltaNet layers), while
+    blocks of 8 stay at fp32 rounding, like forward substitution.
     """
     size = a.shape[-1]
+    if size > block:
+        half = size // 2
+        t11 = invert_unit_lower(a[..., :half, :half], block)
+        t22 = invert_unit_lower(a[..., half:, half:], block)
+        t21 = -(t22 @ (a[..., half:, :half] @ t11))
+        top = torch.cat([t11, torch.zeros_like(a[..., :half, half:])], dim=-1)
+        return torch.cat([top, torch.cat([t21, t22], dim=-1)], dim=-2)
     eye = torch.eye(size, dtype=a.dtype, device=a.device)
     power = -a
     result = eye + power
