@@ -14,6 +14,7 @@ from edgelin.checkpoint import load_model
 from edgelin.errors import EdgelinError
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.runtime import open_runner, prefill
+from edgelin.validate import validate
 from upstream_hf import jitter, tiny_mamba2, tiny_qwen35, torch_only_modeling
 
 BUILDERS = {"qwen3_5_text": tiny_qwen35, "mamba2": tiny_mamba2}
@@ -56,6 +57,8 @@ def test_onnx_rollout_matches_upstream_forward(upstream, arch, tmp_path):
         got.append(logits)
     err = np.abs(np.stack(got, 1) - want[:, 19:47]).max() / np.abs(want).max()
     assert err < 1e-4, err
+    report = validate(tmp_path / "onnx", steps=16, prompt_len=8, batch=1)  # reloads the upstream checkpoint
+    assert report.passed, [m.to_dict() for m in report.failures]
 
 
 def test_qwen35_multimodal_checkpoint_takes_the_text_model(tmp_path):
