@@ -254,40 +254,9 @@ def test_source_checkpoint_changed_since_export(exported, tmp_path):
 
 def test_train_command_writes_a_loadable_checkpoint(tmp_path):
     recipe = tmp_path / "recipe.toml"
-    recipe.write_text("""
-[model]
-hidden_size = 32
-layer_types = ["gated_deltanet", "softmax"]
-num_heads = 2
-head_k_dim = 16
-head_v_dim = 16
-intermediate_size = 64
-[model.attention]
-num_heads = 2
-num_kv_heads = 1
-head_dim = 16
-window = 32
-[data]
-source = "python-stdlib"
-max_bytes = 100_000
-val_fraction = 0.05
-[tokenizer]
-kind = "bpe"
-vocab_size = 300
-[train]
-seed = 0
-steps = 4
-batch_size = 2
-seq_len = 32
-lr = 3e-3
-warmup = 1
-weight_decay = 0.0
-grad_clip = 1.0
-threads = 1
-eval_every = 2
-eval_windows = 2
-save_dtype = "float32"
-""")
+    from test_train import TINY  # the trainer tests' tiny recipe, cut to a few steps
+
+    recipe.write_text(TINY.replace("steps = 30", "steps = 4").replace("eval_every = 10", "eval_every = 2"))
     result = run("train", recipe, "--out", tmp_path / "ckpt", "--json")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
