@@ -305,3 +305,15 @@ def test_c_launcher_is_plain_c_and_validates_before_launching(cuda_object, tmp_p
     codes, message = run.stdout.strip().split("|")
     assert codes.split() == ["-1", "-2", "-3", "-1", "-4"], run.stdout
     assert "1..256" in message
+
+
+def test_step_destination_refuses_two_destinations():
+    """Both step entry points (Triton and CUDA) choose where the new state goes through one helper."""
+    from edgelin.kernels._common import KernelError, state_destination
+
+    state, other = torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2)
+    assert state_destination(state, None, True, "t") is state
+    assert state_destination(state, other, False, "t") is other
+    assert state_destination(state, None, False, "t") is None
+    with pytest.raises(KernelError, match="different state_out"):
+        state_destination(state, other, True, "t")

@@ -80,16 +80,17 @@ def _expand_dims(cfg: ConfigReader, default_k: float, default_v: float) -> dict[
     return {"num_heads": heads, "num_k_heads": heads, "head_k_dim": key // heads, "head_v_dim": value // heads}
 
 
-def _head_dims(cfg: ConfigReader) -> dict[str, int]:
+def _head_dims(cfg: ConfigReader, default_expand_v: float) -> dict[str, int]:
     """Sizes of the head_dim families (gated_deltanet, kda): value heads may outnumber key heads."""
     heads, head_dim = cfg.require("num_heads"), cfg.require("head_dim")
     v_heads = cfg.get("num_v_heads") or heads
     return {"num_heads": v_heads, "num_k_heads": heads, "head_k_dim": head_dim,
-            "head_v_dim": integral(head_dim * cfg.get("expand_v", 2.0), "head_dim * expand_v", cfg.source)}
+            "head_v_dim": integral(head_dim * cfg.get("expand_v", default_expand_v), "head_dim * expand_v", cfg.source)}
 
 
-def _gate_and_norm(cfg: ConfigReader, flag: str) -> dict[str, Any]:
-    if cfg.get(flag, True):
+def _gate_and_norm(cfg: ConfigReader, flag: str, default: bool) -> dict[str, Any]:
+    """`flag` (use_output_gate / use_gate) with fla's default for this layer."""
+    if cfg.get(flag, default):
         return {"output_norm": True, "output_gate": "after_norm"}
     return {"output_norm": True, "output_gate": "none"}
 
@@ -110,7 +111,7 @@ def retnet_config(cfg: ConfigReader) -> ModelConfig:
     fmap = cfg.expect("feature_map", tuple(ACT_MAPS), "feature maps")
     cfg.seen.update({"use_short_conv", "conv_size"})  # present in RetNetConfig, not passed to the layer
     cfg.get("elementwise_affine")
-    overrides = {"feature_map": ACT_MAPS[fmap], **_gate_and_norm(cfg, "use_output_gate")}
+    overrides = {"feature_map": ACT_MAPS[fmap], **_gate_and_norm(cfg, "use_output_gate", True)}
     return _common(cfg, "retnet", _expand_dims(cfg, 1.0, 2.0), overrides)
 
 
@@ -119,7 +120,7 @@ def gla_config(cfg: ConfigReader) -> ModelConfig:
     cfg.seen.update({"use_gk", "use_gv"})  # present in GLAConfig, not passed to the layer by fla 0.6
     cfg.get("elementwise_affine")
     overrides = {"feature_map": ACT_MAPS[fmap], "short_conv": bool(cfg.get("use_short_conv", False)),
-                 "gate_clamp_min": cfg.get("clamp_min"), **_gate_and_norm(cfg, "use_output_gate")}
+                 "gate_clamp_min": cfg.get("clamp_min"), **_gate_and_norm(cfg, "use_output_gate", True)}
     dims = {**_expand_dims(cfg, 0.5, 1.0), "conv_size": cfg.get("conv_size", 4)}
     return _common(cfg, "gla", dims, {k: v for k, v in overrides.items() if v is not None})
 
@@ -131,9 +132,7 @@ def delta_net_config(cfg: ConfigReader) -> ModelConfig:
     overrides = {"qk_norm": cfg.expect("qk_norm", ("l2", "sum"), "q/k normalisation", default="l2"),
                  "use_beta": bool(cfg.get("use_beta", True)),
                  "beta_scale": 2.0 if cfg.get("allow_neg_eigval", False) else 1.0,
-                 **_gate_and_norm(cfg, "use_gate")}
-    if not cfg.get("use_gate", False):
-        overrides["output_gate"] = "none"
+                 **_gate_and_norm(cfg, "use_gate", False)}
     dims = {**_expand_dims(cfg, 1.0, 1.0), "conv_size": cfg.get("conv_size", 4)}
     return _common(cfg, "deltanet", dims, overrides)
 
@@ -142,27 +141,20 @@ def gated_deltanet_config(cfg: ConfigReader) -> ModelConfig:
     cfg.expect("use_short_conv", True, "Gated DeltaNet without its short convolution", default=True)
     activation = cfg.expect("output_gate_activation", ("swish", "silu", "sigmoid"), "output gate", default="swish")
     overrides = {"beta_scale": 2.0 if cfg.get("allow_neg_eigval", False) else 1.0,
-                 **_gate_and_norm(cfg, "use_gate"),
+                 **_gate_and_norm(cfg, "use_gate", True),
                  "output_gate_activation": "sigmoid" if activation == "sigmoid" else "silu"}
-    return _common(cfg, "gated_deltanet", {**_head_dims(cfg), "conv_size": cfg.get("conv_size", 4)}, overrides)
+    return _common(cfg, "gated_deltanet", {**_head_dims(cfg, 2.0), "conv_size": cfg.get("conv_size", 4)}, overrides)
 
 
 def kda_config(cfg: ConfigReader) -> ModelConfig:
     cfg.expect("use_short_conv", True, "KDA without its short convolution", default=True)
     cfg.expect("safe_gate", False, "the bounded sigmoid gate", default=False)
     cfg.expect("lower_bound", None, "the bounded sigmoid gate", default=None)
-    dims = {**_head_dims(cfg), "conv_size": cfg.get("conv_size", 4)}
+    dims = {**_head_dims(cfg, 1.0), "conv_size": cfg.get("conv_size", 4)}  # KDA's expand_v defaults to 1
     rank = dims["head_v_dim"]
     overrides = {"beta_scale": 2.0 if cfg.get("allow_neg_eigval", False) else 1.0, "gate_low_rank": rank,
                  "gate_low_rank_bias": False, "output_gate_low_rank": rank, "output_gate_activation": "sigmoid"}
     return _common(cfg, "kda", dims, overrides)
-
-
-def kda_head_dims_default(cfg: ConfigReader) -> ModelConfig:
-    """KDA's expand_v defaults to 1 (Gated DeltaNet's to 2)."""
-    if cfg.data.get("expand_v") is None:
-        cfg.data = {**cfg.data, "expand_v": 1.0}
-    return kda_config(cfg)
 
 
 # ---- weights ---------------------------------------------------------------------------------------
@@ -232,5 +224,5 @@ CONVERTERS = [
     _fla("gla", gla_config, "fla Gated Linear Attention"),
     _fla("delta_net", delta_net_config, "fla DeltaNet"),
     _fla("gated_deltanet", gated_deltanet_config, "fla Gated DeltaNet"),
-    _fla("kda", kda_head_dims_default, "fla Kimi Delta Attention"),
+    _fla("kda", kda_config, "fla Kimi Delta Attention"),
 ]

@@ -108,6 +108,17 @@ def check_state(state: Tensor, shape: tuple[int, ...], what: str, name: str = "s
                           f"pass {name}.contiguous()")
 
 
+def state_destination(state: Tensor, state_out: Tensor | None, inplace: bool, what: str) -> Tensor | None:
+    """Where a step writes its new state: `state` itself (inplace), `state_out` (ping-pong), or
+    None for a fresh buffer. Asking for both destinations at once is an error, not a silent choice."""
+    if not inplace:
+        return state_out
+    if state_out is not None and state_out.data_ptr() != state.data_ptr():
+        raise KernelError(f"{what}: inplace=True with a different state_out",
+                          "the two ask for different destinations", "pass one of them")
+    return state
+
+
 def check_out(out: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, what: str) -> None:
     if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.stride(-1) != 1):
         raise KernelError(f"{what}: out is {tuple(out.shape)} {out.dtype}",

@@ -14,6 +14,7 @@ import torch
 
 from edgelin.kernels._common import (
     KernelError, Tensor, check_aux, check_out, check_qkv, check_state, last_dim_contiguous,
+    state_destination,
 )
 
 CUDA_DIR = Path(__file__).parent / "cuda"
@@ -98,9 +99,8 @@ def cuda_step(
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     shape = (batch, heads, d_k, d_v)
     check_state(state, shape, what)
-    if inplace:
-        state_out = state
-    elif state_out is None:
+    state_out = state_destination(state, state_out, inplace, what)
+    if state_out is None:
         state_out = torch.empty(shape, dtype=torch.float32, device=q.device)
     check_state(state_out, shape, what, "state_out")
     if out is None:

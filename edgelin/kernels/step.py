@@ -15,7 +15,7 @@ import triton.language as tl
 
 from edgelin.kernels._common import (
     KernelError, Tensor, check_aux, check_device, check_out, check_qkv, check_state, last_dim_contiguous, next_pow2,
-    strides3,
+    state_destination, strides3,
 )
 
 
@@ -178,11 +178,7 @@ def fused_step(
     updates `state` itself; `state_out` names a second buffer (ping-pong); else a new tensor."""
     if q.dim() != 3:
         raise KernelError(f"fused_step: q has {q.dim()} dims", "expected [B, H, d_k]", "drop the time axis")
-    if inplace:
-        if state_out is not None and state_out.data_ptr() != state.data_ptr():
-            raise KernelError("fused_step: inplace=True with a different state_out", "the two ask for "
-                              "different destinations", "pass one of them")
-        state_out = state
+    state_out = state_destination(state, state_out, inplace, "fused_step")
     o, s = fused_recurrent(
         q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), state,
         None if g is None else g.unsqueeze(1), None if beta is None else beta.unsqueeze(1),
