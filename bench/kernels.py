@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgelin import kernels  # noqa: E402
 from edgelin.kernels.chunk import chunk_config  # noqa: E402
 from edgelin.kernels.step import step_config  # noqa: E402
-from edgelin.reference import recurrence  # noqa: E402
+from edgelin.reference import recurrence  # noqa: E402  (pure torch: never routed to a kernel)
 
 DEV = "cuda"
 COMBOS = [("none", False), ("scalar", False), ("per_key", False), ("none", True), ("scalar", True), ("per_key", True)]
@@ -152,8 +152,7 @@ def bench_step_bandwidth(copy_bw: float, sweep: bool) -> None:
         qf, kf, vf, gf, bf = (None if x is None else x.float() for x in (q, kk, vv, g, beta))
 
         def torch_step():
-            with recurrence.use_backend("torch"):
-                return recurrence.recurrent_step(state, qf, kf, vf, gf, bf)
+            return recurrence.recurrent_step(state, qf, kf, vf, gf, bf)
         runs["torch"] = torch_step
         cells, row = [], {}
         for name, fn in runs.items():
@@ -212,8 +211,7 @@ def bench_step_latency() -> None:
         qf, kf, vf, gf, bf = (None if x is None else x.float() for x in (q, kk, vv, g, beta))
 
         def torch_call(s):
-            with recurrence.use_backend("torch"):
-                return recurrence.recurrent_step(s, qf, kf, vf, gf, bf)
+            return recurrence.recurrent_step(s, qf, kf, vf, gf, bf)
         impls = {
             "triton": [lambda s=s, o=o: kernels.fused_step(q, kk, vv, s, g, beta, out=o, inplace=True)
                        for s, o in zip(states, outs)],

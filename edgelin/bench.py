@@ -3,16 +3,22 @@
 Position p is reached by (piecewise) prefill, never by p steps; then the same state is stepped
 repeatedly, so every timed step sits exactly at position p. `baseline="kv"` exports a same-size
 softmax-attention model with a growing KV cache the same way and measures it in the same run.
+
+Before anything runs, every position is checked against what this machine can do: the state at
+that position plus a prefill call's working memory must fit in the available memory, and the
+prefill to reach it (timed on one piece) must finish within `max_seconds`. Prompt ids are drawn
+piece by piece, so no [batch, position] array is ever allocated.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -20,6 +26,11 @@ from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner
 from edgelin.export.manifest import Manifest
 from edgelin.runtime import open_runner, peak_rss_bytes, prefill, rss_bytes
+
+if TYPE_CHECKING:
+    from edgelin.model.lm import CausalLM
+
+MAX_SECONDS = 3600.0  # a bench plan estimated to take longer is refused before it starts
 
 
 @dataclass
@@ -66,17 +77,25 @@ def time_steps(runner: Runner, state, position: int, batch: int, warmup: int, it
     return times * 1e3
 
 
+def random_pieces(seed: int, vocab: int, batch: int, tokens: int, chunk: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(offset, ids [batch, <= chunk]) covering `tokens` random ids, drawn piece by piece (the same
+    pieces for the same seed) so a long prompt never exists as one array."""
+    rng = np.random.default_rng(seed)
+    for lo in range(0, tokens, chunk):
+        yield lo, rng.integers(0, vocab, (batch, min(chunk, tokens - lo)), dtype=np.int64)
+
+
 def measure(runner: Runner, label: str, positions: list[int], batch: int, warmup: int, iters: int,
             prefill_chunk: int, report: BenchReport, seed: int,
             on_progress: Callable[[str], None] | None) -> None:
-    rng = np.random.default_rng(seed)
     state, reached = runner.initial_state(batch), 0
     for p in sorted(positions):
         if p > reached:  # continue the prefill from the last position reached
             if on_progress:
                 on_progress(f"{label}: prefill to position {p}")
-            ids = rng.integers(0, runner.manifest.vocab_size, (batch, p - reached), dtype=np.int64)
-            _, state = prefill(runner, ids, state, start=reached, chunk=prefill_chunk)
+            for lo, ids in random_pieces(seed + reached, runner.manifest.vocab_size, batch, p - reached,
+                                         prefill_chunk):
+                _, state = prefill(runner, ids, state, start=reached + lo, chunk=prefill_chunk)
             reached = p
         if on_progress:
             on_progress(f"{label}: {iters} steps at position {p}")
@@ -88,42 +107,141 @@ def measure(runner: Runner, label: str, positions: list[int], batch: int, warmup
 
 def prefill_throughput(runner: Runner, tokens: int, batch: int, prefill_chunk: int, seed: int) -> tuple[float, float]:
     """(prefill tokens/s, token-by-token steps tokens/s) over the same `tokens`-long prompt."""
-    ids = np.random.default_rng(seed).integers(0, runner.manifest.vocab_size, (batch, tokens), dtype=np.int64)
-    prefill(runner, ids, chunk=prefill_chunk)  # warm-up at the timed shapes: the runtime plans per shape
+    vocab = runner.manifest.vocab_size
+
+    def run_prefill() -> None:
+        state = runner.initial_state(batch)
+        for lo, ids in random_pieces(seed, vocab, batch, tokens, prefill_chunk):
+            _, state = prefill(runner, ids, state, start=lo, chunk=prefill_chunk)
+
+    run_prefill()  # warm-up at the timed shapes: the runtime plans per shape
     runs = []
     for _ in range(3):
         t0 = time.perf_counter()
-        prefill(runner, ids, chunk=prefill_chunk)
+        run_prefill()
         runs.append(time.perf_counter() - t0)
     prefill_s = float(np.median(runs))
     state = runner.initial_state(batch)
-    for t in range(min(tokens, 16)):  # warm up the step session too
-        runner.step(ids[:, t], state, np.full(batch, t, np.int64))
+    first = next(random_pieces(seed, vocab, batch, tokens, prefill_chunk))[1]
+    for t in range(min(first.shape[1], 16)):  # warm up the step session too
+        runner.step(first[:, t], state, np.full(batch, t, np.int64))
     t0 = time.perf_counter()
-    for t in range(tokens):
-        _, state = runner.step(ids[:, t], state, np.full(batch, t, np.int64))
+    for lo, ids in random_pieces(seed, vocab, batch, tokens, prefill_chunk):
+        for t in range(ids.shape[1]):
+            _, state = runner.step(ids[:, t], state, np.full(batch, lo + t, np.int64))
     steps_s = time.perf_counter() - t0
     return batch * tokens / prefill_s, batch * tokens / steps_s
 
 
-def kv_baseline(folder: Path, workdir: Path) -> Path:
-    """Export a same-size softmax-attention LM with a growing KV cache (random weights: latency and
-    memory do not depend on weight values) with the same target."""
+# ---- what this machine can reach -----------------------------------------------------------------
+def available_memory() -> int | None:
+    """Bytes the kernel could give us now (MemAvailable), else free physical pages; None if unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def memory_needed(manifest: Manifest, position: int, batch: int, chunk: int) -> int:
+    """Bytes a prefill piece ending at `position` needs, estimated from the manifest: the state fed in
+    and the state returned (a growing KV cache at its length), the ids piece and the last logits,
+    and for a growing cache the attention scores of one layer at a time ([batch, heads, piece,
+    past + piece] floats, and the softmax of them; the cache's kv heads stand in for the heads)."""
+    piece = min(chunk, position)
+    state = manifest.state_bytes(batch, past=position)
+    scores = max((batch * int(t.dims[1]) * piece * position * 4 for t in manifest.state_inputs
+                  if "past_sequence" in t.dims and (t.state_role or t.state_name) == "key"), default=0)
+    return 2 * state + 2 * scores + batch * piece * 8 + batch * manifest.vocab_size * 4
+
+
+def check_memory(manifest: Manifest, label: str, positions: list[int], batch: int, chunk: int,
+                 available: int | None) -> None:
+    if available is None:
+        return
+    for p in positions:
+        need = memory_needed(manifest, p, batch, chunk)
+        if need > available:
+            raise EdgelinError(f"{label}: position {p} does not fit in memory",
+                               f"the state at that position plus a prefill piece need about {human(need)}, and "
+                               f"{human(available)} is available", "pick smaller --positions (or a smaller --batch)")
+
+
+def check_time(runner: Runner, positions: list[int], prefill_tokens: int, batch: int, chunk: int,
+               timed_steps: int, max_seconds: float, kv: bool) -> None:
+    """Time one prefill piece and a few steps, and refuse a plan whose prefill would outlast max_seconds."""
+    vocab, piece = runner.manifest.vocab_size, min(chunk, max(positions[-1], prefill_tokens, 1))
+    ids = np.random.default_rng(0).integers(0, vocab, (batch, piece), dtype=np.int64)
+    zeros = np.zeros(batch, np.int64)
+    state = runner.initial_state(batch)
+    runner.prefill(ids, state, zeros)  # the first call at a shape plans it: not timed
+    t0 = time.perf_counter()
+    runner.prefill(ids, state, zeros)
+    prefill_rate = piece / max(time.perf_counter() - t0, 1e-9)
+    runner.step(ids[:, 0], state, zeros)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        runner.step(ids[:, 0], state, zeros)
+    step_rate = 4 / max(time.perf_counter() - t0, 1e-9)
+    # the prefill to the last position, the timed steps, then prefill_throughput: 4 prefills and
+    # one token-by-token pass over prefill_tokens
+    seconds = (positions[-1] / prefill_rate + len(positions) * timed_steps / step_rate
+               + prefill_tokens * (4 / prefill_rate + 1 / step_rate))
+    if kv:
+        seconds *= 2  # the KV baseline prefills as far again, more slowly (a lower bound)
+    if seconds > max_seconds:
+        raise EdgelinError(
+            f"this bench would take about {duration(seconds)}",
+            f"prefill to position {positions[-1]:,}, {timed_steps:,} timed steps per position and "
+            f"--prefill-tokens {prefill_tokens:,}, at the {prefill_rate:,.0f} prefill tok/s and "
+            f"{step_rate:,.0f} steps/s just measured; the limit is {duration(max_seconds)}",
+            "pick smaller --positions, --iters or --prefill-tokens")
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if nbytes < 1024 or unit == "PiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def duration(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
+def kv_baseline_model(manifest: Manifest) -> "CausalLM":
+    """A same-size softmax-attention LM with a growing KV cache (random weights: latency and memory
+    do not depend on weight values)."""
     from edgelin.checkpoint import load_model
-    from edgelin.export.pipeline import export_model
     from edgelin.model.config import AttentionConfig
     from edgelin.model.lm import CausalLM
 
-    manifest = Manifest.load(folder)
     config = load_model(Path(manifest.source["path"]))[0].config
     heads = config.num_heads
     baseline = config.replace(
         layer_types=("softmax",) * config.num_layers, family_overrides={},
         attention=AttentionConfig(heads, heads, config.head_v_dim, window=None),
     )
+    return CausalLM(baseline).eval()
+
+
+def kv_baseline(model: "CausalLM", target: str, workdir: Path) -> Path:
+    """Export the KV baseline with the same target."""
+    from edgelin.export.pipeline import export_model
+
     out = workdir / "kv-baseline"
-    export_model(CausalLM(baseline).eval(), out, manifest.target, {"path": "(kv baseline)", "sha256": "",
-                                                                   "format": "edgelin", "model_type": "edgelin"})
+    export_model(model, out, target, {"path": "(kv baseline)", "sha256": "", "format": "edgelin",
+                                      "model_type": "edgelin"})
     return out
 
 
@@ -139,33 +257,52 @@ def bench(
     threads: int | None = None,
     seed: int = 0,
     on_progress: Callable[[str], None] | None = None,
+    max_seconds: float = MAX_SECONDS,
 ) -> BenchReport:
     positions = sorted(set(int(p) for p in positions))
-    if not positions or positions[0] < 1 or batch < 1 or iters < 1:
-        raise EdgelinError("bad bench arguments", "positions, batch and iters must be >= 1",
-                           "e.g. --positions 1,1024,8192")
+    for name, value, least in (("--batch", batch, 1), ("--iters", iters, 1), ("--warmup", warmup, 0),
+                               ("--prefill-tokens", prefill_tokens, 0), ("prefill chunk", prefill_chunk, 1)):
+        if value < least:
+            raise EdgelinError(f"{name} {value}", f"it must be >= {least}", f"pass {name} {least} or more")
+    if not positions or positions[0] < 1:
+        raise EdgelinError(f"--positions {positions[0] if positions else '(none)'}",
+                           "a position counts tokens of context and must be >= 1", "e.g. --positions 1,1024,8192")
     if baseline not in (None, "kv"):
         raise EdgelinError(f"unknown baseline {baseline!r}", "the one baseline is a KV-cache model", "use --baseline kv")
+    kv_chunk = min(prefill_chunk, 1024)  # full attention over a growing cache: smaller pieces bound the scores
     runner = open_runner(folder, threads)
+    available = available_memory()
+    check_memory(runner.manifest, "edgelin", positions, batch, prefill_chunk, available)
     report = BenchReport(str(folder), runner.manifest.target, batch, threads)
-    measure(runner, "edgelin", positions, batch, warmup, iters, prefill_chunk, report, seed, on_progress)
-    if prefill_tokens:
-        if on_progress:
-            on_progress(f"prefill vs steps over {prefill_tokens} tokens")
-        report.prefill_tokens = prefill_tokens
-        pf, st = prefill_throughput(runner, prefill_tokens, batch, prefill_chunk, seed)
-        report.prefill_tokens_per_s["edgelin"], report.steps_tokens_per_s["edgelin"] = pf, st
-    if baseline == "kv":
-        workdir = Path(tempfile.mkdtemp(prefix="edgelin-kv-"))
-        try:
+    kv_model = None
+    if baseline == "kv":  # its memory is checked from its graphs' I/O, before the export is paid for
+        from edgelin.export.pipeline import build_manifest
+
+        kv_model = kv_baseline_model(runner.manifest)
+        kv_io = build_manifest(kv_model, runner.manifest.target, "fp32", {"step": "", "prefill": ""}, {}, None)
+        check_memory(kv_io, "kv-baseline", positions, batch, kv_chunk, available)
+    workdir = Path(tempfile.mkdtemp(prefix="edgelin-kv-")) if kv_model is not None else None
+    try:
+        kv = None
+        if kv_model is not None:
             if on_progress:
                 on_progress("exporting the KV-cache baseline")
-            kv = open_runner(kv_baseline(Path(folder), workdir), threads)
-            # Full attention over a growing cache: smaller prefill pieces bound the score matrix.
-            measure(kv, "kv-baseline", positions, batch, warmup, iters, min(prefill_chunk, 1024), report, seed,
-                    on_progress)
-        finally:
+            kv = open_runner(kv_baseline(kv_model, runner.manifest.target, workdir), threads)
+        if on_progress:
+            on_progress("estimating the time to reach each position")
+        check_time(runner, positions, prefill_tokens, batch, prefill_chunk, warmup + iters, max_seconds,
+                   kv is not None)
+        measure(runner, "edgelin", positions, batch, warmup, iters, prefill_chunk, report, seed, on_progress)
+        if prefill_tokens:
+            if on_progress:
+                on_progress(f"prefill vs steps over {prefill_tokens} tokens")
+            report.prefill_tokens = prefill_tokens
+            pf, st = prefill_throughput(runner, prefill_tokens, batch, prefill_chunk, seed)
+            report.prefill_tokens_per_s["edgelin"], report.steps_tokens_per_s["edgelin"] = pf, st
+        if kv is not None:
+            measure(kv, "kv-baseline", positions, batch, warmup, iters, kv_chunk, report, seed, on_progress)
+    finally:
+        if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
     report.peak_rss_bytes = peak_rss_bytes()
     return report
-

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ class CheckpointInfo:
     model_type: str
     sha256: str
     tokenizer: Path | None
+    inert_fields: tuple[str, ...] = ()  # config.json fields the upstream model never reads (accepted)
 
 
 def checkpoint_dir(path: Path) -> Path:
@@ -131,19 +131,19 @@ def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
     model_type = data.get("model_type")
     source = str(path / CONFIG)
     if model_type == MODEL_TYPE:
-        config, fmt = ModelConfig.from_dict(data, source=source), MODEL_TYPE
+        config, fmt, inert = ModelConfig.from_dict(data, source=source), MODEL_TYPE, ()
         tensors = load_state_dict(path)
     else:
-        from edgelin.convert import convert_config
+        from edgelin.convert import convert
 
-        config, converter = convert_config(data, source)
-        fmt = converter.origin(data)
-        tensors = converter.map_weights(load_state_dict(path), config, data)
+        done = convert(data, source)
+        config, fmt, inert = done.config, done.converter.origin(data), done.inert
+        tensors = done.converter.map_weights(load_state_dict(path), config, data)
     model = CausalLM(config)
     assign_weights(model, tensors, path)
     tokenizer = path / TOKENIZER
     info = CheckpointInfo(path.resolve(), fmt, str(model_type), checkpoint_hash(path),
-                          tokenizer if tokenizer.is_file() else None)
+                          tokenizer if tokenizer.is_file() else None, tuple(inert))
     return model.eval(), info
 
 
@@ -162,6 +162,11 @@ def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], path: Path
     if problems:
         raise EdgelinError(f"weights in {path} do not match config.json", "; ".join(problems),
                            "use the config.json saved with these weights")
+    for name in sorted(set(tensors) & set(expected)):  # a cast would hide corrupt or mislabeled weights
+        if expected[name].is_floating_point() and not tensors[name].is_floating_point():
+            raise EdgelinError(f"{path}: tensor {name} has dtype {str(tensors[name].dtype).removeprefix('torch.')}",
+                               "the model holds floating-point values there (float16, bfloat16, float32 or "
+                               "float64 are read)", "re-save the checkpoint with its floating-point weights")
     with torch.no_grad():
         for name, value in tensors.items():
             target = expected[name]
@@ -175,35 +180,34 @@ def _few(items: list[str], n: int = 4) -> str:
     return ", ".join(items[:n]) + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
 
-def save_checkpoint(model: CausalLM, out: Path, tokenizer: Path | None = None,
-                    dtype: torch.dtype = torch.float32) -> Path:
-    """Write config.json + model.safetensors (+ tokenizer.json) atomically. `dtype` is the storage
-    type of floating-point tensors (float16 halves the file; loading always computes in fp32)."""
+def write_checkpoint_files(model: CausalLM, folder: Path, tokenizer: Path | None = None,
+                           dtype: torch.dtype = torch.float32) -> list[str]:
+    """Write config.json + model.safetensors (+ tokenizer.json) into `folder` (a claimed temp folder;
+    see save_checkpoint). Returns the names written."""
     from safetensors.torch import save_file
 
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        config = {**model.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch.")}
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
-                 for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, tmp / TOKENIZER)
-        if out.exists():
-            for item in out.iterdir():  # keep unrelated files (recipe.toml, logs) in place
-                if item.name in (CONFIG, WEIGHTS, TOKENIZER):
-                    item.unlink()
-            for item in tmp.iterdir():
-                item.rename(out / item.name)
-            tmp.rmdir()
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    folder = Path(folder)
+    config = {**model.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch.")}
+    (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
+             for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / WEIGHTS), metadata={"format": "pt"})
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, folder / TOKENIZER)
+    return [CONFIG, WEIGHTS] + ([TOKENIZER] if tokenizer is not None else [])
+
+
+def save_checkpoint(model: CausalLM, out: Path, tokenizer: Path | None = None,
+                    dtype: torch.dtype = torch.float32, force: bool = False) -> Path:
+    """Write config.json + model.safetensors (+ tokenizer.json) atomically. `dtype` is the storage
+    type of floating-point tensors (float16 halves the file; loading always computes in fp32).
+    An existing `out` needs `force`, and only a checkpoint edgelin trained is replaced (its other
+    files are kept): see edgelin.outputs."""
+    from edgelin.outputs import CHECKPOINT, claim_output
+
+    writes = [CONFIG, WEIGHTS] + ([TOKENIZER] if tokenizer is not None else [])
+    with claim_output(Path(out), force, CHECKPOINT, writes=writes) as tmp:
+        write_checkpoint_files(model, tmp, tokenizer, dtype)
+    return Path(out)

@@ -2,21 +2,125 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
+import math
 import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Literal, Optional
 
 import typer
+from rich.text import Text
+from typer.core import TyperCommand, TyperGroup
 
 from edgelin import __version__
 from edgelin.errors import EdgelinError
-from edgelin.output import Output, human_bytes
+from edgelin.export.targets import target_names
+from edgelin.output import Output, human_bytes, styled
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+try:  # typer >= 0.20 vendors click
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on the real click
+    from click.exceptions import NoArgsIsHelpError, UsageError
+
+_debug = {"on": bool(os.environ.get("EDGELIN_DEBUG"))}
+
+# Choices typer shows in --help and checks at parse time.
+TargetName = Literal[tuple(target_names())]  # type: ignore[valid-type]  # the registry, not a hand-kept list
+Precision = Literal["fp32", "fp16"]
+Baseline = Literal["kv"]
+
+
+class _Clean:
+    """Help and usage errors for people: flags render as flags, and a usage error is one line."""
+
+    def get_params(self, ctx: Any) -> list:
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:  # typer 0.29's rich help prints every flag (--force, --help) as "<bool>"
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)  # type: ignore[misc]
+
+
+class EdgelinCommand(_Clean, TyperCommand):
+    pass
+
+
+class EdgelinGroup(_Clean, TyperGroup):
+    def invoke(self, ctx: Any) -> Any:  # "Missing command", "No such command", a command's own parse errors
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """typer's usage error is a multi-line box; edgelin's errors are one line: `error: WHAT: WHY. Fix: FIX`."""
+    try:
+        yield
+    except NoArgsIsHelpError:  # bare `edgelin` prints the help, as intended
+        raise
+    except UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "edgelin"
+        message = exc.format_message().strip().rstrip(".").replace("Value error, ", "")  # typer 0.29's wording
+        Output().error(f"{message}. Fix: see `{where} --help`")
+        raise typer.Exit(exc.exit_code) from None
+
+
+app = typer.Typer(cls=EdgelinGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Ship trained linear-attention models to edge devices.")
 JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
-_debug = {"on": bool(os.environ.get("EDGELIN_DEBUG"))}
+
+
+# ---- parse-time range checks: a bad number is a one-line usage error (exit 2) before any work ----
+def _finite(above: float, at_most: float | None = None) -> Callable[[Optional[float]], Optional[float]]:
+    """A callback accepting finite values in (above, at_most]: typer's min= is a closed bound and lets inf through."""
+    bound = f"> {above:g}" + (f" and <= {at_most:g}" if at_most is not None else "")
+
+    def check(value: Optional[float]) -> Optional[float]:
+        if value is not None and not (math.isfinite(value) and value > above
+                                      and (at_most is None or value <= at_most)):
+            raise typer.BadParameter(f"{value:g} is out of range: it must be finite and {bound}")
+        return value
+
+    return check
+
+
+POSITIVE = _finite(0.0)
+
+
+# ---- environment faults: the user's machine, not a bug in edgelin ----------------------------------
+_OS_FAULTS: dict[int, tuple[str, str]] = {
+    errno.EACCES: ("permission denied", "check the path's permissions, or use a location you own"),
+    errno.EPERM: ("operation not permitted", "check the path's permissions, or use a location you own"),
+    errno.EROFS: ("the file system is read-only", "write to a folder on a writable file system"),
+    errno.ENOSPC: ("no space left on the device", "free disk space, or write to another disk"),
+    errno.EDQUOT: ("the disk quota is exhausted", "free disk space, or write to another disk"),
+    errno.ENOTDIR: ("a part of the path is a file, not a folder", "pick a path whose parents are folders"),
+    errno.EISDIR: ("it is a folder where a file was expected", "pass a file, or pick another path"),
+    errno.ENOENT: ("no such file or folder", "check the path"),
+    errno.EEXIST: ("it already exists", "pick another path"),
+    errno.EMFILE: ("too many open files", "raise the open-file limit (ulimit -n) and re-run"),
+    errno.ENFILE: ("too many open files in the system", "close other programs and re-run"),
+    errno.ENAMETOOLONG: ("the path is too long", "use a shorter path"),
+    errno.EIO: ("input/output error", "check the disk (it may be failing or disconnected)"),
+}
+
+
+def environment_error(exc: BaseException) -> EdgelinError:
+    """An OSError or MemoryError as one actionable line (exit 2): the machine, not edgelin, failed."""
+    if isinstance(exc, MemoryError):
+        return EdgelinError("out of memory", "the machine could not allocate what this command needs",
+                            "close other programs, or use smaller sizes (--batch, --positions, --steps, -n)")
+    assert isinstance(exc, OSError)
+    why, fix = _OS_FAULTS.get(exc.errno or -1, (exc.strerror or str(exc) or type(exc).__name__,
+                                                "check the path and the file system, then re-run"))
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    return EdgelinError(f"cannot use {paths}" if paths else "a file operation failed", why, fix)
 
 
 def command(fn: Callable) -> Callable:
@@ -39,6 +143,12 @@ def command(fn: Callable) -> Callable:
             raise typer.Exit(0)
         except (typer.Exit, typer.Abort):
             raise
+        except (OSError, MemoryError) as exc:  # the safety net: the library names the common ones itself
+            if _debug["on"]:
+                raise
+            error = environment_error(exc)
+            out.error(error.line())
+            raise typer.Exit(error.exit_code)
         except Exception as exc:  # a bug in edgelin: still one line unless --debug
             if _debug["on"]:
                 raise
@@ -49,17 +159,21 @@ def command(fn: Callable) -> Callable:
 
     sig = inspect.signature(fn)
     wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
-    return app.command()(wrapper)
+    return app.command(cls=EdgelinCommand)(wrapper)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"edgelin {__version__}")
+        raise typer.Exit(0)
 
 
 @app.callback()
 def main_options(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
 ) -> None:
-    if version:
-        typer.echo(f"edgelin {__version__}")
-        raise typer.Exit(0)
     _debug["on"] = _debug["on"] or debug
 
 
@@ -99,8 +213,10 @@ def inspect(
     if not report.supported:
         raise EdgelinError(f"{checkpoint} cannot be exported", report.reason or "unsupported",
                            report.fix or "see the supported checkpoints in README.md")
-    out.line(f"[bold]{checkpoint}[/]: {report.model_type} ({report.source}), {report.num_parameters:,} parameters"
-             + (f" — {report.note}" if report.note else ""))
+    out.line(Text.assemble((str(checkpoint), "bold"), f": {report.model_type} ({report.source}), "
+                           f"{report.num_parameters:,} parameters" + (f" — {report.note}" if report.note else "")))
+    for warning in report.warnings:
+        out.warning(warning)
     kinds: dict[str, int] = {}
     for layer in report.layers:
         kinds[layer["type"]] = kinds.get(layer["type"], 0) + 1
@@ -108,6 +224,9 @@ def inspect(
     growth = f" + {human_bytes(report.kv_bytes_per_token)} per token of context (full-attention KV cache)" \
         if report.kv_bytes_per_token else " (constant)"
     out.line(f"state per sequence: {human_bytes(report.state_bytes_per_sequence)}{growth}")
+    out.line(f"tokenizer: {report.tokenizer}")
+    if report.inert_fields:
+        out.line(f"ignored (inert upstream fields): {', '.join(report.inert_fields)}")
     out.table("Targets by device", ["device", "target", "ok", "why not"],
               [[r["device"], r["target"], "yes" if r["ok"] else "no", r["reason"] or ""] for r in report.targets])
 
@@ -116,40 +235,53 @@ def inspect(
 def export(
     out: Output,
     checkpoint: Path = typer.Argument(..., help="Checkpoint directory (config.json + safetensors), or a recipe folder."),
-    target: str = typer.Option("onnx", "--target", "-t", help="Export target."),
+    target: TargetName = typer.Option("onnx", "--target", "-t", help="Export target."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Output folder (must not exist unless --force)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing output folder."),
-    device: Optional[str] = typer.Option(None, "--device", help="Check the export against a device profile."),
-    precision: str = typer.Option("fp32", "--precision", help="Compute precision of the graphs."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output folder that edgelin wrote."),
+    device: Optional[str] = typer.Option(None, "--device", help="Check the export against a device profile "
+                                                                  "(`edgelin devices` lists them)."),
+    precision: Optional[Precision] = typer.Option(None, "--precision",
+                                                  help="Compute precision of the graphs (default: the device's, else fp32)."),
+    no_tokenizer: bool = typer.Option(False, "--no-tokenizer",
+                                      help="Export without a tokenizer (generate will then need one)."),
     as_json: bool = JSON,
 ) -> None:
     """Export step + prefill graphs and manifest.json for a target."""
-    from edgelin.devices import get_device
+    from edgelin.devices import export_settings, get_device
     from edgelin.export.base import ExportOptions
     from edgelin.export.pipeline import export_checkpoint
 
     profile = get_device(device) if device else None
+    settings = export_settings(profile, target, precision)  # refused here, before the checkpoint loads
     with out.progress(f"exporting {checkpoint} to {target}"):
-        result = export_checkpoint(checkpoint, out_dir, target, force, profile, ExportOptions(precision=precision))
+        result = export_checkpoint(checkpoint, out_dir, target, force, profile,
+                                   ExportOptions(precision=settings.precision, state_dtype=settings.state_dtype),
+                                   include_tokenizer=not no_tokenizer, settings=settings)
+    for warning in result.warnings:
+        out.warning(warning)
     m = result.manifest
-    out.result({"folder": str(result.folder), "files": result.files, "manifest": m.to_dict()})
+    out.result({"folder": str(result.folder), "files": result.files, "manifest": m.to_dict(),
+                "inert_fields": list(result.inert_fields), "warnings": list(result.warnings)})
     out.table(f"Exported {checkpoint} -> {result.folder}", ["graph", "file", "inputs", "outputs"],
               [[kind, g.file, len(g.inputs), len(g.outputs)] for kind, g in m.graphs.items()])
     out.line(f"state per sequence: {human_bytes(m.state_bytes(1))} "
              f"({'constant' if m.constant_memory else 'grows with context'}); "
              f"layers: {', '.join(layer['type'] for layer in m.layers)}")
+    if result.inert_fields:
+        out.line(f"ignored (inert upstream fields): {', '.join(result.inert_fields)}")
 
 
 @command
 def validate(
     out: Output,
     folder: Path = typer.Argument(..., help="An export folder."),
-    steps: int = typer.Option(512, help="Decode steps rolled out after the prompt."),
-    prompt_len: int = typer.Option(32, help="Prompt tokens (prefilled)."),
-    batch: int = typer.Option(2, help="Sequences per batch."),
-    rtol: Optional[float] = typer.Option(None, help="Max error relative to the reference's scale (default by precision)."),
+    steps: int = typer.Option(512, min=1, help="Decode steps rolled out after the prompt."),
+    prompt_len: int = typer.Option(32, min=1, help="Prompt tokens (prefilled)."),
+    batch: int = typer.Option(2, min=1, help="Sequences per batch."),
+    rtol: Optional[float] = typer.Option(None, callback=POSITIVE,
+                                         help="Max error relative to the reference's scale (default by precision)."),
     reference: Optional[Path] = typer.Option(None, help="Reference checkpoint (default: the one exported)."),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0, help="Seed of the random token sequences."),
     as_json: bool = JSON,
 ) -> None:
     """Roll out prefill + N steps through the exported graphs and compare with PyTorch at every step."""
@@ -164,13 +296,13 @@ def validate(
               f"(threshold {report.threshold:g} relative)",
               ["check", "output", "max abs", "max rel", "worst step", "result"],
               [[m.check, m.output, m.max_abs, m.max_rel, "-" if m.worst_step is None else m.worst_step,
-                "[green]ok[/]" if m.passed else "[red]FAIL[/]"] for m in report.metrics])
+                styled("ok", "green") if m.passed else styled("FAIL", "bold red")] for m in report.metrics])
     if not report.passed:
         names = ", ".join(f"{m.check}/{m.output}" for m in report.failures[:5])
         raise ValidationFailed(f"{len(report.failures)} of {len(report.metrics)} checks failed ({names})",
                                f"errors exceed {report.threshold:g} of the reference's scale",
                                "inspect the table; re-export, or loosen --rtol only if the precision warrants it")
-    out.line(f"[green]all {len(report.metrics)} checks passed[/] in {report.seconds:.1f} s")
+    out.line(Text.assemble((f"all {len(report.metrics)} checks passed", "green"), f" in {report.seconds:.1f} s"))
 
 
 @command
@@ -178,12 +310,13 @@ def bench(
     out: Output,
     folder: Path = typer.Argument(..., help="An export folder."),
     positions: str = typer.Option("1,1024,8192,32768", help="Context positions (comma-separated)."),
-    batch: int = typer.Option(1),
-    iters: int = typer.Option(200, help="Timed steps per position."),
-    warmup: int = typer.Option(20),
-    prefill_tokens: int = typer.Option(2048, help="Prompt length for prefill-vs-steps throughput (0: skip)."),
-    baseline: Optional[str] = typer.Option(None, help="'kv': also measure a same-size KV-cache softmax model."),
-    threads: Optional[int] = typer.Option(None, help="Runtime threads (default: the device's, else runtime's)."),
+    batch: int = typer.Option(1, min=1, help="Sequences per step."),
+    iters: int = typer.Option(200, min=1, help="Timed steps per position."),
+    warmup: int = typer.Option(20, min=0, help="Untimed steps before timing, per position."),
+    prefill_tokens: int = typer.Option(2048, min=0, help="Prompt length for prefill-vs-steps throughput (0: skip)."),
+    baseline: Optional[Baseline] = typer.Option(None, help="Also measure a same-size KV-cache softmax model."),
+    threads: Optional[int] = typer.Option(None, min=0, help="Runtime threads (0 or unset: the device's, "
+                                                            "else the runtime's default)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
     as_json: bool = JSON,
 ) -> None:
@@ -217,36 +350,45 @@ def bench(
 def generate(
     out: Output,
     folder: Path = typer.Argument(..., help="An export folder."),
-    prompt: str = typer.Option(..., "--prompt", "-p"),
-    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n"),
-    temperature: float = typer.Option(0.8),
-    top_k: int = typer.Option(50),
-    top_p: float = typer.Option(0.95),
-    greedy: bool = typer.Option(False, help="Argmax decoding."),
-    seed: int = typer.Option(0),
-    threads: Optional[int] = typer.Option(None),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", min=0, help="Tokens to generate at most."),
+    temperature: float = typer.Option(0.8, callback=POSITIVE, help="Sampling temperature (> 0)."),
+    top_k: int = typer.Option(50, min=0, help="Sample among the K likeliest tokens (0: all)."),
+    top_p: float = typer.Option(0.95, callback=_finite(0.0, 1.0),
+                                help="Sample within the smallest set of tokens of total probability P (0 < P <= 1)."),
+    repetition_penalty: float = typer.Option(
+        1.0, callback=POSITIVE, help="Divide the positive logits (multiply the negative ones) of every token "
+                                     "already in the context by P; 1: off, 1.1-1.3: typical."),
+    greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding (temperature, top-k and top-p unused)."),
+    seed: int = typer.Option(0, min=0, help="Sampling seed."),
+    threads: Optional[int] = typer.Option(None, min=0, help="Runtime threads (0 or unset: the runtime's default)."),
     as_json: bool = JSON,
 ) -> None:
-    """Decode from a prompt with constant memory, streaming tokens to the terminal."""
+    """Decode from a prompt with constant memory, streaming tokens to stdout (statistics on stderr)."""
     from edgelin.generate import Sampling
     from edgelin.generate import generate as run_generate
 
-    sampling = Sampling(temperature, top_k, top_p, greedy, seed)
-    out.stream(prompt)
+    sampling = Sampling(temperature, top_k, top_p, greedy, seed, repetition_penalty)
+    # The prompt is echoed only once the folder, tokenizer and prefill have worked: a failure prints
+    # one error line, not the prompt followed by an error.
     result = run_generate(folder, prompt, max_new_tokens, sampling, on_text=out.stream, keep_ids=as_json,
-                          threads=threads)
+                          threads=threads, on_start=lambda: out.stream(prompt))
     out.stream("\n")
     out.result(result.to_dict())
-    out.line(f"[dim]{result.new_tokens} tokens, {result.tokens_per_second:,.0f} tok/s, prefill "
+    out.note(f"{result.new_tokens} tokens, {result.tokens_per_second:,.0f} tok/s, prefill "
              f"{result.prompt_tokens} tokens in {result.prefill_seconds * 1e3:.1f} ms, RSS "
-             f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}[/]")
+             f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}")
 
 
 @command
 def train(
     out: Output,
     recipe: Path = typer.Argument(..., help="A recipe.toml (recipes/*/recipe.toml)."),
-    out_dir: Optional[Path] = typer.Option(None, "--out", "-o", help="Checkpoint folder (default: next to the recipe)."),
+    out_dir: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="Checkpoint folder (default: a fresh runs/<recipe folder name>, or -2, -3... "
+                                  "if taken, under the current folder; never the recipe's own folder)."),
+    force: bool = typer.Option(False, "--force", help="Write into an existing --out: replaces a checkpoint edgelin "
+                                                      "trained (config, weights, tokenizer, log), keeps other files."),
     steps: Optional[int] = typer.Option(None, help="Override the recipe's step count (smoke runs)."),
     as_json: bool = JSON,
 ) -> None:
@@ -255,7 +397,7 @@ def train(
 
     with out.progress(f"training {recipe}", total=steps) as update:
         result = run_train(recipe, out_dir, steps, progress=lambda step, total, loss: update(
-            step, description=f"step {step}/{total} loss {loss:.3f}"))
+            step, description=f"step {step}/{total} loss {loss:.3f}"), force=force)
     out.result({"out_dir": str(result.out_dir), "final_val_loss": result.final_val_loss, "val_bpb": result.val_bpb,
                 "wall_time_s": result.wall_time_s, "sample": result.sample})
     out.line(f"trained {recipe}: val loss {result.final_val_loss:.3f} nats/token, {result.val_bpb:.3f} bits/byte "

@@ -1,10 +1,12 @@
 """`edgelin generate`: tokenizer + sampling over an exported folder, streaming tokens as they come.
 
-Memory stays flat: the loop holds the state (constant size), the last logits and a streaming
-detokenizer; generated ids are not accumulated unless asked for."""
+Memory stays flat: the loop holds the state (constant size), the last logits, a streaming
+detokenizer and (for the repetition penalty) one seen/unseen flag per vocabulary entry; generated ids
+are not accumulated unless asked for."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,17 +29,33 @@ class Sampling:
     top_p: float = 0.95
     greedy: bool = False
     seed: int = 0
+    repetition_penalty: float = 1.0  # as transformers' RepetitionPenaltyLogitsProcessor; 1: off
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0 and not self.greedy:
+        if not (math.isfinite(self.temperature) and self.temperature > 0) and not self.greedy:
             raise EdgelinError("--temperature must be > 0", "it divides the logits", "use --greedy for argmax")
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise EdgelinError("bad --top-p/--top-k", "top-p must be in (0, 1], top-k >= 0 (0 = off)",
                                "pass valid values")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise EdgelinError(f"--repetition-penalty {self.repetition_penalty:g} is invalid",
+                               "the penalty divides or multiplies logits, so it must be finite and > 0",
+                               "pass 1 (off) or a value such as 1.1-1.3")
 
 
-def sample(logits: np.ndarray, cfg: Sampling, rng: np.random.Generator) -> int:
-    """One token from logits [V]: greedy, or temperature + top-k + top-p (nucleus)."""
+def penalize(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """The repetition penalty (Keskar et al. 2019, as transformers and llama.cpp apply it): every token
+    already in the context gets logit / P if the logit is positive, else logit * P."""
+    if penalty == 1.0:
+        return logits
+    return np.where(seen, np.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def sample(logits: np.ndarray, cfg: Sampling, rng: np.random.Generator, seen: np.ndarray | None = None) -> int:
+    """One token from logits [V]: the repetition penalty over the `seen` mask [V] (bool), then greedy,
+    or temperature + top-k + top-p (nucleus)."""
+    if seen is not None:
+        logits = penalize(logits, seen, cfg.repetition_penalty)
     if cfg.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / cfg.temperature
@@ -80,7 +98,10 @@ def generate(
     keep_ids: bool = True,
     stop_at_eos: bool = True,
     threads: int | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> GenerateResult:
+    """`on_start` is called once the folder, tokenizer and prompt prefill have succeeded, before the
+    first token: the CLI echoes the prompt there, so a failure never prints the prompt first."""
     runner = open_runner(folder, threads)
     manifest = runner.manifest
     if manifest.tokenizer is None:
@@ -100,13 +121,19 @@ def generate(
     started = time.perf_counter()
     logits, state = prefill(runner, np.asarray([ids], np.int64))
     prefill_seconds = time.perf_counter() - started
+    # Constant memory: one flag per vocabulary entry, however long the generation (not a list of ids).
+    seen = np.zeros(logits.shape[-1], dtype=bool)
+    seen[[t for t in ids if 0 <= t < seen.size]] = True
+    if on_start is not None:
+        on_start()
     rss_start = rss_bytes()  # re-read once the step session's buffers exist (see below)
     kept: list[int] | None = [] if keep_ids else None
     position, produced = len(ids), 0
     token_buf, position_buf = np.zeros(1, np.int64), np.zeros(1, np.int64)
     started = time.perf_counter()
     for _ in range(max_new_tokens):
-        token = sample(logits[0], sampling, rng)
+        token = sample(logits[0], sampling, rng, seen)
+        seen[token] = True
         produced += 1
         if kept is not None:
             kept.append(token)

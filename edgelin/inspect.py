@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from edgelin.checkpoint import checkpoint_dir, load_model, read_config
+from edgelin.checkpoint import TOKENIZER, checkpoint_dir, load_model, read_config
 from edgelin.devices import load_devices
 from edgelin.errors import EdgelinError
 from edgelin.export.targets import get_target, target_names
 from edgelin.model.lm import CausalLM
+from edgelin.tokenizer import tokenizer_status
 
 
 @dataclass
@@ -26,6 +27,9 @@ class InspectReport:
     state_bytes_per_sequence: int = 0
     kv_bytes_per_token: int = 0  # growing KV caches (full-context softmax layers)
     targets: list[dict] = field(default_factory=list)  # device x target -> ok / reason
+    inert_fields: list[str] = field(default_factory=list)  # config.json fields upstream never reads (accepted)
+    tokenizer: str = "missing"  # ok | missing | corrupt: REASON
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,7 +70,9 @@ def inspect_checkpoint(path: Path) -> InspectReport:
     try:
         model, info = load_model(path)
     except EdgelinError as exc:
-        return InspectReport(str(path), model_type, "unsupported", False, reason=f"{exc.what}: {exc.why}", fix=exc.fix)
+        tokenizer = path / TOKENIZER
+        return InspectReport(str(path), model_type, "unsupported", False, reason=f"{exc.what}: {exc.why}", fix=exc.fix,
+                             tokenizer=tokenizer_status(tokenizer if tokenizer.is_file() else None, None))
     note = ""
     if info.format != "edgelin":
         from edgelin.convert import get_converter
@@ -75,5 +81,17 @@ def inspect_checkpoint(path: Path) -> InspectReport:
     fixed, per_token = _state_costs(model)
     layers = [{"index": i, "type": t, "state": [s.name for s in model.state_tensors()[i]]}
               for i, t in enumerate(model.config.layer_types)]
+    tokenizer = tokenizer_status(info.tokenizer, model.config.vocab_size)
     return InspectReport(str(path), model_type, info.format, True, None, None, note, layers,
-                         model.num_parameters(), fixed, per_token, _placements(model))
+                         model.num_parameters(), fixed, per_token, _placements(model),
+                         inert_fields=list(info.inert_fields), tokenizer=tokenizer,
+                         warnings=tokenizer_warnings(path, tokenizer))
+
+
+def tokenizer_warnings(path: Path, status: str) -> list[str]:
+    """What export will say about the tokenizer: a missing one is a warning, a corrupt one a refusal."""
+    if status == "missing":
+        return [f"no {TOKENIZER} in {path}: the export will have no tokenizer, so generate will need one"]
+    if status.startswith("corrupt"):
+        return [f"{path / TOKENIZER} is {status}: export refuses it; repair it or pass --no-tokenizer"]
+    return []

@@ -1,38 +1,85 @@
-"""The one output layer: rich tables and progress for people, JSON for machines (--json)."""
+"""The one output layer: rich tables and progress for people, JSON for machines (--json).
+
+Every string handed to this layer is plain text: paths, names and messages are never parsed as rich
+markup (a path like `ckpt[/y]` or a hint like `pip install 'edgelin[onnx]'` prints verbatim). Our
+own styling is passed as `rich.text.Text` objects (`styled()`), never as markup in a string."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import sys
-from typing import Any, Iterator, Sequence
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
+
+Update = Callable[..., None]  # update(completed=None, description=None)
+
+
+def styled(text: str, style: str) -> Text:
+    """Plain text with one of our styles: the only way styling enters the output."""
+    return Text(text, style=style)
+
+
+def _plain(value: str | Text) -> Text:
+    return value if isinstance(value, Text) else Text(str(value))
 
 
 class Output:
     def __init__(self, as_json: bool = False):
         self.as_json = as_json
-        self.console = Console(highlight=False)
-        self.err = Console(stderr=True, highlight=False)
+        # emoji=False: a path containing `:smile:` must not become a glyph; markup is off per call.
+        self.console = Console(highlight=False, emoji=False)
+        self.err = Console(stderr=True, highlight=False, emoji=False)
 
     # ---- people --------------------------------------------------------------------------------
     def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        """Cells are plain text unless given as `Text` (status cells)."""
         if self.as_json:
             return
-        table = Table(title=title, title_justify="left")
+        # The title is a line of its own: as a table title it would wrap at the table's width and
+        # split a long path across lines.
+        self.console.print(styled(title, "italic"), soft_wrap=True)
+        table = Table()
         for i, col in enumerate(columns):
             numeric = all(isinstance(row[i], (int, float)) for row in rows if row[i] not in ("-", None))
-            table.add_column(col, justify="right" if numeric and rows else "left", overflow="fold")
+            # fold: on a narrow terminal a long cell wraps instead of being cut off (no text lost)
+            table.add_column(_plain(col), justify="right" if numeric and rows else "left", overflow="fold")
         for row in rows:
-            table.add_row(*[_cell(v) for v in row])
-        self.console.print(table)
+            table.add_row(*[v if isinstance(v, Text) else Text(_cell(v)) for v in row])
+        if self.console.is_terminal:
+            self.console.print(table)
+            return
+        # Piped or logged: as wide as the content needs, so no name is split across lines
+        # (print(width=...) cannot exceed the console's width, so the console is widened for it).
+        wide = self.console.options.update_width(1 << 16)
+        width, self.console.width = self.console.width, max(self.console.width,
+                                                             Measurement.get(self.console, wide, table).maximum)
+        try:
+            self.console.print(table, crop=False)
+        finally:
+            self.console.width = width
 
-    def line(self, text: str, style: str | None = None) -> None:
+    def line(self, text: str | Text) -> None:
+        """One line on stdout; a `str` is printed verbatim (no markup), a `Text` keeps its styles."""
         if not self.as_json:
-            self.console.print(text, style=style, markup=style is None)
+            self.console.print(_plain(text), soft_wrap=True)
+
+    def note(self, text: str | Text) -> None:
+        """A side remark on stderr (statistics, hints): stdout stays the command's product."""
+        if not self.as_json:
+            self.err.print(styled(text, "dim") if isinstance(text, str) else text, soft_wrap=True)
+
+    def warning(self, text: str) -> None:
+        """`warning: TEXT` on stderr; with --json nothing: the command puts its warnings in its result."""
+        if not self.as_json:
+            self.err.print(Text.assemble(("warning:", "bold yellow"), " ", text), soft_wrap=True)
 
     def stream(self, text: str) -> None:
         """Raw text as it is produced (generation), never wrapped or re-styled."""
@@ -41,17 +88,35 @@ class Output:
             sys.stdout.flush()
 
     def error(self, text: str) -> None:
-        self.err.print(f"[bold red]error:[/] {text}", markup=True, soft_wrap=True) if not self.as_json else \
+        """The whole message is user text (it embeds paths and pip hints): printed without markup."""
+        if self.as_json:
             print(json.dumps({"error": text}), file=sys.stderr)
+        else:
+            self.err.print(Text.assemble(("error:", "bold red"), " ", text), soft_wrap=True)
 
     @contextlib.contextmanager
-    def progress(self, description: str, total: int | None = None) -> Iterator[Any]:
-        """Yields update(completed=None, description=None). Silent in JSON mode or off a terminal."""
-        if self.as_json or not self.err.is_terminal:
+    def progress(self, description: str, total: int | None = None) -> Iterator[Update]:
+        """Yields update(completed=None, description=None).
+
+        On a terminal: a transient rich bar on stderr. Off a terminal (CI logs, pipes): plain,
+        rate-limited lines on stderr so a long run shows life. With --json: nothing."""
+        if self.as_json:
             yield lambda completed=None, description=None: None
             return
-        columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                   TimeElapsedColumn()] if total else [SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()]
+        if not self.err.is_terminal:
+            # "progress:" like "error:"/"warning:": a log reader (or a test) can tell the kinds apart.
+            log = LogProgress(lambda line: self.err.print(Text.assemble(("progress:", "dim"), " ", line),
+                                                          soft_wrap=True), description, total)
+            try:
+                yield log.update
+            except BaseException:
+                log.close(ok=False)
+                raise
+            log.close(ok=True)
+            return
+        text = TextColumn("{task.description}", markup=False)
+        columns = [SpinnerColumn(), text, BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn()] if total else [SpinnerColumn(), text, TimeElapsedColumn()]
         with Progress(*columns, console=self.err, transient=True) as bar:
             task = bar.add_task(description, total=total)
 
@@ -65,6 +130,65 @@ class Output:
     def result(self, data: Any) -> None:
         if self.as_json:
             print(json.dumps(data, indent=2, default=str))
+
+
+class LogProgress:
+    """Progress as log lines: the description when it changes, the count every 10 %, a heartbeat
+    while nothing changes; at most one line every `min_gap` seconds (a fast loop must not flood a
+    CI log), and a final line with the elapsed time."""
+
+    def __init__(self, emit: Callable[[str], None], description: str, total: int | None = None,
+                 min_gap: float = 5.0, heartbeat: float = 15.0):
+        self.emit, self.description, self.total = emit, description, total
+        self.min_gap, self.heartbeat = min_gap, heartbeat
+        self.completed: int | None = None
+        self.decile = 0
+        self.started = self.last = time.monotonic()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.emit(f"{description} ...")
+        # A daemon thread only for the heartbeat: an export is one long call with no updates.
+        self.thread = threading.Thread(target=self._beat, daemon=True)
+        self.thread.start()
+
+    def update(self, completed: int | None = None, description: str | None = None) -> None:
+        with self.lock:
+            news = False
+            if description and description != self.description:
+                self.description, news = description, True
+            if completed is not None:
+                self.completed = completed
+                if self.total:
+                    decile = min(10, 10 * completed // self.total)
+                    news = news or decile > self.decile
+                    self.decile = max(decile, self.decile)
+            if news and time.monotonic() - self.last >= self.min_gap:
+                self._emit()
+
+    def close(self, ok: bool) -> None:
+        self.stopped.set()
+        self.thread.join()
+        if ok:
+            self.emit(f"{self.description}: done in {time.monotonic() - self.started:.1f} s")
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(min(1.0, self.heartbeat)):
+            with self.lock:
+                if time.monotonic() - self.last >= self.heartbeat:
+                    self._emit()
+
+    def _emit(self) -> None:
+        self.last = time.monotonic()
+        self.emit(self._format())
+
+    def _format(self) -> str:
+        elapsed = f"{time.monotonic() - self.started:.0f} s"
+        if self.completed is None:
+            return f"{self.description} ... ({elapsed})"
+        if self.total:
+            percent = 100 * self.completed // self.total
+            return f"{self.description}: {self.completed}/{self.total} ({percent}%, {elapsed})"
+        return f"{self.description}: {self.completed} ({elapsed})"
 
 
 def _cell(value: Any) -> str:

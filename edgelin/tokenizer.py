@@ -37,3 +37,38 @@ class TextTokenizer:
             return stream.step(tok, token) or ""
 
         return feed
+
+
+def check_tokenizer(path: Path, vocab_size: int | None = None) -> None:
+    """Refuse a tokenizer.json that cannot be loaded, or whose ids do not fit the model's vocabulary
+    (an id >= vocab_size would index past the embedding): one EdgelinError naming the file."""
+    from tokenizers import Tokenizer
+
+    fix = "repair or replace tokenizer.json, or pass --no-tokenizer to export without it"
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on bad files; OSError when unreadable
+        raise EdgelinError(f"tokenizer {path} is corrupt", _first_line(exc), fix) from exc
+    if vocab_size is None:
+        return
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    top = max(ids, default=-1)
+    if top >= vocab_size:
+        raise EdgelinError(f"tokenizer {path} does not fit the model", f"it has token id {top}, but the model's "
+                           f"vocab_size is {vocab_size} (ids 0..{vocab_size - 1})", fix)
+
+
+def tokenizer_status(path: Path | None, vocab_size: int) -> str:
+    """'ok', 'missing' or 'corrupt: REASON' (what `inspect` reports)."""
+    if path is None:
+        return "missing"
+    try:
+        check_tokenizer(path, vocab_size)
+    except EdgelinError as exc:
+        return f"corrupt: {exc.why}"
+    return "ok"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

@@ -1,7 +1,7 @@
 """Recipes as data, one generic trainer: a TOML recipe ([model], [data], [tokenizer], [train]) ->
 byte-level BPE tokenizer + token stream -> CausalLM trained on CPU in fp32 -> a checkpoint directory
 (config.json, model.safetensors, tokenizer.json) + training_log.json. See recipes/README.md.
-    python -m edgelin.train recipes/tiny-gdn-hybrid/recipe.toml [--steps N] [--out DIR]
+    python -m edgelin.train recipes/tiny-gdn-hybrid/recipe.toml [--steps N] [--out DIR [--force]]
 """
 
 from __future__ import annotations
@@ -29,15 +29,17 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from edgelin.checkpoint import save_checkpoint
+from edgelin.checkpoint import write_checkpoint_files
 from edgelin.errors import EdgelinError
 from edgelin.model.config import AttentionConfig, ModelConfig
 from edgelin.model.lm import CausalLM
+from edgelin.outputs import CHECKPOINT, CHECKPOINT_FILES, TRAINING_LOG, claim_output, fresh_folder, resolve_output
 
 SEPARATOR = "<|endoftext|>"  # between files: the model learns where a file ends
 EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages"})
 SAMPLE_PROMPT, SAMPLE_TOKENS = "def main(", 200
 CACHE_FORMAT = 1  # bump when the cached corpus layout changes
+RECIPE_COPY = "recipe.toml"  # the recipe, copied into an output folder other than its own
 
 
 @dataclass(frozen=True)
@@ -296,12 +298,31 @@ def generate(model: CausalLM, ids: list[int], new_tokens: int) -> list[int]:
     return out
 
 
+def default_out_dir(recipe: Recipe) -> Path:
+    """A fresh folder, never the recipe's: runs/<recipe folder name> (then -2, -3, ...) under the
+    current folder. Re-training the checkpoint beside a recipe takes an explicit --out DIR --force."""
+    return fresh_folder(Path("runs"), recipe.path.parent.name or "run")
+
+
 def train(recipe_path: Path | str, out_dir: Path | str | None = None, steps: int | None = None,
-          progress: Callable[[int, int, float], None] | None = None) -> TrainResult:
+          progress: Callable[[int, int, float], None] | None = None, force: bool = False) -> TrainResult:
+    """Train a recipe into `out_dir` (default: default_out_dir). An existing folder needs `force`,
+    and then only a checkpoint edgelin trained is replaced: the files training writes, others kept."""
     recipe = Recipe.load(recipe_path)
+    out = Path(out_dir) if out_dir is not None else default_out_dir(recipe)
+    copy_recipe = resolve_output(out) != recipe.path.parent  # keep the recipe next to what it made
+    writes = CHECKPOINT_FILES + ((RECIPE_COPY,) if copy_recipe else ())
+    # Claimed before training, so a refused --out costs nothing and two runs cannot race for it.
+    with claim_output(out, force, CHECKPOINT, writes=writes) as tmp:
+        result = _train_into(recipe, tmp, steps, progress, copy_recipe)
+    return dataclasses.replace(result, out_dir=out)
+
+
+def _train_into(recipe: Recipe, out: Path, steps: int | None, progress: Callable[[int, int, float], None] | None,
+                copy_recipe: bool) -> TrainResult:
+    """Train and write the checkpoint, recipe copy and training_log.json into `out` (a temp folder)."""
     cfg = recipe.train
     total = steps if steps is not None else cfg.steps
-    out = Path(out_dir) if out_dir is not None else recipe.path.parent
     cache_root = Path(os.environ.get("EDGELIN_CACHE", recipe.path.parent / ".edgelin-cache"))
     started = time.perf_counter()
     torch.set_num_threads(cfg.threads)
@@ -352,9 +373,10 @@ def train(recipe_path: Path | str, out_dir: Path | str | None = None, steps: int
                         skip_special_tokens=False)
     wall = time.perf_counter() - started
 
-    save_checkpoint(model, out, corpus.tokenizer_path, dtype=dtype)
-    if (out / recipe.path.name).resolve() != recipe.path:  # keep the recipe next to what it made
-        shutil.copyfile(recipe.path, out / "recipe.toml")
+    written = write_checkpoint_files(model, out, corpus.tokenizer_path, dtype=dtype)
+    if copy_recipe:
+        shutil.copyfile(recipe.path, out / RECIPE_COPY)
+        written.append(RECIPE_COPY)
     log = {
         "recipe": recipe.path.name, "recipe_sha256": recipe.sha256, "steps": total, "wall_time_s": round(wall, 1),
         "corpus_time_s": round(corpus_time, 1), "train_loop_time_s": round(train_time, 1),
@@ -365,6 +387,7 @@ def train(recipe_path: Path | str, out_dir: Path | str | None = None, steps: int
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__},
+        "files": sorted(written + [TRAINING_LOG]),  # what --force may replace in this folder later
     }
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
     return TrainResult(out, model, tuple(losses), val_loss, bpb, wall, SAMPLE_PROMPT + sample, log)
@@ -374,7 +397,10 @@ def _main() -> None:
     parser = argparse.ArgumentParser(prog="python -m edgelin.train", description="Train a recipe.")
     parser.add_argument("recipe", type=Path)
     parser.add_argument("--steps", type=int, default=None, help="override [train] steps")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: the recipe's)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: a fresh runs/<recipe folder name>[-N] under the current folder)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into an existing --out: replaces a checkpoint edgelin trained, keeps other files")
     args = parser.parse_args()
     marks: list[float] = []  # step end times, for the s/step shown
 
@@ -385,7 +411,7 @@ def _main() -> None:
             print(f"step {step}/{total}  loss {loss:.3f}  {rate:.2f} s/step", file=sys.stderr, flush=True)
 
     try:
-        result = train(args.recipe, args.out, args.steps, report)
+        result = train(args.recipe, args.out, args.steps, report, force=args.force)
     except EdgelinError as exc:
         print(f"error: {exc.line()}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None

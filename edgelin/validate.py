@@ -2,9 +2,12 @@
 
 Checks, every one reported (not just the first failure):
   prefill           exported prefill(prompt) vs the reference: last logits and every state tensor
-  rollout           N exported steps fed their own state: logits vs the reference's full-sequence
-                    forward at every position, state vs the reference step rollout at every step
+  rollout           N exported steps fed their own state: logits vs the reference's chunked forward
+                    at every position, state vs the reference step rollout at every step
   final             state after the rollout vs the reference chunked forward over the whole sequence
+
+The rollout streams: the reference's chunked forward runs window by window carrying its state, so
+memory stays flat however many steps are validated.
   prefill-vs-steps  exported steps from the empty state over the prompt vs exported prefill
 """
 
@@ -21,11 +24,16 @@ import torch
 from edgelin.checkpoint import checkpoint_hash, load_model
 from edgelin.errors import EdgelinError
 from edgelin.export.manifest import Manifest
-from edgelin.export.targets import get_target
+from edgelin.export.state import output_name_for, state_input_name
 from edgelin.model.lm import CausalLM
+from edgelin.runtime import open_runner
 
 # max |exported - reference| / max |reference|, per output, by the graphs' compute precision
 THRESHOLDS = {"fp32": 1e-4, "fp16": 2e-2}
+# The rollout is compared window by window: reference logits for at most this many bytes (and
+# positions) at a time, whatever the step count.
+WINDOW_LOGITS_BYTES = 8 << 20
+MAX_WINDOW = 256
 
 
 @dataclass
@@ -93,11 +101,11 @@ class _Checks:
 
     def states(self, check: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray], step=None) -> None:
         for name, value in want.items():
-            self(check, name.replace("past_key_values.", "present.", 1), got[name], value, step)
+            self(check, output_name_for(name), got[name], value, step)
 
 
 def flat_state(state: list[dict[str, torch.Tensor]]) -> dict[str, np.ndarray]:
-    return {f"past_key_values.{i}.{name}": t.numpy() for i, layer in enumerate(state) for name, t in layer.items()}
+    return {state_input_name(i, name): t.numpy() for i, layer in enumerate(state) for name, t in layer.items()}
 
 
 def load_reference(manifest: Manifest, reference: Path | None) -> CausalLM:
@@ -125,40 +133,51 @@ def validate(
         raise EdgelinError("--steps, --prompt-len and --batch must be >= 1", "nothing to compare otherwise",
                            "pass positive values")
     started = time.perf_counter()
-    manifest = Manifest.load(folder)
-    runner = get_target(manifest.target).runner(Path(folder), manifest)
+    # One runtime thread: validate alternates runtime and torch calls, and a runtime's spinning
+    # worker threads would take the cores torch is about to use (3x slower on 2 cores).
+    runner = open_runner(folder, threads=1)
+    manifest = runner.manifest
     model = load_reference(manifest, reference)
     threshold = rtol if rtol is not None else THRESHOLDS.get(manifest.precision, THRESHOLDS["fp16"])
     report = ValidationReport(str(folder), manifest.target, manifest.precision, batch, prompt_len, steps, threshold)
     check = _Checks(threshold)
 
+    # Streamed in windows so memory stays flat in the step count: ids are drawn per window, and the
+    # reference's chunked forward runs window by window carrying its state, so at most one window of
+    # reference logits [batch, window, vocab] is alive at a time.
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, manifest.vocab_size, (batch, prompt_len + steps), dtype=np.int64)
-    ids_t, zeros = torch.from_numpy(ids), np.zeros(batch, np.int64)
+    vocab = manifest.vocab_size
+    prompt = rng.integers(0, vocab, (batch, prompt_len), dtype=np.int64)
+    window = max(1, min(MAX_WINDOW, WINDOW_LOGITS_BYTES // (batch * vocab * 4)))
     total = 2 * prompt_len + steps
     with torch.no_grad():
-        full_logits, full_state = model(ids_t)
-        ref_logits, ref_state = model(ids_t[:, :prompt_len], last_only=True)
-        logits, state = runner.prefill(ids[:, :prompt_len], runner.initial_state(batch), zeros)
-        check("prefill", "logits", logits, full_logits[:, prompt_len - 1].numpy())
+        ref_logits, ref_state = model(torch.from_numpy(prompt), last_only=True)
+        logits, state = runner.prefill(prompt, runner.initial_state(batch), np.zeros(batch, np.int64))
+        check("prefill", "logits", logits, ref_logits.numpy())
         check.states("prefill", state, flat_state(ref_state))
         prefill_logits, prefill_state = logits, state
-        for t in range(steps):
-            pos = prompt_len + t
-            position = np.full(batch, pos, np.int64)
-            logits, state = runner.step(ids[:, pos], state, position)
-            _, ref_state = model(ids_t[:, pos:pos + 1], ref_state, torch.from_numpy(position), mode="recurrent")
-            check("rollout", "logits", logits, full_logits[:, pos].numpy(), t)
-            check.states("rollout", state, flat_state(ref_state), t)
-            if on_progress:
-                on_progress(t + 1, total)
-        check.states("final", state, flat_state(full_state))
+        if on_progress:  # the prefill counts as prompt_len of the total
+            on_progress(prompt_len, total)
+        chunk_state, step_state = ref_state, ref_state  # the chunked forward ("final"), the step rollout
+        for lo in range(0, steps, window):
+            ids = rng.integers(0, vocab, (batch, min(window, steps - lo)), dtype=np.int64)
+            ids_t, first = torch.from_numpy(ids), prompt_len + lo
+            ref_logits, chunk_state = model(ids_t, chunk_state, torch.full((batch,), first), mode="chunked")
+            for j in range(ids.shape[1]):
+                t, position = lo + j, np.full(batch, first + j, np.int64)
+                logits, state = runner.step(ids[:, j], state, position)
+                _, step_state = model(ids_t[:, j:j + 1], step_state, torch.from_numpy(position), mode="recurrent")
+                check("rollout", "logits", logits, ref_logits[:, j].numpy(), t)
+                check.states("rollout", state, flat_state(step_state), t)
+                if on_progress:
+                    on_progress(prompt_len + t + 1, total)
+        check.states("final", state, flat_state(chunk_state))
 
         state = runner.initial_state(batch)
         for t in range(prompt_len):
-            logits, state = runner.step(ids[:, t], state, np.full(batch, t, np.int64))
+            logits, state = runner.step(prompt[:, t], state, np.full(batch, t, np.int64))
             if on_progress:
-                on_progress(steps + t + 1, total)
+                on_progress(prompt_len + steps + t + 1, total)
         check("prefill-vs-steps", "logits", logits, prefill_logits)
         check.states("prefill-vs-steps", state, prefill_state)
     report.metrics = list(check.metrics.values())

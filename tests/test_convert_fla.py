@@ -120,16 +120,29 @@ def test_hybrid_with_a_torch_stand_in_for_flash_attention(tmp_path):
         fla_attn.flash_attn_func = saved_fn
 
 
+def _with_field(folder, tmp_path, field, value):
+    data = json.loads((folder / "config.json").read_text())
+    edited = tmp_path / field
+    edited.mkdir()
+    for f in folder.iterdir():
+        (edited / f.name).write_bytes(f.read_bytes())
+    (edited / "config.json").write_text(json.dumps({**data, field: value}))
+    return edited
+
+
 def test_fields_edgelin_does_not_implement_are_refused(saved, tmp_path):
     folder, _, _ = saved("kda")
-    data = json.loads((folder / "config.json").read_text())
     for field, value, needle in (("lower_bound", -5.0, "lower_bound=-5.0 is not supported"),
-                                 ("attnres_block_size", 2, "attnres_block_size=2 is not supported"),
-                                 ("magic_gate", True, "does not understand: magic_gate")):
-        edited = tmp_path / field
-        edited.mkdir()
-        for f in folder.iterdir():
-            (edited / f.name).write_bytes(f.read_bytes())
-        (edited / "config.json").write_text(json.dumps({**data, field: value}))
+                                 ("attnres_block_size", 2, "attnres_block_size=2 is not supported")):
         with pytest.raises(EdgelinError, match=needle):
-            load_model(edited)
+            load_model(_with_field(folder, tmp_path, field, value))
+
+
+def test_fields_fla_never_reads_are_inert(saved, tmp_path):
+    """fla's KDA model never reads magic_gate (PretrainedConfig just keeps it): it cannot change the
+    math, so it is accepted and listed, and the model still matches fla's forward."""
+    folder, ids, want = saved("kda")
+    model, info = load_model(_with_field(folder, tmp_path, "magic_gate", True))
+    assert info.inert_fields == ("magic_gate",)
+    with torch.no_grad():
+        assert rel(model(ids)[0], want) < 1e-5

@@ -101,11 +101,19 @@ def test_unsupported_architectures_are_explained(tmp_path, model_type, needle):
     assert needle in err.value.line()
 
 
-def test_unknown_math_field_is_refused(tmp_path):
+def test_field_upstream_reads_but_edgelin_does_not_implement_is_refused(tmp_path):
     tiny_qwen35(tmp_path)
-    edit_config(tmp_path, use_sliding_window=True)
-    with pytest.raises(EdgelinError, match="does not understand: use_sliding_window"):
+    edit_config(tmp_path, per_layer_config={"0": {"rms_norm_eps": 1e-3}})  # transformers' heterogeneous layers
+    with pytest.raises(EdgelinError, match="does not understand: per_layer_config"):
         load_model(tmp_path)
+
+
+def test_field_upstream_never_reads_is_inert(tmp_path):
+    """Qwen3.5 has no sliding window: transformers keeps use_sliding_window but never reads it."""
+    tiny_qwen35(tmp_path)
+    edit_config(tmp_path, use_sliding_window=True, sliding_window=4)
+    _, info = load_model(tmp_path)
+    assert info.inert_fields == ("sliding_window", "use_sliding_window")
 
 
 def test_unsupported_value_is_refused(tmp_path):

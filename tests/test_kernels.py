@@ -1,7 +1,7 @@
 """edgelin's kernels against the naive engines (float64), on CPU through Triton's interpreter.
 
 Tiny fp32 shapes (the interpreter is 100-1000x slower than torch, and wrong for bf16); every gate
-kind x update rule, odd lengths, odd d_v (normaliser families append a ones column), in-place
+kind x update rule, odd lengths, odd d_v, in-place
 and ping-pong state, varlen prefill, NaN-poisoned output buffers. On a machine with a CUDA device
 the same tests run the compiled kernels on the GPU instead. Also: the CUDA C++ source compiles
 with nvcc for every target arch, and its C launcher rejects bad arguments before touching a GPU.
@@ -27,9 +27,11 @@ from conftest import tiny_config  # noqa: E402
 from edgelin import kernels  # noqa: E402
 from edgelin.errors import EdgelinError  # noqa: E402
 from edgelin.kernels import cuda_ext  # noqa: E402
+from edgelin.kernels import dispatch  # noqa: E402
 from edgelin.model.lm import CausalLM  # noqa: E402
-from edgelin.reference import recurrence  # noqa: E402
-from edgelin.reference.recurrence import recurrent, recurrent_step  # noqa: E402
+from edgelin.model.mixer import use_engine  # noqa: E402
+from edgelin.reference.engine import TORCH  # noqa: E402
+from edgelin.reference.recurrence import recurrent  # noqa: E402
 
 GATES = ["none", "scalar", "per_key"]
 RULES = [False, True]
@@ -53,8 +55,7 @@ def make(b, t, h, d_k, d_v, gate, delta, seed=0, strong_decay=False):
 
 def reference(s0, q, k, v, g, beta):
     d = [None if x is None else x.double().cpu() for x in (s0, q, k, v, g, beta)]
-    with recurrence.use_backend("torch"):
-        return recurrent(*d)
+    return recurrent(*d)  # the pure-torch reference: no backend can route it to a kernel
 
 
 def rel(x, ref) -> float:
@@ -195,46 +196,68 @@ def test_wrappers_refuse_bad_arguments_with_clear_errors():
         kernels.chunk_prefill(q, k, v, cu_seqlens=torch.tensor([0, 3, 2, 4], dtype=torch.int32, device=DEVICE))
 
 
-# ---- the backend switch in edgelin.reference.recurrence -----------------------------------------
+# ---- the backend switch (edgelin.kernels.dispatch) -----------------------------------------------
 def test_backend_switch_routes_only_what_it_may(monkeypatch):
     s0, q, k, v, g, beta = make(1, 5, 2, 16, 8, "scalar", True)
     calls = []
     real = kernels.chunk_prefill
     monkeypatch.setattr("edgelin.kernels.chunk.chunk_prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    recurrence.chunked(s0, q, k, v, g, beta, 4)
+
+    def run():
+        return dispatch.engine_for(s0, q, k, v, g, beta).chunked(s0, q, k, v, g, beta, 4)
+
+    run()
     assert calls == ([1] if DEVICE == "cuda" else [])  # auto: kernels for CUDA tensors only
-    with recurrence.use_backend("torch"):
-        recurrence.chunked(s0, q, k, v, g, beta, 4)
+    with dispatch.use_backend("torch"):
+        assert dispatch.engine_for(s0, q, k, v, g, beta) is TORCH
+        run()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with recurrence.use_backend("triton"):
-        recurrence.chunked(s0, q, k, v, g, beta, 4)  # compiling/exporting: always the torch engines
+    with dispatch.use_backend("triton"):
+        run()  # compiling/exporting: always the torch reference
     assert len(calls) == (1 if DEVICE == "cuda" else 0)
     monkeypatch.undo()
     monkeypatch.setenv("EDGELIN_KERNELS", "bogus")
     with pytest.raises(EdgelinError, match="unknown recurrence backend"):
-        recurrence.chunked(s0, q, k, v, g, beta, 4)
+        run()
     monkeypatch.setenv("EDGELIN_KERNELS", "triton")
     q.requires_grad_(True)
     with pytest.raises(EdgelinError, match="forward-only"):
-        recurrence.chunked(s0, q, k, v, g, beta, 4)
+        run()
     with torch.no_grad():
-        o, s = recurrence.chunked(s0, q, k, v, g, beta, 4)
+        o, s = run()
     o_ref, s_ref = reference(s0, q.detach(), k, v, g, beta)
     assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
+def test_installed_engine_wins_over_the_backend(monkeypatch):
+    """A target's lowering (an engine installed with use_engine) is what the model runs, even
+    under a forced kernel backend; without it the same call reaches the kernels."""
+    calls = []
+    real = kernels.fused_step
+    monkeypatch.setattr("edgelin.kernels.step.fused_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    model = CausalLM(tiny_config(("gated_deltanet",))).eval().to(DEVICE)
+    ids, start = torch.randint(0, 97, (2, 1), device=DEVICE), torch.zeros(2, dtype=torch.long, device=DEVICE)
+    with torch.no_grad(), dispatch.use_backend("triton"):
+        with use_engine(TORCH):
+            model(ids, None, start, mode="recurrent")
+        assert calls == []
+        model(ids, None, start, mode="recurrent")
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("family", ["gated_deltanet", "gla", "linear_attn", "retnet"])
 def test_model_through_kernels_matches_torch_engines(family):
     """The whole model with the Triton backend (interpreted on CPU): prefill logits and state, and
-    decode steps, equal the torch engines'. Covers expanded gates (RetNet), odd d_v (normaliser)."""
+    decode steps, equal the torch reference's. Covers expanded gates (RetNet) and the normaliser
+    (linear_attn: S through the kernels, z through torch)."""
     torch.manual_seed(0)
     model = CausalLM(tiny_config((family, family))).eval().to(DEVICE)
     ids = torch.randint(0, 97, (2, 21), device=DEVICE)
     with torch.no_grad():
-        with recurrence.use_backend("torch"):
+        with dispatch.use_backend("torch"):
             ref_logits, ref_state = model(ids, mode="chunked")
             ref_step, _ = model(ids[:, :1], ref_state, torch.full((2,), 21, device=DEVICE), mode="recurrent")
-        with recurrence.use_backend("triton"):
+        with dispatch.use_backend("triton"):
             logits, state = model(ids, mode="chunked")
             step, _ = model(ids[:, :1], state, torch.full((2,), 21, device=DEVICE), mode="recurrent")
     assert rel(logits, ref_logits.double().cpu()) < 1e-5 and rel(step, ref_step.double().cpu()) < 1e-5

@@ -226,3 +226,46 @@ def test_gated_attention_with_qk_norm_and_partial_rotary():
     x = torch.randn(1, 2, 1, 16)
     y = rot(x, torch.tensor([[0, 7]]))
     assert torch.equal(y[..., 4:], x[..., 4:]) and not torch.allclose(y[0, 1, :, :4], x[0, 1, :, :4])
+
+
+@pytest.mark.parametrize("family", ["linear_attn", "performer", "gla"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_normalizer_state_chunked_loop_and_steps_agree(family, batch):
+    """The normaliser is its own state tensor: chunked forward == token loop == prompt + single
+    steps (logits and every state tensor) at batch 1 and 3, odd lengths across 16-token chunks;
+    gla with a normaliser covers a decaying z (per-key decay)."""
+    model = build(family, family_overrides={"gla": {"normalizer": True}} if family == "gla" else {})
+    ids = torch.randint(0, 97, (batch, 37))
+    with torch.no_grad():
+        full, full_state = model(ids)
+        loop, loop_state = model(ids, mode="recurrent")
+        logits, state = model(ids[:, :21], last_only=True)
+        for t in range(21, 37):
+            logits, state = model(ids[:, t:t + 1], state, torch.full((batch,), t), mode="recurrent", last_only=True)
+            assert (logits - full[:, t]).abs().max() < 1e-5, f"step {t}"
+    assert (full - loop).abs().max() < 1e-5
+    assert max_state_diff(loop_state, full_state) < 1e-5 and max_state_diff(state, full_state) < 1e-5
+    z = full_state[0]["normalizer"]
+    assert z.shape == (batch, 2, model.state_tensors()[0][1].dims[2])
+    if family != "gla":
+        assert (z > 0).all()  # a sum of positive features
+
+
+def test_state_tensors_carry_roles_and_accumulators_stay_fp32():
+    model = build("hybrid", family_overrides={"gla": {"normalizer": True}})
+    roles = [[(t.name, t.role) for t in layer] for layer in model.state_tensors()]
+    assert roles == [[("recurrent_state", "recurrent"), ("conv_state", "conv")],
+                     [("key", "key"), ("value", "value")],
+                     [("recurrent_state", "recurrent"), ("normalizer", "normalizer")]]
+    state = model.initial_state(2, dtype=torch.float16)
+    assert [{n: t.dtype for n, t in layer.items()} for layer in state] == [
+        {"recurrent_state": torch.float32, "conv_state": torch.float16},
+        {"key": torch.float16, "value": torch.float16},
+        {"recurrent_state": torch.float32, "normalizer": torch.float32}]
+
+
+def test_normalizer_with_the_delta_rule_is_refused():
+    """z_t = decay z_{t-1} + k_t belongs to the additive rule; a delta-rule layer with a
+    normaliser has no defined update, so the config is refused rather than guessed."""
+    with pytest.raises(EdgelinError, match="normaliser needs the additive rule"):
+        tiny_config(("deltanet",), family_overrides={"deltanet": {"normalizer": True}})

@@ -1,13 +1,20 @@
 """The engines: naive token loop == chunked parallel form, outputs AND final state, for every
-combination of decay kind and update rule, odd lengths, several chunk sizes."""
+combination of decay kind and update rule, odd lengths, several chunk sizes; the normaliser's own
+forms likewise; and the reference stays pure torch (no kernels, no export or compile checks)."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from edgelin.reference.recurrence import chunked, invert_unit_lower, recurrent, recurrent_step
+import edgelin.reference
+from edgelin.reference.recurrence import (
+    chunked, invert_unit_lower, normalizer_chunked, normalizer_recurrent, normalizer_step, recurrent, recurrent_step,
+)
 
 DECAYS = ["none", "fixed", "scalar", "per_key"]
 CASES = [(b, t, h, d) for b, t, h, d in [(2, 1, 4, 32), (2, 63, 4, 32), (1, 257, 2, 16), (3, 100, 1, 8)]]
@@ -116,3 +123,62 @@ def test_trained_checkpoint_chunked_state_matches_token_loop():
     for a, b in zip(chunked_state, loop_state):
         for name in a:
             assert (a[name] - b[name]).abs().max() / b[name].abs().max() < 1e-5, name
+
+
+# ---- the normaliser: its own state z, never a column of S ----------------------------------------
+def _normalizer_by_hand(z0, q, k, g):
+    """z_t = e^{g_t} z_{t-1} + k_t and q_t^T z_t, token by token in float64 with explicit loops."""
+    z, dens = z0.double(), []
+    for t in range(q.shape[1]):
+        decay = torch.ones(()) if g is None else g[:, t].double().exp()
+        z = decay * z + k[:, t].double()
+        dens.append((q[:, t].double() * z).sum(-1))
+    return torch.stack(dens, 1), z
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("length", [1, 17, 101])
+@pytest.mark.parametrize("decay", DECAYS)
+def test_normalizer_naive_chunked_and_steps_agree(batch, length, decay):
+    """naive (float64 by hand) == token loop == chunked == a rollout of single steps, outputs
+    (q^T z at every token) and final z; odd lengths across several 16-token chunks."""
+    s0, q, k, _, g, _ = make_inputs(batch, length, 3, 8, 1, decay, False, seed=length)
+    q, k = F.elu(q) + 1, F.elu(k) + 1  # positive features, as the normalised families use
+    z0 = s0[..., 0].abs()  # [B, H, d_k]
+    den_ref, z_ref = _normalizer_by_hand(z0, q, k, g)
+    den_loop, z_loop = normalizer_recurrent(z0, q, k, g)
+    den_chunk, z_chunk = normalizer_chunked(z0, q, k, g, chunk_size=16)
+    z, steps = z0, []
+    for t in range(length):
+        den, z = normalizer_step(z, q[:, t], k[:, t], None if g is None else g[:, t])
+        steps.append(den)
+    den_steps = torch.stack(steps, 1)
+    assert den_ref.shape == (batch, length, 3) and z_ref.shape == (batch, 3, 8)
+    for den, zz in ((den_loop, z_loop), (den_chunk, z_chunk), (den_steps, z)):
+        assert den.shape == den_ref.shape and zz.shape == z_ref.shape
+        assert ((den.double() - den_ref).abs().max() / den_ref.abs().max()).item() < 1e-6
+        assert ((zz.double() - z_ref).abs().max() / z_ref.abs().max()).item() < 1e-6
+
+
+def test_reference_is_pure_torch():
+    """edgelin.reference knows no target, kernel or tracer: no import of edgelin.kernels, triton or
+    an export module, and no export/compile/tracing checks (those live in export/ and kernels/)."""
+    banned_calls = ("is_in_onnx_export", "is_compiling", "is_tracing", "is_exporting", "kernel_path")
+    folder = Path(edgelin.reference.__file__).parent
+    files = sorted(folder.glob("*.py"))
+    assert {f.name for f in files} >= {"recurrence.py", "engine.py"}
+    for path in files:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):  # `from edgelin import kernels` names edgelin.kernels
+                modules = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                modules = []
+            for module in modules:
+                assert not module.startswith(("edgelin.kernels", "triton", "edgelin.export", "torch.onnx")), \
+                    f"{path.name} imports {module}"
+            if isinstance(node, (ast.Attribute, ast.Name)):
+                name = node.attr if isinstance(node, ast.Attribute) else node.id
+                assert name not in banned_calls, f"{path.name} uses {name}"

@@ -56,7 +56,7 @@ SNIPPET = 'def f(x: int) -> str:\n\tif x > 0:\n        return f"{x!r} \u00e9\u4e
 def trained(tmp_path_factory) -> TrainResult:
     root = tmp_path_factory.mktemp("recipe")
     (root / "recipe.toml").write_text(TINY)
-    return train(root / "recipe.toml")
+    return train(root / "recipe.toml", out_dir=root / "out")
 
 
 def test_loss_decreases(trained: TrainResult) -> None:
@@ -91,7 +91,7 @@ def test_tokenizer_round_trips(trained: TrainResult) -> None:
 def test_training_is_deterministic(trained: TrainResult, tmp_path: Path) -> None:
     out = train(trained.out_dir / "recipe.toml", out_dir=tmp_path / "again", steps=3)
     assert out.train_losses[0] == trained.train_losses[0]  # same init, same first batch
-    again = train(trained.out_dir / "recipe.toml", out_dir=tmp_path / "again", steps=3)
+    again = train(trained.out_dir / "recipe.toml", out_dir=tmp_path / "again", steps=3, force=True)
     assert again.train_losses == out.train_losses
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from importlib import import_module
 
 from edgelin.convert.base import ConfigReader, Converter
@@ -46,9 +47,21 @@ def get_converter(model_type: str | None, source: str) -> Converter:
     )
 
 
-def convert_config(data: dict, source: str) -> tuple[ModelConfig, Converter]:
+@dataclass(frozen=True)
+class Converted:
+    config: ModelConfig
+    converter: Converter
+    inert: tuple[str, ...]  # fields of config.json the upstream model never reads (accepted, listed)
+
+
+def convert(data: dict, source: str) -> Converted:
     conv = get_converter(data.get("model_type"), source)
-    reader = ConfigReader(data, source)
+    reader = ConfigReader(data, source, harmless=set(conv.harmless), reads=conv.reads(data))
     config = conv.to_config(reader)
     reader.finish()
-    return config, conv
+    return Converted(config, conv, tuple(reader.inert))
+
+
+def convert_config(data: dict, source: str) -> tuple[ModelConfig, Converter]:
+    done = convert(data, source)
+    return done.config, done.converter

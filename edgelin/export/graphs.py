@@ -4,9 +4,11 @@ Step:    (input_ids [batch], [position_ids [batch]], past_key_values.*) -> (logi
 Prefill: (input_ids [batch, sequence], [position_ids [batch]], past_key_values.*)
                                                                  -> (logits of the last position, present.*)
 Names follow optimum / onnxruntime-genai: `past_key_values.{layer}.{name}` in, `present.{layer}.{name}`
-out, and each present feeds the past of the same name on the next call. position_ids (the position
-of the first token) exists only when a layer needs it (softmax attention, rotary families).
-Prefill takes a state too, so a long prompt can be prefilled piecewise in bounded memory.
+out (spelled only by edgelin.export.state), and each present feeds the past of the same name on the
+next call. position_ids (the position of the first token) exists only when a layer needs it (softmax
+attention, rotary families). Prefill takes a state too, so a long prompt can be prefilled piecewise
+in bounded memory. How a recurrence is lowered while these modules are traced is the target's
+choice (edgelin.export.lowering); the modules only pick the form: recurrent (step) or chunked.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edgelin.export.state import state_input_name, state_output_name, state_tensors
 from edgelin.model.lm import CausalLM
 
 Tensor = torch.Tensor
@@ -30,6 +33,7 @@ class TensorIO:
     feeds: str | None = None  # a present.* output: the past input it becomes next call
     layer: int | None = None
     state_name: str | None = None
+    state_role: str | None = None  # recurrent | normalizer | conv | key | value (StateTensor.role)
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if v is not None}
@@ -44,19 +48,20 @@ def _grown(dims: tuple, extra: str) -> tuple:
     return tuple(f"past_sequence + {extra}" if d == "past_sequence" else d for d in dims)
 
 
-def graph_io(model: CausalLM, kind: str) -> tuple[list[TensorIO], list[TensorIO]]:
+def graph_io(model: CausalLM, kind: str, state_dtype: str = "float32") -> tuple[list[TensorIO], list[TensorIO]]:
     ids_dims = ("batch",) if kind == "step" else ("batch", "sequence")
     inputs = [TensorIO("input_ids", ids_dims, "int64", "input_ids")]
     if model.needs_position:
         inputs.append(TensorIO("position_ids", ("batch",), "int64", "position_ids"))
     outputs = [TensorIO("logits", ("batch", model.config.vocab_size), "float32", "logits")]
     new_tokens = "1" if kind == "step" else "sequence"
-    for layer, tensors in enumerate(model.state_tensors()):
+    for layer, tensors in enumerate(state_tensors(model, state_dtype)):
         for t in tensors:
-            past = f"past_key_values.{layer}.{t.name}"
-            inputs.append(TensorIO(past, t.dims, t.dtype, "state", layer=layer, state_name=t.name))
-            outputs.append(TensorIO(f"present.{layer}.{t.name}", _grown(t.dims, new_tokens), t.dtype, "state",
-                                    feeds=past, layer=layer, state_name=t.name))
+            past = state_input_name(layer, t.name)
+            meta = {"layer": layer, "state_name": t.name, "state_role": t.role}
+            inputs.append(TensorIO(past, t.dims, t.dtype, "state", **meta))
+            outputs.append(TensorIO(state_output_name(layer, t.name), _grown(t.dims, new_tokens), t.dtype, "state",
+                                    feeds=past, **meta))
     return inputs, outputs
 
 

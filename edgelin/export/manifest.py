@@ -12,6 +12,7 @@ import numpy as np
 from edgelin import __version__
 from edgelin.errors import EdgelinError
 from edgelin.export.graphs import TensorIO
+from edgelin.export.state import state_output_name
 
 MANIFEST = "manifest.json"
 FORMAT = "edgelin-export"
@@ -50,6 +51,7 @@ class Manifest:
     num_parameters: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     edgelin_version: str = __version__
+    files: tuple[str, ...] | None = None  # every file the export wrote (lets --force know the folder is ours)
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -89,11 +91,12 @@ class Manifest:
             "eos_token_id": self.eos_token_id,
             "graphs": {kind: g.to_dict() for kind, g in self.graphs.items()},
             "state": [
-                {"input": t.name, "output": f"present.{t.layer}.{t.state_name}", "layer": t.layer,
+                {"input": t.name, "output": state_output_name(t.layer, t.state_name), "layer": t.layer,
                  "name": t.state_name, "dims": list(t.dims), "dtype": t.dtype, "init": "zeros"}
                 for t in self.state_inputs
             ],
             "extra": self.extra,
+            **({"files": list(self.files)} if self.files is not None else {}),
         }
 
     def save(self, folder: Path) -> None:
@@ -112,9 +115,13 @@ class Manifest:
             if data.get("manifest_version") != MANIFEST_VERSION:
                 raise ValueError(f"manifest_version {data.get('manifest_version')} is not {MANIFEST_VERSION}")
             model = data["model"]
-            for name in [g["file"] for g in data["graphs"].values()] + [data.get("tokenizer")]:
+            files = data.get("files")
+            if files is not None and not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
+                raise ValueError("files is not a list of file names")
+            for name in [g["file"] for g in data["graphs"].values()] + [data.get("tokenizer")] + (files or []):
                 if name is not None and (Path(name).name != name or name in (".", "..")):
                     raise ValueError(f"file name {name!r} escapes the export folder")
+            check_consistency(data)
             return cls(
                 target=data["target"], precision=data["precision"],
                 graphs={k: GraphEntry.from_dict(v) for k, v in data["graphs"].items()},
@@ -123,10 +130,115 @@ class Manifest:
                 bos_token_id=data.get("bos_token_id"), eos_token_id=data.get("eos_token_id"),
                 num_parameters=model.get("num_parameters", 0), extra=data.get("extra", {}),
                 edgelin_version=data.get("edgelin_version", "?"),
+                files=tuple(files) if files is not None else None,
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise EdgelinError(f"{path} is malformed", f"{type(exc).__name__}: {exc}",
                                "re-run `edgelin export` to regenerate the folder") from exc
+
+
+_EDITED = "the folder was edited or mixed with another export"
+_REEXPORT = "re-run `edgelin export`"
+_STATE_DIMS = ("batch", "past_sequence")  # the symbolic sizes a state tensor may have
+
+
+def _agree(where: str, fact: str, a_label: str, a: Any, b_label: str, b: Any) -> None:
+    if a != b:
+        raise EdgelinError(f"{where}: {fact} is {_show(a)} in {a_label} but {_show(b)} in {b_label}", _EDITED,
+                           _REEXPORT)
+
+
+def _show(value: Any) -> str:
+    return str(list(value)) if isinstance(value, tuple) else json.dumps(value)
+
+
+def check_consistency(data: dict[str, Any]) -> None:
+    """Every fact the manifest states twice must agree: the top-level `state` list, `model.layers`,
+    `state_bytes_per_sequence`, `constant_memory`, `needs_position` and `vocab_size` against the
+    graphs' I/O, and the step and prefill graphs against each other. (The runner then checks the
+    graph files against `graphs`.) A mismatch raises EdgelinError naming the fact and both values;
+    a missing key or a wrong type raises KeyError/TypeError/ValueError (the caller: "malformed")."""
+    from edgelin.export.graphs import _grown
+    from edgelin.export.state import state_input_name, state_output_name
+
+    model = data["model"]
+    vocab, needs_position = model["vocab_size"], model["needs_position"]
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1 or not isinstance(needs_position, bool):
+        raise ValueError("model.vocab_size must be a positive integer and model.needs_position a boolean")
+    _agree("manifest is inconsistent", "the set of graphs", "graphs", sorted(data["graphs"]),
+           "the format", ["prefill", "step"])
+    graphs = {kind: GraphEntry.from_dict(g) for kind, g in data["graphs"].items()}
+    states: dict[str, list[TensorIO]] = {}
+    for kind, graph in graphs.items():
+        where = f"manifest and {kind} graph disagree"
+        inputs = {t.name: t for t in graph.inputs}
+        outputs = {t.name: t for t in graph.outputs}
+        if len(inputs) != len(graph.inputs) or len(outputs) != len(graph.outputs):
+            raise ValueError(f"graphs.{kind} lists a tensor name twice")
+        ids = inputs.get("input_ids")
+        _agree(where, "input_ids", f"graphs.{kind}.inputs", ids and [list(ids.dims), ids.dtype, ids.role],
+               "the format", [["batch"] if kind == "step" else ["batch", "sequence"], "int64", "input_ids"])
+        _agree(where, "whether the graph takes position_ids", f"graphs.{kind}.inputs", "position_ids" in inputs,
+               "model.needs_position", needs_position)
+        if needs_position:
+            pos = inputs["position_ids"]
+            _agree(where, "position_ids", f"graphs.{kind}.inputs", [list(pos.dims), pos.dtype], "the format",
+                   [["batch"], "int64"])
+        logits = outputs.get("logits")
+        _agree(where, "the logits dims", f"graphs.{kind}.outputs", logits and list(logits.dims),
+               "model.vocab_size", ["batch", vocab])
+        states[kind] = [t for t in graph.inputs if t.role == "state"]
+        grown = "1" if kind == "step" else "sequence"
+        for t in states[kind]:
+            name = state_input_name(t.layer, t.state_name)
+            _agree(where, f"the name of state input {t.name}", f"graphs.{kind}.inputs", t.name,
+                   "its layer and name", name)
+            if not t.dims or t.dims[0] != "batch" or any(
+                    not (d in _STATE_DIMS if isinstance(d, str) else isinstance(d, int) and d > 0) for d in t.dims):
+                raise ValueError(f"graphs.{kind}: {t.name} has dims {list(t.dims)} (batch first, then sizes > 0 "
+                                 f"or {_STATE_DIMS[1]})")
+            if t.dtype not in NUMPY_DTYPES:
+                raise ValueError(f"graphs.{kind}: {t.name} has dtype {t.dtype!r}")
+            out_name = state_output_name(t.layer, t.state_name)
+            out = outputs.get(out_name)
+            _agree(where, f"{out_name} [dims, dtype, feeds]", f"graphs.{kind}.outputs",
+                   out and [list(out.dims), out.dtype, out.feeds], f"what input {t.name} implies",
+                   [list(_grown(t.dims, grown)), t.dtype, t.name])
+        other = set(outputs) - {"logits"} - {state_output_name(t.layer, t.state_name) for t in states[kind]}
+        if other:
+            raise EdgelinError(f"{where}: graphs.{kind}.outputs lists {sorted(other)[0]}",
+                               "no state input feeds it", _REEXPORT)
+
+    step = states["step"]
+    describe = lambda ts: [[t.name, list(t.dims), t.dtype, t.state_role] for t in ts]  # noqa: E731
+    _agree("step and prefill graphs disagree", "the state inputs", "graphs.step", [t.name for t in step],
+           "graphs.prefill", [t.name for t in states["prefill"]])
+    for a, b in zip(describe(step), describe(states["prefill"])):
+        _agree("step and prefill graphs disagree", f"state input {a[0]}", "graphs.step", a, "graphs.prefill", b)
+
+    listed = data["state"]
+    _agree("manifest and step graph disagree", "the state tensors", "state[]", [s["input"] for s in listed],
+           "graphs.step.inputs", [t.name for t in step])
+    for entry, t in zip(listed, step):
+        for key, want in (("dims", list(t.dims)), ("dtype", t.dtype), ("layer", t.layer), ("name", t.state_name),
+                          ("output", state_output_name(t.layer, t.state_name)), ("init", "zeros")):
+            _agree("manifest and step graph disagree", f"{t.name} {key}", "state[]", entry[key],
+                   "graphs.step.inputs", want)
+
+    layers = model["layers"]
+    _agree("manifest is inconsistent", "the layer indices", "model.layers", [layer["index"] for layer in layers],
+           "their order", list(range(len(layers))))
+    by_layer = [[t.state_name for t in step if t.layer == i] for i in range(len(layers))]
+    _agree("manifest and step graph disagree", "the state names per layer", "model.layers",
+           [layer["state"] for layer in layers], "graphs.step.inputs", by_layer)
+    _agree("manifest and step graph disagree", "the number of state inputs", "model.layers",
+           sum(map(len, by_layer)), "graphs.step.inputs", len(step))
+
+    probe = Manifest("", "", graphs, (), vocab, needs_position, {})
+    _agree("manifest is inconsistent", "state_bytes_per_sequence", "model", model["state_bytes_per_sequence"],
+           "the state tensors' dims and dtypes", probe.state_bytes(1))
+    _agree("manifest is inconsistent", "constant_memory", "model", model["constant_memory"],
+           "the state tensors' dims", probe.constant_memory)
 
 
 def _shape(dims: tuple, batch: int, past: int) -> list[int]:

@@ -14,7 +14,8 @@ import torch
 from edgelin.errors import EdgelinError
 from edgelin.export.base import ExportOptions, Runner, State, Target
 from edgelin.export.graphs import GRAPHS, TensorIO, graph_io
-from edgelin.export.manifest import Manifest
+from edgelin.export.manifest import GraphEntry, Manifest
+from edgelin.export.state import outputs_by_input
 from edgelin.model.lm import CausalLM
 
 # Example sizes for tracing: none is 0 or 1 (the exporter would specialise them) and the sequence
@@ -112,43 +113,67 @@ class OnnxRunner(Runner):
             path = Path(folder) / entry.file
             if not path.is_file():
                 raise EdgelinError(f"{path} is missing", "the manifest lists it", "re-run `edgelin export`")
-            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            _check_contract(kind, session, entry.inputs)
+            try:
+                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            except _ort_errors() as exc:  # a truncated or corrupt file is the folder's fault, not edgelin's
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise EdgelinError(f"{path} cannot be loaded by ONNX Runtime", f"{type(exc).__name__}: {reason}",
+                                   "re-run `edgelin export` (the file is truncated or corrupt)") from exc
+            _check_contract(kind, session, entry)
             self.sessions[kind] = session
         self.state_names = [t.name for t in manifest.state_inputs]
-        self.output_names = ["logits", *[t.name.replace("past_key_values.", "present.", 1) for t in manifest.state_inputs]]
+        feeds = outputs_by_input(manifest.graphs["step"].outputs)  # the manifest checked prefill's agree
+        self.output_names = ["logits", *[feeds[name] for name in self.state_names]]
 
-    def _run(self, kind: str, ids: np.ndarray, state: State, position: np.ndarray):
+    def _run(self, kind: str, ids: np.ndarray, state: State, position: np.ndarray | None):
         feed = {"input_ids": ids.astype(np.int64, copy=False), **state}
         if self.manifest.needs_position:
             feed["position_ids"] = position.astype(np.int64, copy=False)
         outs = self.sessions[kind].run(self.output_names, feed)
         return outs[0], dict(zip(self.state_names, outs[1:]))
 
-    def step(self, input_ids, state, position):
+    def _step(self, input_ids, state, position):
         return self._run("step", input_ids, state, position)
 
-    def prefill(self, input_ids, state, start):
+    def _prefill(self, input_ids, state, start):
         return self._run("prefill", input_ids, state, start)
 
 
-def _check_contract(kind: str, session, expected: tuple[TensorIO, ...]) -> None:
-    """The manifest and the graph must agree on every input's name, rank, fixed sizes and dtype."""
-    actual = {i.name: i for i in session.get_inputs()}
-    for t in expected:
-        got = actual.get(t.name)
-        onnx_type = f"tensor({'float' if t.dtype == 'float32' else 'float16' if t.dtype == 'float16' else t.dtype})"
-        problem = None
-        if got is None:
-            problem = "is not an input of the graph"
-        elif len(got.shape) != len(t.dims) or any(
-                isinstance(w, int) and g != w for g, w in zip(got.shape, t.dims)):
-            problem = f"has shape {got.shape} in the graph but {list(t.dims)} in the manifest"
-        elif got.type != onnx_type:
-            problem = f"has type {got.type} in the graph but {t.dtype} in the manifest"
-        if problem:
-            raise EdgelinError(f"manifest and {kind} graph disagree: {t.name} {problem}",
-                               "the folder was edited or mixed with another export", "re-run `edgelin export`")
+def _ort_errors() -> tuple[type[BaseException], ...]:
+    """ONNX Runtime's exception classes (they share no base class but Exception)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    found = tuple(c for c in vars(ort_state).values() if isinstance(c, type) and issubclass(c, Exception))
+    return (*found, RuntimeError)
+
+
+_ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)",
+               "int32": "tensor(int32)"}
+
+
+def _check_contract(kind: str, session, entry: GraphEntry) -> None:
+    """The manifest and the graph file must agree on every input's and output's name, rank, fixed
+    sizes and dtype, and the graph must have no input or output the manifest does not list."""
+    for direction, actual_list, expected in (("input", session.get_inputs(), entry.inputs),
+                                             ("output", session.get_outputs(), entry.outputs)):
+        actual = {i.name: i for i in actual_list}
+        for t in expected:
+            got = actual.get(t.name)
+            problem = None
+            if got is None:
+                problem = f"is not an {direction} of the graph"
+            elif len(got.shape) != len(t.dims) or any(
+                    isinstance(w, int) and g != w for g, w in zip(got.shape, t.dims)):
+                problem = f"has shape {got.shape} in the graph but {list(t.dims)} in the manifest"
+            elif got.type != _ONNX_TYPES.get(t.dtype, t.dtype):
+                problem = f"has type {got.type} in the graph but {t.dtype} in the manifest"
+            if problem:
+                raise EdgelinError(f"manifest and {kind} graph disagree: {direction} {t.name} {problem}",
+                                   "the folder was edited or mixed with another export", "re-run `edgelin export`")
+        unlisted = sorted(set(actual) - {t.name for t in expected})
+        if unlisted:
+            raise EdgelinError(f"manifest and {kind} graph disagree: the graph has {direction} {unlisted[0]}",
+                               "the manifest does not list it", "re-run `edgelin export`")
 
 
 class OnnxTarget(Target):
@@ -169,11 +194,18 @@ class OnnxTarget(Target):
         if options.precision != "fp32":
             raise EdgelinError(f"ONNX precision {options.precision!r}", "this target exports fp32 graphs",
                                "use --precision fp32")
+        if options.state_dtype != "float32":  # float16 state: issue 11
+            raise EdgelinError(f"ONNX state dtype {options.state_dtype!r}", "this target stores the state as float32",
+                               "export with state dtype float32 (pick a device profile whose state_dtype is float32)")
+        from edgelin.export.lowering import lowering
+
         files = {}
-        for kind, graph in GRAPHS.items():
-            inputs, outputs = graph_io(model, kind)
-            files[kind] = f"{kind}.onnx"
-            export_onnx_graph(graph(model).eval(), model, inputs, outputs, Path(folder) / files[kind], options.opset)
+        with lowering(self.name):  # the ONNX forms of the recurrences (chunk loop -> one Scan)
+            for kind, graph in GRAPHS.items():
+                inputs, outputs = graph_io(model, kind, options.state_dtype)
+                files[kind] = f"{kind}.onnx"
+                export_onnx_graph(graph(model).eval(), model, inputs, outputs, Path(folder) / files[kind],
+                                  options.opset)
         return files
 
     def runner(self, folder: Path, manifest: Manifest, threads: int | None = None) -> OnnxRunner:

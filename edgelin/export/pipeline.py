@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgelin.checkpoint import TOKENIZER, load_model
-from edgelin.devices import DeviceProfile
+from edgelin.devices import DeviceProfile, ExportSettings, check_state_dims, export_settings
 from edgelin.errors import EdgelinError
 from edgelin.export.base import ExportOptions
 from edgelin.export.graphs import GRAPHS, graph_io
-from edgelin.export.manifest import GraphEntry, Manifest
+from edgelin.export.manifest import MANIFEST, GraphEntry, Manifest
 from edgelin.export.targets import get_target
 from edgelin.model.lm import CausalLM
+from edgelin.outputs import EXPORT, check_output, claim_output
 
 
 @dataclass(frozen=True)
@@ -22,14 +24,13 @@ class ExportResult:
     folder: Path
     manifest: Manifest
     files: dict[str, str]
+    inert_fields: tuple[str, ...] = ()  # config.json fields the upstream model never reads (accepted, listed)
+    warnings: tuple[str, ...] = ()  # e.g. no tokenizer to ship
 
 
-def prepare_output(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise EdgelinError(f"output folder {out} already exists", "edgelin never overwrites an export silently",
-                           "pick another --out, or pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise EdgelinError(f"output {out} is a file", "an export is a folder", "pick another --out")
+def prepare_output(out: Path, force: bool, protected: Sequence[Path] = ()) -> Path:
+    """Refuse an --out that would lose data (see edgelin.outputs); returns it resolved. No side effects."""
+    return check_output(out, force, EXPORT, protected)
 
 
 def build_manifest(model: CausalLM, target: str, precision: str, files: dict[str, str], source: dict,
@@ -52,7 +53,8 @@ def build_manifest(model: CausalLM, target: str, precision: str, files: dict[str
 
 def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tokenizer: Path | None = None,
                  force: bool = False, device: DeviceProfile | None = None,
-                 options: ExportOptions = ExportOptions()) -> ExportResult:
+                 options: ExportOptions = ExportOptions(), protected: Sequence[Path] = (),
+                 settings: ExportSettings | None = None) -> ExportResult:
     out = Path(out)
     target = get_target(target_name)
     reason = target.unavailable_reason()
@@ -63,32 +65,42 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     if reason:
         raise EdgelinError(f"target {target.name} cannot take this model", reason,
                            "pick another --target or --device (edgelin devices lists them)")
-    prepare_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    # What the device profile asks for (edgelin.devices.export_settings is the one place that decides);
+    # without settings, options.precision is the caller's explicit choice.
+    settings = settings or export_settings(device, target.name, options.precision)
+    check_state_dims(model.state_tensors(), settings)
+    options = dataclasses.replace(options, precision=settings.precision, state_dtype=settings.state_dtype)
+    # The source checkpoint is protected: --out may not be it, sit inside it, or contain it.
+    protected = tuple(protected) + ((Path(source["path"]),) if Path(str(source.get("path"))).is_dir() else ())
+    with claim_output(out, force, EXPORT, protected) as tmp:
         files = target.export(model, tmp, options)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
         manifest = build_manifest(model, target.name, options.precision, files, source,
                                   TOKENIZER if tokenizer is not None else None)
+        # Record every file written, so a later --force knows the whole folder is ours.
+        device_entry = {"device": settings.manifest_entry()} if settings.device else {}
+        manifest = dataclasses.replace(manifest, files=tuple(sorted({p.name for p in tmp.iterdir()} | {MANIFEST})),
+                                       extra={**manifest.extra, **device_entry})
         manifest.save(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return ExportResult(out, manifest, files)
 
 
 def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: bool = False,
-                      device: DeviceProfile | None = None, options: ExportOptions = ExportOptions()) -> ExportResult:
+                      device: DeviceProfile | None = None, options: ExportOptions = ExportOptions(),
+                      include_tokenizer: bool = True, settings: ExportSettings | None = None) -> ExportResult:
+    """`include_tokenizer=False` (--no-tokenizer): the checkpoint's tokenizer is neither checked nor copied."""
+    from dataclasses import replace
+
+    from edgelin.tokenizer import check_tokenizer
+
     model, info = load_model(checkpoint)
+    warnings: list[str] = []
+    tokenizer = info.tokenizer if include_tokenizer else None
+    if tokenizer is not None:  # before any work: a corrupt tokenizer would only surface in generate
+        check_tokenizer(tokenizer, model.config.vocab_size)
+    elif include_tokenizer:
+        warnings.append(f"no {TOKENIZER} in {info.path}: the export has no tokenizer, so generate will need one")
     source = {"path": str(info.path), "sha256": info.sha256, "format": info.format, "model_type": info.model_type}
-    return export_model(model, out, target, source, info.tokenizer, force, device, options)
+    result = export_model(model, out, target, source, tokenizer, force, device, options, settings=settings)
+    return replace(result, inert_fields=tuple(info.inert_fields), warnings=tuple(warnings))

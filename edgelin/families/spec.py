@@ -1,9 +1,10 @@
 """The declarative family spec: the one place a family's math is stated.
 
 Everything else derives from a `FamilySpec`: the mixer's parameters and projections
-(`edgelin.model.mixer`), the recurrence engines (`edgelin.reference.recurrence`, which only see
-"is there a decay tensor / a beta tensor"), the state tensors of the step and prefill graphs and
-every export target. A family file is a single `FamilySpec(...)` value.
+(`edgelin.model.mixer`), the recurrence engines (`edgelin.reference.engine` over the pure-torch
+`edgelin.reference.recurrence`, which only see "is there a decay tensor / a beta tensor"), the
+state tensors of the step and prefill graphs and every export target. A family file is a single
+`FamilySpec(...)` value.
 
 Shared math per head (state S is d_k x d_v):
     S_t = decay_t * S_{t-1}                                 (Decay: none, fixed, scalar, per_key)
@@ -24,6 +25,7 @@ from enum import Enum
 
 from edgelin.errors import EdgelinError
 from edgelin.families.feature_maps import FEATURE_MAPS
+from edgelin.rules import COUNT, FLAG, POSITIVE, SIZE, Rule, invalid
 
 
 class Decay(str, Enum):
@@ -51,6 +53,17 @@ KNOBS = (
     "gate_clamp_min", "dt_clamp", "use_beta", "beta_scale", "normalizer", "normalizer_eps", "output_norm",
     "output_norm_scope", "output_gate", "output_gate_activation", "output_gate_low_rank", "chunk_size",
 )
+# Type and range of each knob a config may set (dt_clamp, a pair, is checked on its own).
+KNOB_RULES: dict[str, Rule] = {
+    "feature_map": Rule("str", choices=tuple(FEATURE_MAPS)), "qk_norm": Rule("str", choices=("none", "l2", "sum")),
+    "scale_queries": FLAG, "short_conv": FLAG, "gate_low_rank": COUNT, "gate_low_rank_bias": FLAG,
+    "gate_normalizer": POSITIVE, "gate_clamp_min": Rule("float", optional=True), "use_beta": FLAG,
+    "beta_scale": POSITIVE, "normalizer": FLAG, "normalizer_eps": POSITIVE, "output_norm": FLAG,
+    "output_norm_scope": Rule("str", choices=("head", "group")),
+    "output_gate": Rule("str", choices=("none", "after_norm", "before_norm")),
+    "output_gate_activation": Rule("str", choices=("silu", "sigmoid")), "output_gate_low_rank": COUNT,
+    "chunk_size": SIZE,
+}
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,8 @@ class FamilySpec:
             problems.append(f"output_gate_activation must be silu or sigmoid, not {self.output_gate_activation!r}")
         if self.chunk_size < 1:
             problems.append("chunk_size must be >= 1")
+        if self.normalizer and self.delta_rule:  # z_t = decay z_{t-1} + k_t is the additive rule's
+            problems.append("the normaliser needs the additive rule (delta_rule=False)")
         if problems:
             raise ValueError(f"{self.name}: " + "; ".join(problems))
 
@@ -122,8 +137,8 @@ class FamilySpec:
         heads = torch.arange(num_heads, dtype=torch.float64)
         return torch.log1p(-torch.pow(2.0, -(self.fixed_decay_offset + heads))).float()
 
-    def with_overrides(self, overrides: dict) -> "FamilySpec":
-        """Apply config overrides, refusing any field that is not a knob."""
+    def with_overrides(self, overrides: dict, where: str = "model config") -> "FamilySpec":
+        """Apply config overrides, refusing any field that is not a knob or a value of the wrong type."""
         if not overrides:
             return self
         bad = sorted(set(overrides) - set(KNOBS))
@@ -134,14 +149,28 @@ class FamilySpec:
                 f"remove them; settable per family: {', '.join(KNOBS)}",
             )
         values = dict(overrides)
-        if "output_gate" in values and isinstance(values["output_gate"], str):
+        for key, rule in KNOB_RULES.items():
+            value = values.get(key)
+            if key in values and not (key == "output_gate" and isinstance(value, OutputGate)):
+                rule.check(f"family_overrides.{self.name}.{key}", value, where)
+        if "output_gate" in values:
             values["output_gate"] = OutputGate(values["output_gate"])
-        if isinstance(values.get("dt_clamp"), list):
-            values["dt_clamp"] = tuple(values["dt_clamp"])
+        if values.get("dt_clamp") is not None:
+            values["dt_clamp"] = _dt_clamp(values["dt_clamp"], f"family_overrides.{self.name}.dt_clamp", where)
         try:
             return dataclasses.replace(self, **values)
         except ValueError as exc:
             raise EdgelinError(f"config overrides for {self.name!r}", str(exc), "fix the overrides") from exc
+
+
+def _dt_clamp(value: object, name: str, where: str) -> tuple[float, float]:
+    """Mamba2's time_step_limit: (low, high) with 0 <= low <= high; high may be inf."""
+    allowed = "null or a pair [low, high] of numbers with 0 <= low <= high (high may be inf)"
+    bound = Rule("float", low=0, finite=False)
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(bound.accepts(v) for v in value) \
+            or value[0] > value[1] or value[0] == float("inf"):
+        raise invalid(name, value, allowed, where)
+    return (float(value[0]), float(value[1]))
 
 
 @dataclass(frozen=True)
@@ -169,21 +198,41 @@ class LayerDims:
         return 2 * self.key_width + self.value_width
 
 
+# What a state tensor holds. Accumulators sum over every past token (precision matters: they stay
+# float32 in the reference); caches only hold recent inputs (conv taps, attention keys/values).
+STATE_ROLES = ("recurrent", "normalizer", "conv", "key", "value")
+ACCUMULATOR_ROLES = ("recurrent", "normalizer")
+STATE_DTYPES = ("float32", "float16")
+
+
 @dataclass(frozen=True)
 class StateTensor:
-    """One recurrent-state tensor of a layer. Dims are ints or symbolic names ('batch')."""
+    """One recurrent-state tensor of a layer. Dims are ints or symbolic names ('batch').
+    `role` is one of STATE_ROLES; `dtype` is its storage dtype in exported graphs."""
 
     name: str
     dims: tuple[int | str, ...]
+    role: str
     dtype: str = "float32"
     init: str = "zeros"
+
+    def __post_init__(self) -> None:
+        if self.role not in STATE_ROLES:
+            raise ValueError(f"state tensor {self.name!r}: role {self.role!r} is not one of {', '.join(STATE_ROLES)}")
+        if self.dtype not in STATE_DTYPES:
+            raise ValueError(f"state tensor {self.name!r}: dtype {self.dtype!r} is not one of "
+                             f"{', '.join(STATE_DTYPES)}")
+
+    @property
+    def accumulates(self) -> bool:
+        return self.role in ACCUMULATOR_ROLES
 
 
 def linear_state_tensors(spec: FamilySpec, dims: LayerDims) -> list[StateTensor]:
     d_state = spec.feature.out_dim(dims.head_k_dim)
-    tensors = [StateTensor("recurrent_state", ("batch", dims.num_heads, d_state, dims.head_v_dim))]
-    if spec.normalizer:
-        tensors.append(StateTensor("normalizer", ("batch", dims.num_heads, d_state)))
+    tensors = [StateTensor("recurrent_state", ("batch", dims.num_heads, d_state, dims.head_v_dim), "recurrent")]
+    if spec.normalizer:  # its own tensor, updated on its own (never a column appended to S)
+        tensors.append(StateTensor("normalizer", ("batch", dims.num_heads, d_state), "normalizer"))
     if spec.short_conv:
-        tensors.append(StateTensor("conv_state", ("batch", dims.conv_channels, dims.conv_size - 1)))
+        tensors.append(StateTensor("conv_state", ("batch", dims.conv_channels, dims.conv_size - 1), "conv"))
     return tensors

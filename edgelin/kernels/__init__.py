@@ -5,6 +5,8 @@
 - `cuda_step` (CUDA C++ via a torch extension): the step the TensorRT plugin will call, through
   the plain C launcher `edgelin_step_launch` (edgelin/kernels/cuda/edgelin_step.h).
 - `GraphDecoder`: one whole-model decode step captured in a CUDA graph.
+- `use_backend` / `set_backend` / `get_backend` (`edgelin.kernels.dispatch`): which engine the
+  model runs its recurrences through (EDGELIN_KERNELS=auto|torch|triton|cuda).
 
 Kernels take the engines' flags only (gate kind from g's shape, delta rule from beta), never a
 family name. Imports are lazy so that `import edgelin` never pulls in Triton.
@@ -24,6 +26,9 @@ _EXPORTS = {
     "GraphDecoder": "edgelin.kernels.graph_decode",
     "decode_state": "edgelin.kernels.graph_decode",
     "KernelError": "edgelin.kernels._common",
+    "use_backend": "edgelin.kernels.dispatch",
+    "set_backend": "edgelin.kernels.dispatch",
+    "get_backend": "edgelin.kernels.dispatch",
 }
 __all__ = [*_EXPORTS, "triton_available"]
 

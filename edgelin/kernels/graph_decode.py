@@ -14,16 +14,11 @@ import torch
 from edgelin.kernels._common import KernelError
 
 Tensor = torch.Tensor
-FP32_STATES = ("recurrent_state", "normalizer")  # what the kernels accumulate: always float32
-
-
 def decode_state(model: torch.nn.Module, batch: int, device=None) -> list[dict[str, Tensor]]:
-    """Zeros for every state tensor: the recurrent state (and normaliser) in float32, the caches
-    that only hold past inputs (conv state, KV ring buffer) in the weights' dtype, so that a
-    half-precision model runs (`model.initial_state` makes everything float32)."""
-    dtype = next(model.parameters()).dtype
-    state = model.initial_state(batch, device=device)
-    return [{name: t if name in FP32_STATES else t.to(dtype) for name, t in layer.items()} for layer in state]
+    """Zeros for every state tensor: accumulators (recurrent state, normaliser) in float32, the
+    caches that only hold past inputs (conv state, KV ring buffer) in the weights' dtype, so that
+    a half-precision model runs."""
+    return model.initial_state(batch, device=device, dtype=next(model.parameters()).dtype)
 
 
 class GraphDecoder:

@@ -39,7 +39,7 @@ class SoftmaxAttention(nn.Module):
     def state_tensors(self) -> list[StateTensor]:
         length = self.cfg.window if self.cfg.window is not None else "past_sequence"
         shape = ("batch", self.cfg.num_kv_heads, length, self.cfg.head_dim)
-        return [StateTensor("key", shape), StateTensor("value", shape)]
+        return [StateTensor("key", shape, "key"), StateTensor("value", shape, "value")]
 
     def forward(
         self, x: Tensor, state: dict[str, Tensor], start: Tensor | None = None, mode: str = "chunked"

@@ -1,4 +1,9 @@
-"""Model configuration: the `config.json` of an edgelin checkpoint (Hugging Face conventions)."""
+"""Model configuration: the `config.json` of an edgelin checkpoint (Hugging Face conventions).
+
+Every field is checked by type and range (`MODEL_RULES`, `ATTENTION_RULES`, then the relations between
+fields in `_check_relations`) when a config is built, from config.json, a recipe, a converter or code,
+so a bad value is one line naming the field and its allowed range, never a crash deep in torch.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from edgelin.errors import EdgelinError
-from edgelin.families import FAMILIES, SOFTMAX, FamilySpec, LayerDims, get_family
+from edgelin.families import FAMILIES, LAYER_TYPES, SOFTMAX, FamilySpec, LayerDims, get_family
+from edgelin.rules import COUNT, FLAG, OPT_POSITIVE, OPT_SIZE, POSITIVE, SIZE, Rule, check_fields, invalid
 
 MODEL_TYPE = "edgelin"
+WHERE = "model config"  # names configs built in code or from a recipe; config.json errors name the file
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,30 @@ class AttentionConfig:
     qk_norm: bool = False  # RMSNorm over each head's q and k before rotary (Qwen3.5)
     qk_norm_eps: float | None = None  # None: the model's rms_norm_eps
     output_gate: bool = False  # o * sigmoid(W_g x) before o_proj (Qwen3.5's gated attention)
+
+    def __post_init__(self) -> None:
+        check_attention(dataclasses.asdict(self), WHERE)
+
+
+ATTENTION_RULES: dict[str, Rule] = {
+    "num_heads": SIZE, "num_kv_heads": SIZE, "head_dim": SIZE, "window": OPT_SIZE, "rope_theta": POSITIVE,
+    "rotary_dim": Rule("int", low=2, optional=True), "qkv_bias": FLAG, "qk_norm": FLAG,
+    "qk_norm_eps": OPT_POSITIVE, "output_gate": FLAG,
+}
+
+
+def check_attention(values: dict[str, Any], where: str) -> None:
+    check_fields(ATTENTION_RULES, values, where, prefix="attention.")
+    heads, kv_heads, head_dim = values["num_heads"], values["num_kv_heads"], values["head_dim"]
+    if heads % kv_heads:  # grouped-query attention: equal groups of query heads per kv head
+        raise invalid("attention.num_kv_heads", kv_heads, f"a divisor of attention.num_heads={heads}", where)
+    rotary = values.get("rotary_dim")
+    if rotary is None and head_dim % 2:  # rotary over the whole head rotates channel pairs
+        raise invalid("attention.head_dim", head_dim, "an even integer (rotary embeddings rotate pairs), or set "
+                      "attention.rotary_dim", where)
+    if rotary is not None and (rotary % 2 or rotary > head_dim):
+        raise invalid("attention.rotary_dim", rotary, f"null or an even integer in [2, {head_dim}] "
+                      f"(attention.head_dim={head_dim})", where)
 
 
 @dataclass(frozen=True)
@@ -55,24 +86,10 @@ class ModelConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in self.layer_types:
-            if name != SOFTMAX:
-                get_family(name)
-        if SOFTMAX in self.layer_types and self.attention is None:
-            raise EdgelinError(
-                "config has softmax layers but no 'attention' section",
-                "their head counts and window are undefined",
-                "add attention: {num_heads, num_kv_heads, head_dim, window}",
-            )
-        heads_k = self.num_k_heads or self.num_heads
-        if self.num_heads % heads_k:
-            raise EdgelinError(
-                f"num_heads={self.num_heads} is not a multiple of num_k_heads={heads_k}",
-                "value heads share key heads in equal groups",
-                "pick num_k_heads dividing num_heads",
-            )
-        for fam in self.family_overrides:
-            get_family(fam).with_overrides(self.family_overrides[fam])
+        if isinstance(self.layer_types, list):  # programmatic configs: the tuple the dataclass promises
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        check_model(values, WHERE)
 
     @property
     def num_layers(self) -> int:
@@ -113,32 +130,23 @@ class ModelConfig:
                 "native checkpoints have model_type 'edgelin'",
                 "export an edgelin checkpoint, or use a supported upstream format",
             )
-        for key in ("architectures", "num_hidden_layers", "edgelin_version", "torch_dtype", "dtype"):
+        num_layers = data.pop("num_hidden_layers", None)
+        for key in ("architectures", "edgelin_version", "torch_dtype", "dtype"):
             data.pop(key, None)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise EdgelinError(
-                f"{source}: unknown fields {', '.join(unknown)}",
-                "edgelin refuses fields it does not understand rather than silently ignore math",
-                f"remove them; known fields: {', '.join(sorted(known))}",
-            )
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                         and f.name not in data)
-        if missing:
-            raise EdgelinError(f"{source}: missing fields {', '.join(missing)}", "the model is undefined without them",
-                               "add them to config.json")
-        if data.get("attention") is not None:
-            try:
-                data["attention"] = AttentionConfig(**data["attention"])
-            except TypeError as exc:
-                raise EdgelinError(f"{source}: bad 'attention' section", str(exc), "fix config.json") from exc
+        _check_names(data, {f.name: f for f in dataclasses.fields(cls)}, source, "")
+        attention = data.get("attention")
+        if attention is not None:
+            if not isinstance(attention, dict):
+                raise invalid("attention", attention, "null or an object {num_heads, num_kv_heads, head_dim, ...}",
+                              source)
+            _check_names(attention, {f.name: f for f in dataclasses.fields(AttentionConfig)}, source, "attention.")
+        check_model(data, source)  # here, so that errors name the file
+        if num_layers is not None and (isinstance(num_layers, bool) or num_layers != len(data["layer_types"])):
+            raise invalid("num_hidden_layers", num_layers, f"len(layer_types) = {len(data['layer_types'])}", source)
+        if attention is not None:
+            data["attention"] = AttentionConfig(**attention)
         data["layer_types"] = tuple(data["layer_types"])
-        try:
-            return cls(**data)
-        except TypeError as exc:
-            raise EdgelinError(f"{source}: invalid config", str(exc), "fix config.json") from exc
+        return cls(**data)
 
     @classmethod
     def load(cls, path: Path) -> "ModelConfig":
@@ -153,3 +161,74 @@ class ModelConfig:
             raise EdgelinError(f"{path} is not a JSON object", "config.json must map field names to values",
                                "repair or re-save the checkpoint")
         return cls.from_dict(data, source=str(path))
+
+
+MODEL_RULES: dict[str, Rule] = {
+    "vocab_size": SIZE, "hidden_size": SIZE, "num_heads": SIZE, "head_k_dim": SIZE, "head_v_dim": SIZE,
+    "intermediate_size": COUNT, "num_k_heads": OPT_SIZE, "conv_size": SIZE, "conv_bias": FLAG,
+    "rms_norm_eps": POSITIVE, "tie_word_embeddings": FLAG, "rope_theta": POSITIVE, "chunk_size": OPT_SIZE,
+    "feature_seed": Rule("int", low=0, high=2**63 - 1),  # torch.Generator's seed range
+    "bos_token_id": Rule("int", low=0, optional=True), "eos_token_id": Rule("int", low=0, optional=True),
+}
+
+
+def _check_names(data: dict[str, Any], fields: dict[str, dataclasses.Field], source: str, prefix: str) -> None:
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise EdgelinError(
+            f"{source}: unknown fields {', '.join(prefix + u for u in unknown)}",
+            "edgelin refuses fields it does not understand rather than silently ignore math",
+            f"remove them; known fields: {', '.join(sorted(fields))}",
+        )
+    missing = sorted(n for n, f in fields.items() if n not in data
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise EdgelinError(f"{source}: missing fields {', '.join(prefix + m for m in missing)}",
+                           "the model is undefined without them", "add them to config.json")
+
+
+def check_model(values: dict[str, Any], where: str) -> None:
+    """Every field by type and range, then the relations between them (one error line each)."""
+    types = values.get("layer_types")
+    if not isinstance(types, (list, tuple)) or not types or not all(isinstance(t, str) for t in types):
+        raise invalid("layer_types", types, f"a non-empty list of layer types ({', '.join(LAYER_TYPES)})", where)
+    for name in types:
+        if name != SOFTMAX:
+            get_family(name)
+    check_fields(MODEL_RULES, values, where)
+    attention = values.get("attention")
+    if isinstance(attention, dict):
+        check_attention(attention, where)
+    elif attention is not None and not isinstance(attention, AttentionConfig):
+        raise invalid("attention", attention, "null or an attention section", where)
+    if SOFTMAX in types and attention is None:
+        raise EdgelinError(
+            f"{where}: config has softmax layers but no 'attention' section",
+            "their head counts and window are undefined",
+            "add attention: {num_heads, num_kv_heads, head_dim, window}",
+        )
+    _check_relations(values, types, where)
+
+
+def _check_relations(values: dict[str, Any], types: list[str] | tuple[str, ...], where: str) -> None:
+    heads = values["num_heads"]
+    heads_k = values.get("num_k_heads") or heads
+    if heads % heads_k:  # value heads share key heads in equal groups
+        raise invalid("num_k_heads", heads_k, f"null or a divisor of num_heads={heads}", where)
+    vocab = values["vocab_size"]
+    for key in ("bos_token_id", "eos_token_id"):
+        if values.get(key) is not None and values[key] >= vocab:
+            raise invalid(key, values[key], f"null or an integer in [0, {vocab - 1}] (vocab_size={vocab})", where)
+    overrides = values.get("family_overrides", {})
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) and isinstance(v, dict)
+                                                  for k, v in overrides.items()):
+        raise invalid("family_overrides", overrides, "an object mapping family names to {knob: value}", where)
+    specs = {fam: get_family(fam).with_overrides(knobs, where) for fam, knobs in overrides.items()}
+    for name in sorted(set(types) - {SOFTMAX}):
+        spec = specs.get(name, FAMILIES[name])
+        if spec.rotary and spec.feature.out_dim(values["head_k_dim"]) % 2:  # RetNet rotates channel pairs
+            raise invalid("head_k_dim", values["head_k_dim"], f"an integer whose {spec.feature_map} feature width is "
+                          f"even ({name} applies rotary embeddings)", where)
+        if spec.short_conv and values.get("conv_size", 4) < 2:  # the conv state keeps conv_size - 1 taps
+            raise invalid("conv_size", values["conv_size"], f"an integer >= 2 ({name} layers have a short "
+                          "convolution)", where)

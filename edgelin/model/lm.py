@@ -79,14 +79,13 @@ class CausalLM(nn.Module):
         )
 
     def initial_state(self, batch: int, past: int = 0, device=None, dtype: torch.dtype = torch.float32) -> State:
-        """Zeros for every state tensor ('past_sequence' dims get length `past`). Recurrent states
-        (and normalisers) stay fp32 whatever `dtype` is; conv and KV caches take `dtype`, the
-        weights' precision, since they hold projected activations."""
+        """Zeros for every state tensor ('past_sequence' dims get length `past`). Accumulators
+        (recurrent states, normalisers) stay fp32 whatever `dtype` is; conv and KV caches take
+        `dtype`, the weights' precision, since they hold projected activations."""
         sizes = {"batch": batch, "past_sequence": past}
-        accumulators = ("recurrent_state", "normalizer")
         return [
             {t.name: torch.zeros([sizes.get(d, d) for d in t.dims], device=device,
-                                 dtype=torch.float32 if t.name in accumulators else dtype) for t in layer}
+                                 dtype=torch.float32 if t.accumulates else dtype) for t in layer}
             for layer in self.state_tensors()
         ]
 

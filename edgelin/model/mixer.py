@@ -4,9 +4,18 @@ layer's `FamilySpec`; no family is named here.
 x -> q, k, v projections -> [short conv + SiLU] -> heads -> [rotary] -> feature map -> [L2 norm]
   -> [scale q] -> decay g, beta from x -> recurrence engine -> [normaliser] -> [D skip]
   -> [norm / gate] -> o_proj
+
+The recurrence runs through an engine (edgelin.reference.engine): the one a target's lowering
+installed with `use_engine` (edgelin.export.lowering), else the kernel dispatch's choice for the
+tensors at hand (GPU kernels for CUDA tensors under EDGELIN_KERNELS=auto, the torch reference
+otherwise). The mixer itself holds no target- or device-specific code.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -15,10 +24,29 @@ from torch import nn
 from edgelin.families import Decay, FamilySpec, Gate, LayerDims, OutputGate, StateTensor
 from edgelin.families.feature_maps import orthogonal_random_features
 from edgelin.families.spec import linear_state_tensors
+from edgelin.kernels.dispatch import engine_for
 from edgelin.model.layers import GroupRMSNorm, RMSNorm, Rotary, positions_from, short_conv
-from edgelin.reference import recurrence
+from edgelin.reference.engine import Engine
 
 Tensor = torch.Tensor
+# An engine installed for this context (a target's lowering while its graphs are traced, see
+# edgelin.export.lowering); None: the kernel dispatch chooses per call (edgelin.kernels.dispatch).
+_ENGINE: contextvars.ContextVar[Engine | None] = contextvars.ContextVar("edgelin_engine", default=None)
+
+
+@contextlib.contextmanager
+def use_engine(engine: Engine | None) -> Iterator[Engine | None]:
+    """Run every linear mixer's recurrence through `engine` inside the block (None: dispatch)."""
+    token = _ENGINE.set(engine)
+    try:
+        yield engine
+    finally:
+        _ENGINE.reset(token)
+
+
+def select_engine(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None) -> Engine:
+    installed = _ENGINE.get()
+    return installed if installed is not None else engine_for(state, q, k, v, g, beta)
 
 
 def _projection(hidden: int, out: int, low_rank: int, low_rank_bias: bool = True) -> nn.Module:
@@ -108,20 +136,34 @@ class LinearMixer(nn.Module):
             beta = beta * spec.beta_scale if spec.beta_scale != 1.0 else beta
         values = v * dt.unsqueeze(-1) if spec.value_dt else v
 
-        s = state["recurrent_state"]
-        if spec.normalizer:  # z is one more value column whose value is always 1
-            values = torch.cat([values, torch.ones_like(values[..., :1])], -1)
-            s = torch.cat([s, state["normalizer"].unsqueeze(-1)], -1)
-        if mode == "chunked":
-            o, s = recurrence.chunked(s, q, k, values, g, beta, spec.chunk_size)
-        else:
-            o, s = recurrence.recurrent(s, q, k, values, g, beta)
-        if spec.normalizer:
-            o = o[..., :-1] / (o[..., -1:] + spec.normalizer_eps)
-            s, new_state["normalizer"] = s[..., :-1], s[..., -1]
-        new_state["recurrent_state"] = s
+        engine = select_engine(state["recurrent_state"], q, k, values, g, beta)
+        o, new_state["recurrent_state"] = self._recurrence(engine, mode, state["recurrent_state"], q, k, values, g,
+                                                           beta)
+        if spec.normalizer:  # its own state z: o = q^T S / (q^T z + eps), S and z updated apart
+            den, new_state["normalizer"] = self._normalizer(engine, mode, state["normalizer"], q, k, g)
+            o = (o / (den.unsqueeze(-1) + spec.normalizer_eps)).to(o.dtype)  # fp32 z, o in v's dtype
         ordered = {t.name: new_state[t.name] for t in self.state_tensors()}  # the spec's order
         return self._readout(o, v, x), ordered
+
+    def _recurrence(self, engine: Engine, mode: str, s: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
+                    beta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """S through the engine's form for `mode`: chunked, one step (T = 1: the step graph) or a loop."""
+        if mode == "chunked":
+            return engine.chunked(s, q, k, v, g, beta, self.spec.chunk_size)
+        if q.shape[1] == 1:
+            o, s = engine.step(s, *(None if t is None else t[:, 0] for t in (q, k, v, g, beta)))
+            return o.unsqueeze(1), s
+        return engine.recurrent(s, q, k, v, g, beta)
+
+    def _normalizer(self, engine: Engine, mode: str, z: Tensor, q: Tensor, k: Tensor,
+                    g: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(q^T z at every token [B, T, H], final z), the same form as `_recurrence` picks."""
+        if mode == "chunked":
+            return engine.normalizer_chunked(z, q, k, g, self.spec.chunk_size)
+        if q.shape[1] == 1:
+            den, z = engine.normalizer_step(z, *(None if t is None else t[:, 0] for t in (q, k, g)))
+            return den.unsqueeze(1), z
+        return engine.normalizer_recurrent(z, q, k, g)
 
     def _log_decay(self, x: Tensor, batch: int, length: int) -> tuple[Tensor | None, Tensor | None]:
         """(g, dt): g is [B, T, H, 1 | d_state] or None; dt is the softplus step size (or None)."""

@@ -1,95 +1,50 @@
-"""The recurrence every family shares, in three forms: one step, a naive token loop, chunked.
+"""The recurrence every family shares, in pure torch: one step, a naive token loop, chunked.
+
+This is the ground truth every kernel and every exported graph is tested against. It knows no
+target, no kernel and no tracer: how a target lowers it (ONNX's Scan over chunks, a TensorRT
+step node, a static chunk loop for Core ML) is chosen in `edgelin.export.lowering`, and GPU
+kernel dispatch lives in `edgelin.kernels.dispatch`; both reach these functions through an
+engine (`edgelin.reference.engine`). The chunked form takes its chunk loop as an argument
+(`loop`, a plain Python loop by default) so a lowering can swap the loop without copying math.
 
 The engines never see a family name. A family is expressed by which tensors exist:
     g     log-decay, None (no decay) or [..., 1] (scalar per head) or [..., d_k] (per key)
     beta  None (additive rule) or [...] (delta rule)
 Layouts: q, k [B, T, H, d_k]; v [B, T, H, d_v]; g [B, T, H, 1 | d_k]; beta [B, T, H];
-state S [B, H, d_k, d_v]. Everything is fp32 reference math.
+state S [B, H, d_k, d_v]; normaliser z [B, H, d_k]. Everything is fp32 reference math.
 
-Backends: on CUDA the same calls run edgelin's own kernels (edgelin.kernels). `use_backend(name)`
-/ `set_backend(name)` or the environment variable EDGELIN_KERNELS choose: "auto" (kernels for
-CUDA tensors when Triton is importable, torch otherwise), "torch", "triton", "cuda" (the CUDA C++
-step kernel for decode, Triton for prefill). Tracing, export, torch.compile and autograd always
-take the torch engines; CPU tensors never reach a kernel (except a forced "triton" under
-TRITON_INTERPRET=1, which the CPU tests use).
+The normaliser (linear transformer, Performer) is its own state: z_t = decay_t z_{t-1} + k_t and
+the readout divides by q_t^T z_t. It is updated by its own small functions (`normalizer_*`), never
+as an extra value column concatenated onto S, so a step updates S and z in place, with no
+Concat/Slice of the state.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-import os
+from typing import Callable
 
 import torch
 
-from edgelin.errors import EdgelinError
-
 Tensor = torch.Tensor
-BACKENDS = ("auto", "torch", "triton", "cuda")
-_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("edgelin_kernels", default=None)
+# body(carry, xs_i) -> (carry, out_i); loop(body, init, xs) -> (final carry, outs stacked on dim 0)
+ChunkBody = Callable[[Tensor, tuple[Tensor, ...]], tuple[Tensor, Tensor]]
+ChunkLoop = Callable[[ChunkBody, Tensor, tuple[Tensor, ...]], tuple[Tensor, Tensor]]
 
 
-def get_backend() -> str:
-    name = _backend.get() or os.environ.get("EDGELIN_KERNELS", "auto") or "auto"
-    if name not in BACKENDS:
-        raise EdgelinError(f"unknown recurrence backend {name!r}", f"choose one of {', '.join(BACKENDS)}",
-                           "fix EDGELIN_KERNELS or the set_backend() argument")
-    return name
-
-
-def set_backend(name: str | None) -> None:
-    """Set this context's backend (None: back to EDGELIN_KERNELS / "auto")."""
-    if name is not None and name not in BACKENDS:
-        raise EdgelinError(f"unknown recurrence backend {name!r}", f"choose one of {', '.join(BACKENDS)}",
-                           "pass a known backend")
-    _backend.set(name)
-
-
-@contextlib.contextmanager
-def use_backend(name: str):
-    token = _backend.set(name)
-    try:
-        get_backend()
-        yield
-    finally:
-        _backend.reset(token)
-
-
-def kernel_path(*tensors: Tensor | None) -> str | None:
-    """'triton', 'cuda' or None (torch engines) for these inputs under the current backend."""
-    name = get_backend()
-    if name == "torch" or torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
-        return None
-    present = [t for t in tensors if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
-        if name == "auto":
-            return None
-        raise EdgelinError(f"backend {name!r} asked for with autograd on", "the kernels are forward-only",
-                           "run under torch.no_grad() / inference_mode(), or use the torch backend")
-    if name == "auto" and not present[0].is_cuda:  # CPU: never import the kernels (Triton is heavy)
-        return None
-    from edgelin import kernels
-
-    if name == "auto":
-        fits = present[0].shape[-1] <= 256 and present[2].shape[-1] <= 256  # q, k, v, ...
-        return "triton" if present[0].is_cuda and fits and kernels.triton_available() else None
-    if not present[0].is_cuda and not (name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"):
-        raise EdgelinError(f"backend {name!r} with tensors on {present[0].device}", "kernels run on CUDA devices",
-                           "move the model to CUDA or use the torch backend")
-    return name
+def python_loop(body: ChunkBody, init: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """The chunk loop as a plain Python loop over the leading axis of xs."""
+    outs = []
+    for i in range(xs[0].shape[0]):
+        init, out = body(init, tuple(x[i] for x in xs))
+        outs.append(out)
+    return init, torch.stack(outs)
 
 
 def recurrent_step(
     state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """One token: q, k [B, H, d_k], v [B, H, d_v], g [B, H, 1|d_k], beta [B, H] -> (o, state)."""
-    path = kernel_path(q, k, v, state, g, beta)
-    if path is not None:
-        from edgelin import kernels
-
-        step = kernels.cuda_step if path == "cuda" else kernels.fused_step
-        return step(q, k, v, state, g, beta)
     if g is not None:
         state = state * g.exp().unsqueeze(-1)
     if beta is not None:  # (k^T S) as a batched matmul: runtimes run MatMul far faster than Einsum
@@ -102,11 +57,6 @@ def recurrent(
     state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """The naive token loop: the ground truth the chunked form and every kernel are tested against."""
-    path = kernel_path(q, k, v, state, g, beta)
-    if path == "triton" or (path == "cuda" and q.shape[1] != 1):  # the CUDA kernel is a step kernel
-        from edgelin import kernels
-
-        return kernels.fused_recurrent(q, k, v, state, g, beta)
     outputs = []
     for t in range(q.shape[1]):
         o, state = recurrent_step(
@@ -115,6 +65,57 @@ def recurrent(
         )
         outputs.append(o)
     return torch.stack(outputs, dim=1), state
+
+
+# ---- the normaliser: z_t = decay_t z_{t-1} + k_t, readout denominator q_t^T z_t ---------------
+def normalizer_step(z: Tensor, q: Tensor, k: Tensor, g: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """One token: z [B, H, d_k], q, k [B, H, d_k], g [B, H, 1|d_k] -> (q^T z' [B, H], z').
+    Elementwise in z's dtype (float32), whatever q and k are."""
+    q, k = q.to(z.dtype), k.to(z.dtype)
+    if g is not None:
+        z = z * g.to(z.dtype).exp()
+    z = z + k
+    return (q * z).sum(-1), z
+
+
+def normalizer_recurrent(z: Tensor, q: Tensor, k: Tensor, g: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The token loop of the normaliser: q, k [B, T, H, d_k] -> (denominators [B, T, H], final z)."""
+    dens = []
+    for t in range(q.shape[1]):
+        den, z = normalizer_step(z, q[:, t], k[:, t], None if g is None else g[:, t])
+        dens.append(den)
+    return torch.stack(dens, dim=1), z
+
+
+def normalizer_chunked(
+    z: Tensor, q: Tensor, k: Tensor, g: Tensor | None = None, chunk_size: int = 64, loop: ChunkLoop = python_loop
+) -> tuple[Tensor, Tensor]:
+    """The normaliser over a whole sequence, without touching S: a cumulative sum when nothing
+    decays; otherwise per chunk Z_i = sum_{j<=i} R[i, j] k_j (R as in `chunked`) and a loop over
+    chunks carrying only z [B, H, d_k]. Returns (denominators [B, T, H], final z)."""
+    q, k = q.to(z.dtype), k.to(z.dtype)
+    if g is None:
+        zs = z.unsqueeze(1) + k.cumsum(1)  # [B, T, H, d_k]: z after each token
+        return (q * zs).sum(-1), zs[:, -1]
+    batch, length, heads, _ = q.shape
+    num_chunks = (length + chunk_size - 1) // chunk_size
+    q, k = (_chunk(x, chunk_size, num_chunks) for x in (q, k))
+    b, decay = _decays(_chunk(g.to(z.dtype), chunk_size, num_chunks), chunk_size)
+    if g.shape[-1] == 1:
+        within = decay @ k  # [N, B, H, C, d_k]: sum_j R[i, j] k_j
+    else:
+        within = torch.einsum("...ijd,...jd->...id", decay, k)
+    q_hat = q * b.exp()  # the part of z entering the chunk seen at row i: e^{b_i} z0
+
+    def body(carry: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        qh, intra, added, kept = xs
+        den = (qh * carry.unsqueeze(-2)).sum(-1) + intra
+        return carry * kept + added, den
+
+    # within[..., -1, :] = sum_j e^{b_C - b_j} k_j (padding rows have k = 0 and g = 0)
+    xs = ((q_hat, (q * within).sum(-1), within[..., -1, :], b[..., -1, :].exp()))
+    z, den = loop(body, z, tuple(x.contiguous() for x in xs))
+    return den.permute(1, 0, 3, 2).reshape(batch, num_chunks * chunk_size, heads)[:, :length], z
 
 
 def invert_unit_lower(a: Tensor, block: int = 8) -> Tensor:
@@ -155,6 +156,18 @@ def _chunk(x: Tensor, chunk: int, num_chunks) -> Tensor:
     return padded[:, index].permute(1, 0, 3, 2, 4)
 
 
+def _decays(g: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    """Chunked log-decays g [N, B, H, C, 1|d_k] -> (b: inclusive cumulative sums, same shape;
+    R[i, j] = exp(b_i - b_j) for j <= i, else 0: [.., C, C] for a scalar decay, [.., C, C, d_k]
+    per key, where the channel axis stays inside the exponent for stability)."""
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=g.device).tril()
+    b = g.cumsum(-2)
+    if g.shape[-1] == 1:
+        return b, torch.where(causal, b - b.transpose(-1, -2), float("-inf")).exp()
+    diff = b.unsqueeze(-2) - b.unsqueeze(-3)  # [.., C, C, d_k]
+    return b, torch.where(causal.unsqueeze(-1), diff, float("-inf")).exp()
+
+
 def chunked(
     state: Tensor,
     q: Tensor,
@@ -163,9 +176,11 @@ def chunked(
     g: Tensor | None = None,
     beta: Tensor | None = None,
     chunk_size: int = 64,
+    loop: ChunkLoop = python_loop,
 ) -> tuple[Tensor, Tensor]:
     """The chunked parallel form: intra-chunk work is batched matmuls over all chunks at once; the
-    inter-chunk recurrence is a scan over chunks carrying S (one ONNX Scan with a dynamic count).
+    inter-chunk recurrence is `loop` over chunks carrying S (a Python loop here; the ONNX lowering
+    passes torch's scan, which exports as one ONNX Scan with a dynamic count).
 
     Per chunk with cumulative log-decay b_i (inclusive) and S0 the state entering the chunk:
         R[i, j]  = exp(b_i - b_j) for j <= i (stable: the exponent is <= 0)
@@ -175,10 +190,6 @@ def chunked(
         O  = (Q * e^b) S0 + P U
         S1 = e^{b_C} S0 + (K * e^{b_C - b})^T U
     """
-    if kernel_path(q, k, v, state, g, beta) is not None:
-        from edgelin import kernels
-
-        return kernels.chunk_prefill(q, k, v, g, beta, state)
     batch, length, heads, d_k = q.shape
     num_chunks = (length + chunk_size - 1) // chunk_size
     q, k, v = (_chunk(x, chunk_size, num_chunks) for x in (q, k, v))
@@ -190,15 +201,11 @@ def chunked(
         qk, kk = (q @ k.transpose(-1, -2)) * decay, (k @ k.transpose(-1, -2)) * decay
         q_hat, k_hat, k_end, decay_end = q, k, k, None
     else:
-        b = _chunk(g, chunk_size, num_chunks).cumsum(-2)  # [N, B, H, C, 1|d_k]
+        b, decay = _decays(_chunk(g, chunk_size, num_chunks), chunk_size)  # b [N, B, H, C, 1|d_k]
         b_end = b[..., -1:, :]
         if g.shape[-1] == 1:
-            diff = b - b.transpose(-1, -2)  # [.., C, C]
-            decay = torch.where(causal, diff, float("-inf")).exp()
             qk, kk = (q @ k.transpose(-1, -2)) * decay, (k @ k.transpose(-1, -2)) * decay
-        else:  # per key channel: keep the channel axis inside the exponent for stability
-            diff = b.unsqueeze(-2) - b.unsqueeze(-3)  # [.., C, C, d_k]
-            decay = torch.where(causal.unsqueeze(-1), diff, float("-inf")).exp()
+        else:
             qk = torch.einsum("...id,...jd,...ijd->...ij", q, k, decay)
             kk = torch.einsum("...id,...jd,...ijd->...ij", k, k, decay)
         q_hat, k_hat = q * b.exp(), k * b.exp()
@@ -220,19 +227,6 @@ def chunked(
         return carried + ke.transpose(-1, -2) @ u, out
 
     xs = (q_hat, qk, w_v, k_end) + (() if w_k is None else (w_k,)) + (() if decay_end is None else (decay_end,))
-    state, out = _scan(body, state, tuple(x.contiguous() for x in xs))
+    state, out = loop(body, state, tuple(x.contiguous() for x in xs))
     out = out.permute(1, 0, 3, 2, 4).reshape(batch, num_chunks * chunk_size, heads, v.shape[-1])
     return out[:, :length], state
-
-
-def _scan(body, init: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-    """A Python loop in eager mode; torch's scan operator while exporting (-> ONNX Scan)."""
-    if torch.compiler.is_compiling():
-        from torch._higher_order_ops.scan import scan
-
-        return scan(body, init, xs)
-    outs = []
-    for i in range(xs[0].shape[0]):
-        init, out = body(init, tuple(x[i] for x in xs))
-        outs.append(out)
-    return init, torch.stack(outs)

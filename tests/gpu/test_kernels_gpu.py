@@ -1,7 +1,7 @@
 """edgelin's kernels on a CUDA GPU against the naive engines in float64 (run: pytest -m gpu tests/gpu).
 
 Every gate kind x update rule; fp32/fp16/bf16 inputs; T = 1, 63, 1000; head dims 16, 64, 100, 128,
-256 (and d_v 65, a normaliser's odd width); in-place and ping-pong; varlen prefill; outputs
+256 (and an odd d_v, 65); in-place and ping-pong; varlen prefill; outputs
 written into NaN-filled buffers. Then the CUDA C++ extension, the model on GPU (kernels) vs the
 CPU torch engines, and CUDA-graph decode vs eager. Kernels are imported lazily, inside the tests:
 importing them at collection could fix Triton's interpreter mode for the whole session.
@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ALL_FAMILIES, family_layers, tiny_config
+from edgelin.kernels.dispatch import use_backend
 from edgelin.model.lm import CausalLM
-from edgelin.reference import recurrence
+from edgelin.reference.recurrence import recurrent
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -50,9 +51,8 @@ def make(b, t, h, d_k, d_v, gate, delta, dtype, seed=0):
 
 
 def reference(s0, q, k, v, g, beta):
-    """The naive token loop in float64 on the (already rounded) inputs."""
-    with recurrence.use_backend("torch"):
-        return recurrence.recurrent(*(None if x is None else x.double() for x in (s0, q, k, v, g, beta)))
+    """The naive token loop (pure torch, never a kernel) in float64 on the (already rounded) inputs."""
+    return recurrent(*(None if x is None else x.double() for x in (s0, q, k, v, g, beta)))
 
 
 def rel(x, ref) -> float:
@@ -177,11 +177,11 @@ def test_model_on_gpu_matches_cpu_torch(family, backend):
     ids = torch.randint(0, config.vocab_size, (2, 77))
     start = torch.full((2,), 77)
     with torch.no_grad():
-        with recurrence.use_backend("torch"):
+        with use_backend("torch"):
             ref, ref_state = model(ids, mode="chunked")
             ref_step, ref_next = model(ids[:, :1], ref_state, start, mode="recurrent")
         gpu = model.to(DEV)
-        with recurrence.use_backend(backend):
+        with use_backend(backend):
             out, state = gpu(ids.to(DEV), mode="chunked")
             step, nxt = gpu(ids[:, :1].to(DEV), state, start.to(DEV), mode="recurrent")
     assert rel(out.cpu(), ref.double()) < 1e-4 and rel(step.cpu(), ref_step.double()) < 1e-4
@@ -197,7 +197,7 @@ def test_fp16_model_runs_through_kernels(family):
     model = CausalLM(tiny_config(family_layers(family), head_k_dim=32, head_v_dim=32)).eval()
     ids = torch.randint(0, 97, (1, 40))
     with torch.no_grad():
-        with recurrence.use_backend("torch"):
+        with use_backend("torch"):
             ref, _ = model(ids, mode="chunked")
         half = model.to(DEV).half()
         out, state = half(ids.to(DEV), kern().decode_state(half, 1, DEV), mode="chunked")

@@ -1,0 +1,289 @@
+"""Device profiles: TOML data shipped inside this package (`edgelin/devices/*.toml`; README.md next to
+them describes every field), checked field by field when read, and turned into export choices by
+`export_settings`, the one place where a profile's values reach the exporter.
+
+`EDGELIN_DEVICES=DIR` adds the profiles in `DIR/*.toml`; a file there replaces the built-in profile of
+the same name. No device policy is coded here: the profiles are data, this module only checks them."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.resources import files
+from importlib.resources.abc import Traversable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edgelin.errors import EdgelinError
+
+if TYPE_CHECKING:
+    from edgelin.families.spec import StateTensor
+
+# Where the built-in profiles live: inside the installed package (a wheel ships them as package data),
+# never a folder next to a source checkout. `edgelin devices` prints it.
+DEVICES_DIR: Traversable = files(__name__)
+USER_DEVICES_ENV = "EDGELIN_DEVICES"
+README = "edgelin/devices/README.md"
+
+KINDS = ("desktop", "jetson", "phone", "server")
+COMPUTES = ("cpu", "cuda", "ane", "gpu")
+PRECISIONS = ("fp32", "fp16")
+STATE_DTYPES = ("float32", "float16")
+TARGETS = ("onnx", "tensorrt", "coreml")  # implemented or planned; the registry says which exist
+SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackwell (12.0)
+
+# What each implemented target can write today. fp16 ONNX graphs land with the edge-precision work;
+# a planned target (tensorrt, coreml) is refused by the target registry before this matters.
+TARGET_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
+    "onnx": {"precision": ("fp32",), "state_dtype": ("float32",)},
+}
+# The profile fields each target reads as its options (README.md: "what reads it").
+TARGET_OPTIONS: dict[str, tuple[str, ...]] = {"onnx": (), "tensorrt": ("sm",), "coreml": ("compute",)}
+
+
+# ---- the schema -----------------------------------------------------------------------------------
+def _closest(value: Any, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(value, known, n=1) if isinstance(value, str) else []
+    return f" (closest: {close[0]!r})" if close else ""
+
+
+def _choice(allowed: tuple[str, ...]) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, str) and value in allowed:
+            return None
+        return f"must be one of: {', '.join(allowed)}{_closest(value, allowed)}"
+    return check
+
+
+def _integer(low: int, high: int | None = None) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        is_int = isinstance(value, int) and not isinstance(value, bool)  # TOML's true is not a count
+        if is_int and value >= low and (high is None or value <= high):
+            return None
+        return f"must be an integer in {low}..{high}" if high is not None else f"must be an integer >= {low}"
+    return check
+
+
+def _targets(value: Any) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"must be a non-empty list of targets from: {', '.join(TARGETS)}"
+    for name in value:
+        if not isinstance(name, str) or name not in TARGETS:
+            return f"{name!r} is not a target; targets are: {', '.join(TARGETS)}{_closest(name, TARGETS)}"
+    if len(set(value)) != len(value):
+        return "names a target twice (the list is an order of preference)"
+    return None
+
+
+def _memory(value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return None if ok else "must be a number of GiB > 0"
+
+
+def _text(value: Any) -> str | None:
+    return None if isinstance(value, str) and value.strip() else "must be a non-empty string"
+
+
+def _notes(value: Any) -> str | None:
+    ok = isinstance(value, list) and all(isinstance(n, str) for n in value)
+    return None if ok else "must be a list of strings"
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    check: Callable[[Any], str | None]  # None when the value is valid; otherwise why not
+    required: bool = True
+
+
+FIELDS: dict[str, FieldRule] = {
+    "title": FieldRule(_text),
+    "kind": FieldRule(_choice(KINDS)),
+    "targets": FieldRule(_targets),
+    "compute": FieldRule(_choice(COMPUTES)),
+    "precision": FieldRule(_choice(PRECISIONS)),
+    "state_dtype": FieldRule(_choice(STATE_DTYPES)),
+    "memory_gib": FieldRule(_memory),
+    "threads": FieldRule(_integer(0), required=False),
+    "sm": FieldRule(_integer(*SM_RANGE), required=False),
+    "state_dim_multiple": FieldRule(_integer(1), required=False),
+    "notes": FieldRule(_notes, required=False),
+}
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    title: str
+    kind: str  # desktop | jetson | phone | server
+    targets: tuple[str, ...]  # in order of preference
+    compute: str  # cpu | cuda | ane | gpu
+    precision: str  # compute precision of the graphs exported for it
+    state_dtype: str
+    memory_gib: float
+    threads: int = 0  # CPU threads for runtimes; 0 = runtime default
+    sm: int | None = None  # CUDA compute capability x10 (87 for Orin)
+    state_dim_multiple: int = 1  # the innermost state dim must be a multiple of this (Neural Engine: 32)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    source: str = ""  # the file it was read from
+
+    @classmethod
+    def from_dict(cls, name: str, data: dict[str, Any], source: str) -> "DeviceProfile":
+        """Every field checked; an unknown field is refused by name (never silently ignored)."""
+        def refuse(what: str, why: str, fix: str) -> EdgelinError:
+            return EdgelinError(f"device profile {source}: {what}", why, f"{fix} (see {README})")
+
+        for key in data:
+            if key not in FIELDS:
+                close = difflib.get_close_matches(key, FIELDS, n=1)
+                raise refuse(f"unknown field {key!r}" + (f" (closest: {close[0]!r})" if close else ""),
+                             "edgelin would ignore it silently",
+                             (f"rename it to {close[0]!r}" if close else "remove it")
+                             + f"; the fields are: {', '.join(FIELDS)}")
+        for key, rule in FIELDS.items():
+            if key not in data:
+                if rule.required:
+                    raise refuse(f"missing field {key!r}", "every profile states it", f"add {key} = ...")
+                continue
+            why = rule.check(data[key])
+            if why:
+                raise refuse(f"{key} = {data[key]!r}", f"{key} {why}", f"set a valid {key}")
+        if "sm" in data and data["compute"] != "cuda":
+            raise refuse(f"sm = {data['sm']!r} with compute = {data['compute']!r}",
+                         "sm is a CUDA compute capability", "remove sm, or set compute = \"cuda\"")
+        if "tensorrt" in data["targets"] and data["compute"] != "cuda":
+            raise refuse(f"targets lists 'tensorrt' with compute = {data['compute']!r}",
+                         "TensorRT runs on NVIDIA GPUs only", "set compute = \"cuda\", or remove tensorrt")
+        return cls(name=name, source=source, **{
+            **data, "targets": tuple(data["targets"]), "notes": tuple(data.get("notes", ())),
+            "memory_gib": float(data["memory_gib"])})
+
+
+# ---- loading --------------------------------------------------------------------------------------
+def _read_profile(entry: Traversable, name: str) -> DeviceProfile:
+    source = str(entry)
+    try:
+        text = entry.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EdgelinError(f"device profile {source} cannot be read", f"{type(exc).__name__}: {exc}",
+                           "fix the file's permissions or encoding (UTF-8), or remove it") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise EdgelinError(f"device profile {source} is not valid TOML", str(exc),
+                           f"fix the syntax (see {README})") from exc
+    return DeviceProfile.from_dict(name, data, source)
+
+
+def _profiles_in(folder: Traversable) -> dict[str, DeviceProfile]:
+    entries = [e for e in folder.iterdir() if e.name.endswith(".toml") and not e.name.startswith(".")
+               and e.is_file()]
+    return {e.name[:-len(".toml")]: _read_profile(e, e.name[:-len(".toml")])
+            for e in sorted(entries, key=lambda e: e.name)}
+
+
+def user_devices_dir() -> Path | None:
+    """The folder named by EDGELIN_DEVICES (read at each call, not at import), or None."""
+    value = os.environ.get(USER_DEVICES_ENV, "")
+    if not value:
+        return None
+    folder = Path(value).expanduser()
+    if not folder.is_dir():
+        raise EdgelinError(f"{USER_DEVICES_ENV}={value} is not a folder",
+                           "it names a folder of device profiles (*.toml) that add to or replace the built-in ones",
+                           f"point it at an existing folder, or unset {USER_DEVICES_ENV}")
+    return folder
+
+
+def load_devices(folder: Path | Traversable | None = None) -> dict[str, DeviceProfile]:
+    """The profiles in `folder`; by default the built-in ones, then EDGELIN_DEVICES's (which win)."""
+    if folder is not None:
+        return _profiles_in(folder if isinstance(folder, Traversable) else Path(folder))
+    user = user_devices_dir()
+    return {**_profiles_in(DEVICES_DIR), **(_profiles_in(user) if user else {})}
+
+
+def get_device(name: str, folder: Path | Traversable | None = None) -> DeviceProfile:
+    devices = load_devices(folder)
+    if name not in devices:
+        close = difflib.get_close_matches(name, devices, n=1)
+        raise EdgelinError(f"unknown device {name!r}" + (f" (closest: {close[0]!r})" if close else ""),
+                           f"no {name}.toml among the device profiles",
+                           f"use one of: {', '.join(devices) or '(none found)'}, or add {name}.toml to a folder "
+                           f"named by {USER_DEVICES_ENV}")
+    return devices[name]
+
+
+# ---- profile -> export choices --------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExportSettings:
+    """What an export does for a device. With no profile: fp32 graphs and float32 state (as before)."""
+
+    precision: str = "fp32"
+    state_dtype: str = "float32"
+    state_dim_multiple: int = 1
+    target_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"sm": 87} for tensorrt
+    threads: int = 0
+    device: str | None = None  # the profile's name
+
+    def manifest_entry(self) -> dict[str, Any]:
+        """manifest.json's extra["device"]: the profile and the choices it led to."""
+        return {"name": self.device, "precision": self.precision, "state_dtype": self.state_dtype,
+                "state_dim_multiple": self.state_dim_multiple, "threads": self.threads,
+                "target_options": dict(self.target_options)}
+
+
+def export_settings(profile: DeviceProfile | None, target_name: str,
+                    precision_flag: str | None = None) -> ExportSettings:
+    """The export choices for `target_name` on `profile`: an explicit flag wins over the profile, the
+    profile over the defaults. A choice the target cannot write is refused, never silently replaced."""
+    if precision_flag is not None and precision_flag not in PRECISIONS:
+        raise EdgelinError(f"--precision {precision_flag}", f"precision must be one of: {', '.join(PRECISIONS)}"
+                           + _closest(precision_flag, PRECISIONS), "pass --precision fp32 or --precision fp16")
+    if profile is None:
+        settings = ExportSettings(precision=precision_flag or "fp32")
+    else:
+        if target_name not in profile.targets:
+            raise EdgelinError(f"device {profile.name} does not list target {target_name}",
+                               f"its profile lists: {', '.join(profile.targets)}",
+                               "pick one of those --target values, or another --device (edgelin devices lists them)")
+        options = {k: getattr(profile, k) for k in TARGET_OPTIONS.get(target_name, ())
+                   if getattr(profile, k) is not None}
+        settings = ExportSettings(precision_flag or profile.precision, profile.state_dtype,
+                                  profile.state_dim_multiple, options, profile.threads, profile.name)
+    limits = TARGET_LIMITS.get(target_name, {})
+    if settings.precision not in limits.get("precision", PRECISIONS):
+        asked = (f"--precision {settings.precision}" if precision_flag else
+                 f"device {settings.device} asks for precision {settings.precision} (its profile's default)")
+        raise EdgelinError(f"{asked}, which the {target_name} target cannot export",
+                           f"the {target_name} target writes {'/'.join(limits['precision'])} graphs today; "
+                           f"{settings.precision} {target_name} export lands with the edge-precision work",
+                           f"pass --precision {limits['precision'][0]} to export {limits['precision'][0]} graphs"
+                           + (f" for {settings.device}" if settings.device else ""))
+    if settings.state_dtype not in limits.get("state_dtype", STATE_DTYPES):
+        raise EdgelinError(f"device {settings.device} asks for state_dtype {settings.state_dtype}, which the "
+                           f"{target_name} target cannot export",
+                           f"the {target_name} target keeps its state in {'/'.join(limits['state_dtype'])} today",
+                           f"use a profile with state_dtype = \"{limits['state_dtype'][0]}\" "
+                           f"({USER_DEVICES_ENV}=DIR adds one), or another --target")
+    return settings
+
+
+def check_state_dims(layers: Sequence[Sequence["StateTensor"]], settings: ExportSettings) -> None:
+    """A profile's state_dim_multiple is met (the innermost dim of every state tensor, the width the
+    Neural Engine tiles: coremltools#2631) or the export is refused with the dims that miss it.
+    Padding the state up to the multiple is later work of the Core ML target."""
+    m = settings.state_dim_multiple
+    if m <= 1:
+        return
+    misses = [f"layer {i} {t.name} {t.dims[-1]}" for i, layer in enumerate(layers) for t in layer
+              if isinstance(t.dims[-1], int) and t.dims[-1] % m]
+    if misses:
+        shown = ", ".join(misses[:6]) + (f" and {len(misses) - 6} more" if len(misses) > 6 else "")
+        raise EdgelinError(f"device {settings.device} needs state widths that are multiples of {m}",
+                           f"these are not: {shown} (the innermost dim of each state tensor)",
+                           f"export a model whose head and conv widths are multiples of {m}, or pick another "
+                           "--device (padding the state is planned with the Core ML target)")

@@ -1,0 +1,80 @@
+"""Target lowering as patches: how each target's graphs express the recurrences.
+
+The reference (`edgelin.reference`) is pure torch and knows no target. While a target traces its
+graphs it enters `with lowering(target_name):`, which installs that target's engine for every
+linear mixer (`edgelin.model.mixer.use_engine`), in the spirit of optimum's model patchers:
+
+- "onnx": the torch forms, with the chunked form's loop over chunks as torch's scan operator,
+  which the exporter turns into one ONNX `Scan` with a dynamic trip count (a Python loop would be
+  unrolled for the example's chunk count and pin the sequence length).
+- "tensorrt" (hook, a later issue): an engine whose `step` emits a custom node the IPluginV3 step
+  plugin implements (it updates S and z in place), prefill as for ONNX.
+- "coreml" (hook, a later issue): coremltools cannot convert torch's scan; its engine will run a
+  static chunk loop (a fixed maximum prompt length per graph, or a per-chunk graph).
+
+Register those with `register_lowering(Lowering(...))`; asking for a target with no lowering is an
+error, never a silent fall back to some other form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from edgelin.errors import EdgelinError
+from edgelin.model.mixer import use_engine
+from edgelin.reference.engine import Engine, TorchEngine
+from edgelin.reference.recurrence import ChunkBody
+
+Tensor = torch.Tensor
+
+
+def scan_loop(body: ChunkBody, init: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    """The chunk loop as torch's scan operator (exported as one ONNX Scan over chunks)."""
+    from torch._higher_order_ops.scan import scan
+
+    return scan(body, init, xs)
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """What a target needs while its graphs are traced: the engine every linear mixer runs."""
+
+    target: str
+    engine: Engine
+    summary: str
+
+    @contextlib.contextmanager
+    def patch(self) -> Iterator["Lowering"]:
+        with use_engine(self.engine):
+            yield self
+
+
+LOWERINGS: dict[str, Lowering] = {}
+
+
+def register_lowering(entry: Lowering) -> Lowering:
+    LOWERINGS[entry.target] = entry
+    return entry
+
+
+register_lowering(Lowering("onnx", TorchEngine(name="onnx-scan", loop=scan_loop),
+                           "torch forms; the chunk loop is torch's scan (one ONNX Scan, dynamic count)"))
+
+
+def get_lowering(target_name: str) -> Lowering:
+    if target_name not in LOWERINGS:
+        raise EdgelinError(f"no lowering for target {target_name!r}",
+                           f"lowerings exist for: {', '.join(sorted(LOWERINGS))}",
+                           "register one with edgelin.export.lowering.register_lowering")
+    return LOWERINGS[target_name]
+
+
+@contextlib.contextmanager
+def lowering(target_name: str) -> Iterator[Lowering]:
+    """Install `target_name`'s lowering for the duration of the block (e.g. while tracing)."""
+    with get_lowering(target_name).patch() as entry:
+        yield entry

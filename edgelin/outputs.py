@@ -1,0 +1,337 @@
+"""The one place that claims, writes and replaces output folders (`export`, `train`).
+
+Rules, so a user's data is never lost:
+- `--out` may not be, sit inside, or contain a protected path (the source checkpoint), and a folder that
+  is replaced as a whole may not be or contain the current folder.
+- An existing output needs `--force`, and `--force` only replaces what edgelin itself wrote: an export
+  folder with our manifest.json and nothing else, or the files of a checkpoint edgelin trained.
+- One writer per output at a time: an flock on `.NAME.lock` beside it (the kernel drops it when the
+  holder dies, so a killed run never leaves a lock that blocks the next one).
+- Everything is written into `.NAME.partial-PID` (`.tmp-PID` for checkpoints) and renamed into place
+  once complete; leftovers of killed runs (their pid is gone) are removed by the next run.
+- Every OSError (read-only filesystem, permissions, disk full, a file where a folder should be)
+  becomes one EdgelinError line naming the path, the OS reason and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgelin.errors import EdgelinError
+
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:partial|tmp|old)-(?P<pid>\d+)")
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "training_log.json")
+TRAINING_LOG = "training_log.json"
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    label: str  # "export": used in "another export is writing ..."
+    noun: str  # what --force may replace
+    temp_tag: str  # .NAME.<temp_tag>-PID
+    whole_folder: bool  # True: the folder is swapped as a whole; False: files are written into it
+    owned: Callable[[Path], tuple[frozenset[str], str]]  # (names edgelin wrote, why not ours if empty)
+
+
+def _owned_export(folder: Path) -> tuple[frozenset[str], str]:
+    """An export folder is ours when its manifest.json says so; it lists the files the export wrote
+    (`files`), or for older exports the manifest, the graphs and the tokenizer it names."""
+    try:
+        data = json.loads((folder / "manifest.json").read_text())
+    except FileNotFoundError:
+        return frozenset(), "it has no manifest.json"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return frozenset(), f"its manifest.json is unreadable ({type(exc).__name__})"
+    if not isinstance(data, dict) or data.get("format") != "edgelin-export":
+        return frozenset(), "its manifest.json is not an edgelin export manifest"
+    files = data.get("files")
+    if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
+        graphs = data.get("graphs") if isinstance(data.get("graphs"), dict) else {}
+        files = [g.get("file") for g in graphs.values() if isinstance(g, dict)] + [data.get("tokenizer")]
+    names = {n for n in files if isinstance(n, str) and _plain_name(n)} | {"manifest.json"}
+    return frozenset(names), ""
+
+
+def _owned_checkpoint(folder: Path) -> tuple[frozenset[str], str]:
+    """A checkpoint is ours when edgelin trained it: config.json of model_type "edgelin" plus
+    training_log.json, which lists the files the run wrote (older logs: the four training writes)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        log = json.loads((folder / TRAINING_LOG).read_text())
+    except FileNotFoundError as exc:
+        return frozenset(), f"it has no {Path(exc.filename or '?').name}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return frozenset(), f"its config.json or {TRAINING_LOG} is unreadable ({type(exc).__name__})"
+    if not isinstance(config, dict) or config.get("model_type") != "edgelin" or not isinstance(log, dict):
+        return frozenset(), "its config.json is not an edgelin checkpoint's"
+    files = log.get("files")
+    if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
+        files = CHECKPOINT_FILES
+    return frozenset(n for n in files if _plain_name(n)) | {"config.json", TRAINING_LOG}, ""
+
+
+EXPORT = OutputKind("export", "an edgelin export", "partial", True, _owned_export)
+CHECKPOINT = OutputKind("training run", "a checkpoint edgelin trained", "tmp", False, _owned_checkpoint)
+
+
+def _plain_name(name: str) -> bool:
+    return Path(name).name == name and name not in ("", ".", "..")
+
+
+# ---- checks ----------------------------------------------------------------------------------------
+def resolve_output(out: Path) -> Path:
+    """Absolute, symlinks resolved (so `ckpt/../ckpt` or a link to it is seen for what it is)."""
+    try:
+        target = Path(out).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise EdgelinError(f"cannot use output {out}", str(exc), "pick another --out") from exc
+    if target.name in ("", ".", "..") or target.parent == target:
+        raise EdgelinError(f"cannot use output {out}", "it is the filesystem root", "pick a folder below it")
+    return target
+
+
+def _relation(target: Path, other: Path) -> str | None:
+    if target == other:
+        return "is"
+    if other in target.parents:
+        return "is inside"
+    if target in other.parents:
+        return "contains"
+    return None
+
+
+def check_output(out: Path, force: bool, kind: OutputKind, protected: Sequence[Path] = (),
+                 writes: Collection[str] = ()) -> Path:
+    """Refuse an output that would lose data; returns the resolved folder. No side effects.
+    `writes`: for checkpoints, the names the run will write into an existing folder."""
+    out = Path(out)
+    try:
+        return _check_output(out, force, kind, protected, writes)
+    except OSError as exc:  # e.g. a parent folder we may not even look into
+        raise os_error(exc, out) from exc
+
+
+def _check_output(out: Path, force: bool, kind: OutputKind, protected: Sequence[Path],
+                  writes: Collection[str]) -> Path:
+    target = resolve_output(out)
+    for path in protected:
+        source = Path(path).resolve()
+        relation = _relation(target, source)
+        if relation:
+            raise EdgelinError(f"--out {out} {relation} the source {source}",
+                               "writing there could destroy the model being read",
+                               "pick an --out outside the source checkpoint's folder")
+    if kind.whole_folder:  # swapping the folder you stand in leaves the shell in a deleted folder
+        try:
+            relation = _relation(target, Path.cwd().resolve())
+        except OSError:  # the current folder was deleted: nothing there to protect
+            relation = None
+        if relation in ("is", "contains"):
+            raise EdgelinError(f"--out {out} {relation} the current folder",
+                               "replacing it would delete the folder you are working in",
+                               "pick another --out (e.g. a new subfolder)")
+    _check_parents(out, target)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise EdgelinError(f"output {out} is a file", f"{kind.noun} is a folder", "pick another --out")
+    if not target.exists():
+        return target
+    if not force:
+        raise EdgelinError(f"output folder {out} already exists", "edgelin never overwrites a folder silently",
+                           "pick another --out, or pass --force to replace it")
+    _check_owned(out, target, kind, writes)
+    return target
+
+
+def _check_parents(out: Path, target: Path) -> None:
+    for parent in target.parents:  # the nearest existing ancestor must be a folder
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise EdgelinError(f"cannot create {out}", f"{parent} is a file, not a folder",
+                                   "pick an --out whose parent folders are folders")
+            return
+
+
+def _check_owned(out: Path, target: Path, kind: OutputKind, writes: Collection[str]) -> None:
+    entries = sorted(os.listdir(target))
+    # What the replacement would remove: a swapped folder loses everything in it; a checkpoint only
+    # the files of the same names.
+    at_risk = entries if kind.whole_folder else [n for n in entries if n in set(writes)]
+    if not at_risk:
+        return  # nothing of the user's is replaced (an empty folder, or only other files kept)
+    owned, why_not = kind.owned(target)
+    foreign = [n for n in at_risk if n not in owned or not (target / n).is_file() or (target / n).is_symlink()]
+    if foreign:
+        shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
+        why = f"edgelin did not write {shown}" + (f" ({why_not})" if why_not else "")
+        raise EdgelinError(f"--force will not replace {out}", why,
+                           "pick another --out, or move those files away yourself")
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+_FIXES = {
+    errno.EROFS: "pick an --out on a writable filesystem",
+    errno.EACCES: "pick an --out you may write to, or fix the folder's permissions",
+    errno.EPERM: "pick an --out you may write to, or fix the folder's permissions",
+    errno.ENOSPC: "free some disk space, or pick an --out on another disk",
+    errno.EDQUOT: "free some space within your quota, or pick an --out on another disk",
+    errno.ENOTDIR: "pick an --out whose parent folders are folders, not files",
+    errno.ENAMETOOLONG: "pick a shorter --out",
+}
+
+
+def os_error(exc: OSError, out: Path) -> EdgelinError:
+    """An environment fault while writing `out`, as one line: what, the OS reason, what to do."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    reason = (exc.strerror or str(exc)) + where
+    fix = _FIXES.get(exc.errno or 0, "check the output location (space, permissions) or pick another --out")
+    return EdgelinError(f"cannot write {out}", reason, fix)
+
+
+# ---- lock, leftovers, commit ----------------------------------------------------------------------
+@contextlib.contextmanager
+def _lock(out: Path, target: Path, kind: OutputKind) -> Iterator[None]:
+    path = target.parent / f".{target.name}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise EdgelinError(f"another {kind.label} (pid {holder}) is writing {out} right now",
+                               "two runs would replace each other's output",
+                               "wait for it to finish, or pick another --out") from None
+        try:  # the previous holder unlinks the file before unlocking: retry if we locked a dead inode
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
+def clean_leftovers(target: Path) -> list[Path]:
+    """Remove `.NAME.partial-PID` / `.tmp-PID` / `.old-PID` folders of `target` whose process is gone
+    (a killed run); only names of edgelin's own pattern, never anything else. Returns those removed."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(target.parent):
+            match = LEFTOVER.fullmatch(entry.name)
+            if match and match["name"] == target.name and not pid_alive(int(match["pid"])):
+                shutil.rmtree(entry.path, ignore_errors=True) if entry.is_dir(follow_symlinks=False) \
+                    else os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _commit(tmp: Path, target: Path, kind: OutputKind) -> None:
+    """Move the finished temp folder into place; an existing output is moved aside first and removed
+    only once the new one is there (on failure it is put back)."""
+    if not target.exists():
+        tmp.rename(target)
+        return
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    if kind.whole_folder:
+        target.rename(old)
+        try:
+            tmp.rename(target)
+        except OSError:
+            old.rename(target)
+            raise
+    else:
+        old.mkdir()
+        names = sorted(p.name for p in tmp.iterdir())
+        aside: list[str] = []
+        placed: list[str] = []
+        try:
+            for name in names:
+                if (target / name).exists() or (target / name).is_symlink():
+                    (target / name).rename(old / name)
+                    aside.append(name)
+            for name in names:
+                (tmp / name).rename(target / name)
+                placed.append(name)
+        except OSError:  # put the previous checkpoint back as it was
+            for name in placed:
+                with contextlib.suppress(OSError):
+                    (target / name).rename(tmp / name)
+            for name in aside:
+                with contextlib.suppress(OSError):
+                    (old / name).rename(target / name)
+            with contextlib.suppress(OSError):
+                old.rmdir()  # only when empty: whatever could not be put back stays there
+            raise
+    shutil.rmtree(old, ignore_errors=True)  # a leftover is cleaned by the next run
+
+
+@contextlib.contextmanager
+def claim_output(out: Path, force: bool, kind: OutputKind, protected: Sequence[Path] = (),
+                 writes: Collection[str] = ()) -> Iterator[Path]:
+    """Claim `out` for one run: check it (see check_output), lock it, clean leftovers of killed runs,
+    yield an empty temp folder to write into, and on success move it into place atomically. On any
+    failure the temp folder is removed and `out` is as it was."""
+    out = Path(out)
+    target = check_output(out, force, kind, protected, writes)
+    with contextlib.ExitStack() as stack:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(_lock(out, target, kind))
+        except OSError as exc:
+            raise os_error(exc, out) from exc
+        check_output(out, force, kind, protected, writes)  # again, under the lock: it may have appeared
+        clean_leftovers(target)
+        tmp = target.parent / f".{target.name}.{kind.temp_tag}-{os.getpid()}"
+        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # ours (this pid, under the lock)
+            tmp.mkdir()
+            yield tmp
+            if not kind.whole_folder:  # the names are known now: check nothing foreign is replaced
+                check_output(out, force, kind, protected, [p.name for p in tmp.iterdir()])
+            _commit(tmp, target, kind)
+        except OSError as exc:
+            raise os_error(exc, out) from exc
+
+
+def fresh_folder(root: Path, name: str) -> Path:
+    """root/name, or root/name-2, -3, ... : the first that neither exists nor is being written."""
+    for i in range(1, 10_000):
+        candidate = root / (name if i == 1 else f"{name}-{i}")
+        if not candidate.exists() and not (root / f".{candidate.name}.lock").exists():
+            return candidate
+    raise EdgelinError(f"no free folder name under {root}", f"{name}, {name}-2 ... are all taken",
+                       "pass --out, or clean up old runs")

@@ -1,0 +1,151 @@
+"""Target lowering as patches and the state policy: a target installs its engine only while it
+traces; the ONNX step graph updates the recurrent state and the normaliser without Concat/Slice;
+state names, roles and dtypes come from one place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx
+import pytest
+import torch
+
+from conftest import tiny_config
+from edgelin.errors import EdgelinError
+from edgelin.export import lowering as lowering_mod
+from edgelin.export.base import ExportOptions
+from edgelin.export.graphs import graph_io
+from edgelin.export.lowering import Lowering, get_lowering, lowering, register_lowering, scan_loop
+from edgelin.export.onnx_target import OnnxTarget
+from edgelin.export.state import output_name_for, parse_state_name, state_input_name, state_output_name
+from edgelin.families.spec import StateTensor
+from edgelin.model.lm import CausalLM
+from edgelin.reference import recurrence
+from edgelin.reference.engine import TorchEngine
+
+RESHAPING = {"Concat", "Slice", "Split", "Gather"}  # copies: a plugin updates its state in place
+
+
+def state_path_ops(graph: onnx.GraphProto, source: str, sink: str) -> list[str]:
+    """Op types of the nodes on any path from graph input `source` to graph output `sink`."""
+    producers = {out: n for n in graph.node for out in n.output}
+    ancestors, todo = set(), [sink]
+    while todo:  # nodes `sink` depends on
+        node = producers.get(todo.pop())
+        if node is not None and id(node) not in ancestors:
+            ancestors.add(id(node))
+            todo.extend(node.input)
+    reached, names, changed = set(), {source}, True
+    while changed:  # nodes depending on `source` (graph.node is topologically sorted, but be safe)
+        changed = False
+        for n in graph.node:
+            if id(n) not in reached and names.intersection(n.input):
+                reached.add(id(n))
+                names.update(n.output)
+                changed = True
+    return [n.op_type for n in graph.node if id(n) in ancestors and id(n) in reached]
+
+
+@pytest.fixture(scope="module")
+def linear_attn_export(tmp_path_factory):
+    """One linear_attn layer through the ONNX target's own export (its lowering included)."""
+    folder = tmp_path_factory.mktemp("lowering")
+    torch.manual_seed(0)
+    OnnxTarget().export(CausalLM(tiny_config(("linear_attn",))).eval(), folder, ExportOptions())
+    return folder
+
+
+def test_step_graph_updates_state_and_normalizer_without_concat_or_slice(linear_attn_export):
+    """linear_attn's step: S' = S + k v^T and z' = z + k, each its own tensor; no Concat/Slice
+    between a past_key_values.* input and its present.* output (a TensorRT plugin updates its
+    state in place). The prefill graph keeps its one Scan over chunks per layer."""
+    step = onnx.load(str(linear_attn_export / "step.onnx")).graph
+    inputs = [i.name for i in step.input if i.name.startswith("past_key_values.")]
+    assert sorted(inputs) == ["past_key_values.0.normalizer", "past_key_values.0.recurrent_state"]
+    for name in inputs:
+        ops = state_path_ops(step, name, name.replace("past_key_values.", "present.", 1))
+        assert ops, f"{name} never reaches its output"
+        assert not RESHAPING.intersection(ops), f"{name}: {ops}"
+    prefill = onnx.load(str(linear_attn_export / "prefill.onnx")).graph
+    assert [n.op_type for n in prefill.node].count("Scan") == 1  # S's chunk loop; z is a CumSum
+
+
+def test_lowering_registry_refuses_unknown_targets():
+    for name in ("tensorrt", "coreml", "bogus"):  # hooks documented, not built yet
+        with pytest.raises(EdgelinError) as err:
+            with lowering(name):
+                pass
+        assert f"no lowering for target {name!r}" in err.value.line() and "onnx" in err.value.line()
+
+
+CALLS: list[str] = []
+
+
+class _Counting(TorchEngine):
+    def chunked(self, *args, **kwargs):
+        CALLS.append("chunked")
+        return super().chunked(*args, **kwargs)
+
+
+def test_a_lowering_patches_the_model_only_inside_its_block(monkeypatch):
+    """A registered lowering's engine runs every linear mixer inside `with lowering(...)`, and
+    only there (a later target, e.g. TensorRT's step node, plugs in the same way)."""
+    engine = _Counting(name="counting")
+    monkeypatch.setattr(lowering_mod, "LOWERINGS", dict(lowering_mod.LOWERINGS))
+    register_lowering(Lowering("test-target", engine, "counts chunked calls"))
+    model = CausalLM(tiny_config(("linear_attn", "softmax", "gla"))).eval()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        with lowering("test-target") as entry:
+            assert entry.engine is engine
+            patched, _ = model(ids)
+        assert CALLS == ["chunked", "chunked"]  # the two linear layers
+        plain, _ = model(ids)
+    assert CALLS == ["chunked", "chunked"]
+    assert torch.allclose(patched, plain, atol=1e-6)
+
+
+def test_onnx_lowering_runs_the_chunk_loop_as_scan():
+    entry = get_lowering("onnx")
+    assert entry.engine.loop is scan_loop
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 37, 2, 8, generator=gen) * 0.3, torch.randn(2, 37, 2, 8, generator=gen) * 0.3
+    v, g = torch.randn(2, 37, 2, 5, generator=gen), -torch.rand(2, 37, 2, 1, generator=gen) * 0.1
+    s0 = torch.randn(2, 2, 8, 5, generator=gen)
+    o, s = entry.engine.chunked(s0, q, k, v, g, None, 16)
+    o_ref, s_ref = recurrence.recurrent(s0, q, k, v, g)
+    assert (o - o_ref).abs().max() < 1e-5 and (s - s_ref).abs().max() < 1e-5
+
+
+def test_state_names_and_roles_come_from_one_place():
+    assert state_input_name(3, "conv_state") == "past_key_values.3.conv_state"
+    assert state_output_name(3, "conv_state") == "present.3.conv_state"
+    assert parse_state_name("present.12.key") == (12, "key")
+    assert output_name_for("past_key_values.0.normalizer") == "present.0.normalizer"
+    with pytest.raises(EdgelinError, match="not a state tensor name"):
+        parse_state_name("logits")
+    model = CausalLM(tiny_config(("linear_attn", "softmax")))
+    inputs, outputs = graph_io(model, "step")
+    roles = {t.name: t.state_role for t in inputs if t.role == "state"}
+    assert roles == {"past_key_values.0.recurrent_state": "recurrent", "past_key_values.0.normalizer": "normalizer",
+                     "past_key_values.1.key": "key", "past_key_values.1.value": "value"}
+    assert {t.name: t.feeds for t in outputs if t.feeds} == {output_name_for(n): n for n in roles}
+    assert {t.dtype for t in graph_io(model, "prefill", "float16")[0] if t.role == "state"} == {"float16"}
+
+
+def test_onnx_target_refuses_a_float16_state(tmp_path):
+    model = CausalLM(tiny_config(("gla",)))
+    with pytest.raises(EdgelinError) as err:
+        OnnxTarget().export(model, tmp_path, ExportOptions(state_dtype="float16"))
+    assert "ONNX state dtype 'float16'" in err.value.line() and "\n" not in err.value.line()
+    assert not list(tmp_path.iterdir())
+
+
+def test_state_tensor_role_and_dtype_are_checked():
+    t = StateTensor("normalizer", ("batch", 2, 8), "normalizer")
+    assert t.accumulates and t.dtype == "float32"
+    assert not StateTensor("conv_state", ("batch", 4, 3), "conv").accumulates
+    with pytest.raises(ValueError, match="role 'cache'"):
+        StateTensor("x", ("batch",), "cache")
+    with pytest.raises(ValueError, match="dtype 'int8'"):
+        dataclasses.replace(t, dtype="int8")

@@ -1,0 +1,324 @@
+"""Output folders of `export` and `train` never lose a user's data: --out may not touch the source,
+--force only replaces what edgelin wrote, one writer per folder, leftovers of killed runs are cleaned,
+and filesystem faults are one line with exit 2 (edgelin/outputs.py)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from edgelin.export import onnx_target
+from edgelin.outputs import EXPORT, claim_output
+from helpers import make_checkpoint
+from test_cli import run
+from test_train import TINY
+
+FAKE_GRAPH = b"not a real graph"  # the folder handling is under test here, not the graphs
+
+
+def refused(result, *needles: str, code: int = 2) -> None:
+    """Exit 2, no traceback, and exactly one `error: WHAT: WHY. Fix: FIX` line holding every needle."""
+    assert result.exit_code == code, (result.exit_code, result.output)
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Fix:" in errors[0], result.stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+
+
+def tree_hashes(folder: Path) -> dict[str, str]:
+    """Every file below `folder` (relative path -> sha256): equal before and after = untouched."""
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if ".partial-" in p.name or ".tmp-" in p.name
+                  or ".old-" in p.name or p.name.endswith(".lock"))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: its pid names no process now
+    return proc.pid
+
+
+@pytest.fixture
+def fast_graphs(monkeypatch):
+    """Replace the ONNX tracer with a file write: an export then takes milliseconds."""
+    monkeypatch.setattr(onnx_target, "export_onnx_graph", lambda *a: Path(a[4]).write_bytes(FAKE_GRAPH))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    return make_checkpoint(tmp_path / "models" / "ckpt", "gla", tokenizer=False)
+
+
+# ---- 1. --out vs the source checkpoint ------------------------------------------------------------
+@pytest.mark.parametrize("where, relation", [
+    (lambda ck: ck, "is the source"),
+    (lambda ck: ck.parent, "contains the source"),
+    (lambda ck: ck / "onnx", "is inside the source"),
+    (lambda ck: ck / ".." / ck.name, "is the source"),  # the same folder spelt another way
+], ids=["equal", "parent", "inside", "equal-via-dotdot"])
+def test_out_touching_the_source_is_refused(ckpt, fast_graphs, where, relation):
+    (ckpt.parent / "other-model.txt").write_text("the user's")
+    before = tree_hashes(ckpt.parent)
+    for force in ((), ("--force",)):
+        refused(run("export", ckpt, "--out", where(ckpt), *force), relation, "Fix:")
+    assert tree_hashes(ckpt.parent) == before and not (ckpt / "onnx").exists()
+
+
+def test_out_through_a_symlink_to_the_source_is_refused(ckpt, fast_graphs, tmp_path):
+    (tmp_path / "link").symlink_to(ckpt, target_is_directory=True)
+    before = tree_hashes(ckpt)
+    refused(run("export", ckpt, "--out", tmp_path / "link", "--force"), "is the source")
+    assert tree_hashes(ckpt) == before
+
+
+# ---- --force replaces only our own export ---------------------------------------------------------
+def test_force_over_a_foreign_folder_is_refused(ckpt, fast_graphs, tmp_path):
+    out = tmp_path / "photos"
+    out.mkdir()
+    (out / "holiday.jpg").write_bytes(b"\xff\xd8 the user's")
+    (out / "album").mkdir()
+    before = tree_hashes(out)
+    refused(run("export", ckpt, "--out", out, "--force"), "will not replace", "album, holiday.jpg",
+                         "no manifest.json")
+    assert tree_hashes(out) == before and (out / "album").is_dir() and leftovers(tmp_path) == []
+
+
+def test_force_over_our_export_with_a_foreign_file_is_refused(ckpt, fast_graphs, tmp_path):
+    out = tmp_path / "out"
+    assert run("export", ckpt, "--out", out).exit_code == 0
+    (out / "notes.md").write_text("my notes")
+    before = tree_hashes(out)
+    refused(run("export", ckpt, "--out", out, "--force"), "will not replace", "notes.md")
+    assert tree_hashes(out) == before
+
+
+def test_manifest_lists_every_file_written(fast_graphs, tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla", tokenizer=True)  # its tokenizer is copied too
+    result = run("export", ckpt, "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["files"] == ["manifest.json", "prefill.onnx", "step.onnx", "tokenizer.json"]
+    assert sorted(os.listdir(tmp_path / "out")) == manifest["files"]
+
+
+def test_force_replaces_our_own_export(ckpt, fast_graphs, tmp_path):
+    out = tmp_path / "out"
+    assert run("export", ckpt, "--out", out).exit_code == 0
+    (out / "step.onnx").write_bytes(b"the previous export")
+    result = run("export", ckpt, "--out", out, "--force")
+    assert result.exit_code == 0, result.output
+    assert (out / "step.onnx").read_bytes() == FAKE_GRAPH  # the new export is in place
+    assert sorted(os.listdir(out)) == ["manifest.json", "prefill.onnx", "step.onnx"]
+    assert leftovers(tmp_path) == []
+
+
+def test_force_replaces_an_older_export_without_a_files_list(ckpt, fast_graphs, tmp_path):
+    out = tmp_path / "out"
+    assert run("export", ckpt, "--out", out).exit_code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["files"]  # as written before the list existed: manifest + graphs + tokenizer are ours
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert run("export", ckpt, "--out", out, "--force").exit_code == 0
+    assert "files" in json.loads((out / "manifest.json").read_text())
+
+
+# ---- 3. one writer per folder ---------------------------------------------------------------------
+def test_second_export_while_one_is_writing_is_refused(ckpt, fast_graphs, tmp_path):
+    out = tmp_path / "out"
+    with claim_output(out, False, EXPORT) as tmp:  # the first export, still writing
+        (tmp / "first.txt").write_text("first")
+        for force in ((), ("--force",)):
+            refused(run("export", ckpt, "--out", out, *force), "another export", "is writing")
+    assert sorted(p.name for p in out.iterdir()) == ["first.txt"]  # the first one won, untouched
+    assert leftovers(tmp_path) == []
+
+
+def test_lock_left_by_a_killed_export_does_not_block(ckpt, fast_graphs, tmp_path):
+    (tmp_path / ".out.lock").write_text(f"{dead_pid()}\n")  # the kernel dropped its flock when it died
+    assert run("export", ckpt, "--out", tmp_path / "out").exit_code == 0
+    assert leftovers(tmp_path) == []
+
+
+RACER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from edgelin import cli
+    from edgelin.export import onnx_target
+
+    def slow_graph(*args):  # both racers are inside their export at the same time
+        time.sleep(1.0)
+        Path(args[4]).write_bytes(b"racer")
+
+    onnx_target.export_onnx_graph = slow_graph
+    Path(sys.argv[1] + ".ready").touch()
+    while not Path(sys.argv[2]).exists():
+        time.sleep(0.01)
+    sys.argv = ["edgelin", "export", sys.argv[3], "--out", sys.argv[4]]
+    cli.main()
+""")
+
+
+def test_two_concurrent_exports_exactly_one_wins(ckpt, tmp_path):
+    out, go = tmp_path / "out", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path / f"racer{i}"), str(go), str(ckpt), str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"racer{i}.ready").exists() for i in range(2)):  # both imported and waiting
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+    go.touch()
+    results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    loser = next(err for code, err in results if code == 2)
+    assert "another export" in loser or "already exists" in loser, loser
+    assert "Traceback" not in loser
+    assert (out / "manifest.json").is_file() and leftovers(tmp_path) == []
+
+
+# ---- 4. leftovers of killed exports ---------------------------------------------------------------
+def test_stale_partials_are_removed_live_ones_kept(ckpt, fast_graphs, tmp_path):
+    dead, live = dead_pid(), os.getppid()  # the parent (the shell running pytest) is alive
+    stale = [tmp_path / f".out.partial-{dead}", tmp_path / f".out.old-{dead}"]
+    kept = [tmp_path / f".out.partial-{live}", tmp_path / f".other.partial-{dead}", tmp_path / ".out.partial-x"]
+    for folder in stale + kept:
+        folder.mkdir()
+        (folder / "step.onnx").write_bytes(b"x" * 1000)
+    assert run("export", ckpt, "--out", tmp_path / "out").exit_code == 0
+    assert [p.exists() for p in stale] == [False, False]
+    assert [p.exists() for p in kept] == [True, True, True]
+
+
+# ---- 12. filesystem faults are one line, exit 2 ---------------------------------------------------
+def test_out_below_a_regular_file(ckpt, fast_graphs, tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    refused(run("export", ckpt, "--out", tmp_path / "notes.txt" / "out"), "notes.txt is a file")
+    assert (tmp_path / "notes.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize("call", ["mkdir", "rename", "open"])
+def test_read_only_filesystem(ckpt, fast_graphs, tmp_path, monkeypatch, call):
+    # Tests run as root, where chmod does not stop writes: the OS answer is simulated instead.
+    real = getattr(os, call)
+
+    def read_only(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path / "ro")) and (call != "open" or args[0] & os.O_CREAT):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real(path, *args, **kwargs)
+
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr(os, call, read_only)
+    refused(run("export", ckpt, "--out", tmp_path / "ro" / "out"), "cannot write",
+                         "Read-only file system", "writable filesystem")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path / "ro")) == []
+
+
+def test_disk_full_while_writing(ckpt, tmp_path, monkeypatch):
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(args[4]))
+
+    monkeypatch.setattr(onnx_target, "export_onnx_graph", full)
+    refused(run("export", ckpt, "--out", tmp_path / "out"), "cannot write", "No space left on device",
+            "free some disk space")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def test_out_dot_with_force_in_a_folder_of_other_files(ckpt, fast_graphs, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "thesis.tex").write_text("years of work")
+    monkeypatch.chdir(work)
+    refused(run("export", ckpt, "--out", ".", "--force"), "--out .", "current folder")
+    assert sorted(os.listdir(work)) == ["thesis.tex"] and leftovers(tmp_path) == []
+
+
+def test_failed_replace_puts_the_previous_checkpoint_back(tmp_path, monkeypatch):
+    from edgelin.checkpoint import load_model, save_checkpoint
+    from edgelin.errors import EdgelinError
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla", tokenizer=False)
+    (ckpt / "training_log.json").write_text("{}")  # as if `edgelin train` wrote it: --force may replace it
+    before = tree_hashes(ckpt)
+    model, _ = load_model(ckpt)
+    with torch.no_grad():  # a different checkpoint, to tell old from new
+        next(model.parameters()).add_(1)
+    real, failed = os.rename, []
+
+    def fail_once(src, dst, *args, **kwargs):  # the disk fills while the new files move in
+        if Path(dst) == ckpt / "model.safetensors" and not failed:
+            failed.append(dst)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", fail_once)
+    with pytest.raises(EdgelinError, match="No space left on device"):
+        save_checkpoint(model, ckpt, force=True)
+    assert failed and tree_hashes(ckpt) == before and leftovers(tmp_path) == []
+
+
+# ---- 2. train never overwrites the checkpoint beside its recipe -----------------------------------
+@pytest.fixture(scope="module")
+def corpus_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("corpus-cache")  # tokenized once for the module
+
+
+@pytest.fixture
+def recipe(tmp_path, monkeypatch, corpus_cache):
+    monkeypatch.setenv("EDGELIN_CACHE", str(corpus_cache))
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "recipe.toml").write_text(TINY)
+    (folder / "config.json").write_text('{"model_type": "edgelin"}')  # stand-ins for a shipped model
+    (folder / "model.safetensors").write_bytes(b"the shipped weights")
+    monkeypatch.chdir(tmp_path)
+    return folder / "recipe.toml"
+
+
+def test_train_writes_a_fresh_folder_never_the_recipes(recipe, tmp_path):
+    before = tree_hashes(recipe.parent)
+    first = run("train", recipe, "--steps", "1")
+    assert first.exit_code == 0, first.output
+    second = run("train", recipe, "--steps", "1")
+    assert second.exit_code == 0, second.output
+    assert tree_hashes(recipe.parent) == before
+    assert sorted(os.listdir(tmp_path / "runs")) == ["tiny", "tiny-2"]
+    assert "runs/tiny-2" in " ".join(second.stdout.split())  # says where it went
+    for run_dir in ("tiny", "tiny-2"):
+        names = sorted(os.listdir(tmp_path / "runs" / run_dir))
+        assert names == ["config.json", "model.safetensors", "recipe.toml", "tokenizer.json", "training_log.json"]
+
+
+def test_train_needs_force_for_an_existing_checkpoint(recipe, tmp_path):
+    out = tmp_path / "ckpt"
+    assert run("train", recipe, "--steps", "1", "--out", out).exit_code == 0
+    (out / "README.md").write_text("kept")
+    (out / "model.safetensors").write_bytes(b"old weights")  # to see them replaced
+    before = tree_hashes(out)
+    refused(run("train", recipe, "--steps", "1", "--out", out), "already exists", "--force")
+    assert tree_hashes(out) == before
+    assert run("train", recipe, "--steps", "1", "--out", out, "--force").exit_code == 0
+    assert (out / "README.md").read_text() == "kept" and (out / "model.safetensors").read_bytes() != b"old weights"
+    assert leftovers(tmp_path) == []
+
+
+def test_train_force_refuses_a_checkpoint_it_did_not_train(recipe, tmp_path):
+    before = tree_hashes(recipe.parent)  # its config.json and weights are not from edgelin train
+    refused(run("train", recipe, "--steps", "1", "--out", recipe.parent, "--force"),
+                         "will not replace", "config.json")
+    assert tree_hashes(recipe.parent) == before
