@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edgelin.bench import kv_baseline, prefill_throughput, time_steps
+from edgelin.bench import prefill_throughput, time_steps
 from edgelin.checkpoint import load_model
 from edgelin.export.graphs import StepModel
 from edgelin.export.pipeline import export_checkpoint
@@ -51,10 +51,10 @@ def torch_eager_step_ms(checkpoint: Path, iters: int) -> float:
 
 
 def latency_at(runner, positions: list[int], iters: int, chunk: int) -> dict[int, float]:
-    rng, state, reached, out = np.random.default_rng(0), runner.initial_state(1), 0, {}
+    rng, state, reached, out = np.random.default_rng(0), runner.new_state(1), 0, {}
     for p in positions:
         ids = rng.integers(0, runner.manifest.vocab_size, (1, p - reached), dtype=np.int64)
-        _, state = prefill(runner, ids, state, start=reached, chunk=chunk)
+        prefill(runner, ids, state, start=reached, chunk=chunk)  # advances the handle in place
         reached = p
         out[p] = float(np.median(time_steps(runner, state, p, 1, 20, iters)))
     return out
@@ -75,7 +75,7 @@ def main() -> None:
         results.append({"target": name, "value": value, "goal": target, "passed": bool(ok), "detail": detail})
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = export_checkpoint(args.checkpoint, Path(tmp) / "model").folder
+        folder = export_checkpoint(args.checkpoint, Path(tmp) / "model", baselines=("kv",)).folder
         runner = open_runner(folder)
         ort_ms = latency_at(runner, [1], args.iters, 2048)[1]
         eager_ms = torch_eager_step_ms(args.checkpoint, args.iters)
@@ -84,7 +84,7 @@ def main() -> None:
 
         runner = open_runner(folder)  # fresh sessions: positions measured in one sweep
         lat = latency_at(runner, [1, args.far], args.iters, 2048)
-        kv = latency_at(open_runner(kv_baseline(folder, Path(tmp))), [1, args.far], args.iters, 1024)
+        kv = latency_at(open_runner(folder / "baseline-kv"), [1, args.far], args.iters, 1024)
         ratio = lat[args.far] / lat[1]
         record(f"step at {args.far} / step at 1", ratio, "<= 1.10", ratio <= 1.10,
                f"edgelin {lat[1]:.3f} -> {lat[args.far]:.3f} ms; KV baseline {kv[1]:.3f} -> {kv[args.far]:.3f} ms "

@@ -1,8 +1,13 @@
 """`edgelin bench`: per-token step latency at context positions, prefill throughput, memory.
 
-Position p is reached by (piecewise) prefill, never by p steps; then the same state is stepped
-repeatedly, so every timed step sits exactly at position p. `baseline="kv"` exports a same-size
-softmax-attention model with a growing KV cache the same way and measures it in the same run.
+Position p is reached by (piecewise) prefill, never by p steps. The steps are then timed on forks of
+that state (runner.fork: the state reached stays at p for the next position). A constant-memory
+model's step does the same work at every position: the timed steps run on one fork that advances
+as it goes (timed step i sits at p + i). A growing KV cache's step cost grows with the position:
+every timed step starts from a fresh fork of the state at p, so every one sits exactly at p.
+`baseline="kv"` measures, the same way
+and in the same run, the same-size softmax-attention model with a growing KV cache that
+`edgelin export --baseline kv` wrote into the folder (DIR/baseline-kv: nothing is exported here).
 
 Before anything runs, every position is checked against what this machine can do: the state at
 that position plus a prefill call's working memory must fit in the available memory, and the
@@ -13,22 +18,18 @@ piece by piece, so no [batch, position] array is ever allocated.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
+from edgelin.devices import DeviceProfile
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Runner
+from edgelin.export.base import Runner, StateHandle
 from edgelin.export.manifest import Manifest
 from edgelin.runtime import open_runner, peak_rss_bytes, prefill, rss_bytes
-
-if TYPE_CHECKING:
-    from edgelin.model.lm import CausalLM
 
 MAX_SECONDS = 3600.0  # a bench plan estimated to take longer is refused before it starts
 
@@ -63,16 +64,27 @@ class BenchReport:
         return next(r.p50_ms for r in self.positions if r.model == model and r.position == position)
 
 
-def time_steps(runner: Runner, state, position: int, batch: int, warmup: int, iters: int) -> np.ndarray:
-    """Milliseconds per step, all at `position`, always from the same input state."""
+def time_steps(runner: Runner, state: StateHandle, position: int, batch: int, warmup: int, iters: int
+               ) -> np.ndarray:
+    """Milliseconds per step, `state` itself left at `position`. A constant-memory state: `warmup`
+    untimed steps on a fork, then `iters` timed steps on another fork, step i at position + i (the
+    work per step does not depend on the position). A growing cache, whose step cost does: every
+    step starts from a fresh fork of `state` (made outside the clock; for ONNX Runtime a fork of a
+    growing cache shares its buffers, nothing is copied), so every timed step sits exactly at `position`."""
     token = np.zeros(batch, np.int64)
-    pos = np.full(batch, position, np.int64)
-    for _ in range(warmup):
-        runner.step(token, state, pos)
+    exact = not runner.manifest.constant_memory
+    positions = [np.full(batch, position + (0 if exact else i), np.int64) for i in range(max(warmup, iters))]
+    warm = runner.fork(state)
+    for i in range(warmup):
+        runner.step(token, runner.fork(state) if exact else warm, positions[i])
+    del warm
+    timed = runner.fork(state)
     times = np.empty(iters)
     for i in range(iters):
+        if exact:
+            timed = runner.fork(state)
         t0 = time.perf_counter()
-        runner.step(token, state, pos)
+        runner.step(token, timed, positions[i])
         times[i] = time.perf_counter() - t0
     return times * 1e3
 
@@ -88,19 +100,19 @@ def random_pieces(seed: int, vocab: int, batch: int, tokens: int, chunk: int) ->
 def measure(runner: Runner, label: str, positions: list[int], batch: int, warmup: int, iters: int,
             prefill_chunk: int, report: BenchReport, seed: int,
             on_progress: Callable[[str], None] | None) -> None:
-    state, reached = runner.initial_state(batch), 0
+    state, reached = runner.new_state(batch), 0
     for p in sorted(positions):
         if p > reached:  # continue the prefill from the last position reached
             if on_progress:
                 on_progress(f"{label}: prefill to position {p}")
             for lo, ids in random_pieces(seed + reached, runner.manifest.vocab_size, batch, p - reached,
                                          prefill_chunk):
-                _, state = prefill(runner, ids, state, start=reached + lo, chunk=prefill_chunk)
+                prefill(runner, ids, state, start=reached + lo, chunk=prefill_chunk)  # advances `state`
             reached = p
         if on_progress:
             on_progress(f"{label}: {iters} steps at position {p}")
         ms = time_steps(runner, state, p, batch, warmup, iters)
-        nbytes = sum(v.nbytes for v in state.values())
+        nbytes = runner.manifest.state_bytes(batch, past=p)  # a growing cache holds p positions here
         report.positions.append(PositionResult(label, p, *np.percentile(ms, [50, 90, 99]).tolist(), nbytes,
                                                rss_bytes()))
 
@@ -110,9 +122,9 @@ def prefill_throughput(runner: Runner, tokens: int, batch: int, prefill_chunk: i
     vocab = runner.manifest.vocab_size
 
     def run_prefill() -> None:
-        state = runner.initial_state(batch)
+        state = runner.new_state(batch)
         for lo, ids in random_pieces(seed, vocab, batch, tokens, prefill_chunk):
-            _, state = prefill(runner, ids, state, start=lo, chunk=prefill_chunk)
+            prefill(runner, ids, state, start=lo, chunk=prefill_chunk)
 
     run_prefill()  # warm-up at the timed shapes: the runtime plans per shape
     runs = []
@@ -121,14 +133,15 @@ def prefill_throughput(runner: Runner, tokens: int, batch: int, prefill_chunk: i
         run_prefill()
         runs.append(time.perf_counter() - t0)
     prefill_s = float(np.median(runs))
-    state = runner.initial_state(batch)
+    state = runner.new_state(batch)
     first = next(random_pieces(seed, vocab, batch, tokens, prefill_chunk))[1]
-    for t in range(min(first.shape[1], 16)):  # warm up the step session too
+    for t in range(min(first.shape[1], 16)):  # warm up the step session too (on a state then dropped)
         runner.step(first[:, t], state, np.full(batch, t, np.int64))
+    state = runner.new_state(batch)
     t0 = time.perf_counter()
     for lo, ids in random_pieces(seed, vocab, batch, tokens, prefill_chunk):
         for t in range(ids.shape[1]):
-            _, state = runner.step(ids[:, t], state, np.full(batch, lo + t, np.int64))
+            runner.step(ids[:, t], state, np.full(batch, lo + t, np.int64))
     steps_s = time.perf_counter() - t0
     return batch * tokens / prefill_s, batch * tokens / steps_s
 
@@ -179,15 +192,15 @@ def check_time(runner: Runner, positions: list[int], prefill_tokens: int, batch:
     vocab, piece = runner.manifest.vocab_size, min(chunk, max(positions[-1], prefill_tokens, 1))
     ids = np.random.default_rng(0).integers(0, vocab, (batch, piece), dtype=np.int64)
     zeros = np.zeros(batch, np.int64)
-    state = runner.initial_state(batch)
-    runner.prefill(ids, state, zeros)  # the first call at a shape plans it: not timed
+    runner.prefill(ids, runner.new_state(batch), zeros)  # the first call at a shape plans it: not timed
+    state = runner.new_state(batch)
     t0 = time.perf_counter()
     runner.prefill(ids, state, zeros)
     prefill_rate = piece / max(time.perf_counter() - t0, 1e-9)
-    runner.step(ids[:, 0], state, zeros)
+    runner.step(ids[:, 0], state, np.full(batch, piece, np.int64))
     t0 = time.perf_counter()
-    for _ in range(4):
-        runner.step(ids[:, 0], state, zeros)
+    for i in range(4):
+        runner.step(ids[:, 0], state, np.full(batch, piece + 1 + i, np.int64))
     step_rate = 4 / max(time.perf_counter() - t0, 1e-9)
     # the prefill to the last position, the timed steps, then prefill_throughput: 4 prefills and
     # one token-by-token pass over prefill_tokens
@@ -219,32 +232,6 @@ def duration(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
-def kv_baseline_model(manifest: Manifest) -> "CausalLM":
-    """A same-size softmax-attention LM with a growing KV cache (random weights: latency and memory
-    do not depend on weight values)."""
-    from edgelin.checkpoint import load_model
-    from edgelin.model.config import AttentionConfig
-    from edgelin.model.lm import CausalLM
-
-    config = load_model(Path(manifest.source["path"]))[0].config
-    heads = config.num_heads
-    baseline = config.replace(
-        layer_types=("softmax",) * config.num_layers, family_overrides={},
-        attention=AttentionConfig(heads, heads, config.head_v_dim, window=None),
-    )
-    return CausalLM(baseline).eval()
-
-
-def kv_baseline(model: "CausalLM", target: str, workdir: Path) -> Path:
-    """Export the KV baseline with the same target."""
-    from edgelin.export.pipeline import export_model
-
-    out = workdir / "kv-baseline"
-    export_model(model, out, target, {"path": "(kv baseline)", "sha256": "", "format": "edgelin",
-                                      "model_type": "edgelin"})
-    return out
-
-
 def bench(
     folder: Path,
     positions: list[int] = (1, 1024, 8192, 32768),
@@ -258,6 +245,7 @@ def bench(
     seed: int = 0,
     on_progress: Callable[[str], None] | None = None,
     max_seconds: float = MAX_SECONDS,
+    device: "DeviceProfile | None" = None,
 ) -> BenchReport:
     positions = sorted(set(int(p) for p in positions))
     for name, value, least in (("--batch", batch, 1), ("--iters", iters, 1), ("--warmup", warmup, 0),
@@ -270,39 +258,28 @@ def bench(
     if baseline not in (None, "kv"):
         raise EdgelinError(f"unknown baseline {baseline!r}", "the one baseline is a KV-cache model", "use --baseline kv")
     kv_chunk = min(prefill_chunk, 1024)  # full attention over a growing cache: smaller pieces bound the scores
-    runner = open_runner(folder, threads)
+    runner = open_runner(folder, threads, device)  # refused here if this machine cannot run the target
     available = available_memory()
     check_memory(runner.manifest, "edgelin", positions, batch, prefill_chunk, available)
     report = BenchReport(str(folder), runner.manifest.target, batch, threads)
-    kv_model = None
-    if baseline == "kv":  # its memory is checked from its graphs' I/O, before the export is paid for
-        from edgelin.export.pipeline import build_manifest
+    kv = None
+    if baseline == "kv":  # exported with the folder (export --baseline kv); its memory checked up front
+        from edgelin.export.baselines import baseline_folder
 
-        kv_model = kv_baseline_model(runner.manifest)
-        kv_io = build_manifest(kv_model, runner.manifest.target, "fp32", {"step": "", "prefill": ""}, {}, None)
-        check_memory(kv_io, "kv-baseline", positions, batch, kv_chunk, available)
-    workdir = Path(tempfile.mkdtemp(prefix="edgelin-kv-")) if kv_model is not None else None
-    try:
-        kv = None
-        if kv_model is not None:
-            if on_progress:
-                on_progress("exporting the KV-cache baseline")
-            kv = open_runner(kv_baseline(kv_model, runner.manifest.target, workdir), threads)
+        kv = open_runner(baseline_folder(folder, runner.manifest, "kv"), threads)
+        check_memory(kv.manifest, "kv-baseline", positions, batch, kv_chunk, available)
+    if on_progress:
+        on_progress("estimating the time to reach each position")
+    check_time(runner, positions, prefill_tokens, batch, prefill_chunk, warmup + iters, max_seconds,
+               kv is not None)
+    measure(runner, "edgelin", positions, batch, warmup, iters, prefill_chunk, report, seed, on_progress)
+    if prefill_tokens:
         if on_progress:
-            on_progress("estimating the time to reach each position")
-        check_time(runner, positions, prefill_tokens, batch, prefill_chunk, warmup + iters, max_seconds,
-                   kv is not None)
-        measure(runner, "edgelin", positions, batch, warmup, iters, prefill_chunk, report, seed, on_progress)
-        if prefill_tokens:
-            if on_progress:
-                on_progress(f"prefill vs steps over {prefill_tokens} tokens")
-            report.prefill_tokens = prefill_tokens
-            pf, st = prefill_throughput(runner, prefill_tokens, batch, prefill_chunk, seed)
-            report.prefill_tokens_per_s["edgelin"], report.steps_tokens_per_s["edgelin"] = pf, st
-        if kv is not None:
-            measure(kv, "kv-baseline", positions, batch, warmup, iters, kv_chunk, report, seed, on_progress)
-    finally:
-        if workdir is not None:
-            shutil.rmtree(workdir, ignore_errors=True)
+            on_progress(f"prefill vs steps over {prefill_tokens} tokens")
+        report.prefill_tokens = prefill_tokens
+        pf, st = prefill_throughput(runner, prefill_tokens, batch, prefill_chunk, seed)
+        report.prefill_tokens_per_s["edgelin"], report.steps_tokens_per_s["edgelin"] = pf, st
+    if kv is not None:
+        measure(kv, "kv-baseline", positions, batch, warmup, iters, kv_chunk, report, seed, on_progress)
     report.peak_rss_bytes = peak_rss_bytes()
     return report

@@ -4,6 +4,33 @@ from __future__ import annotations
 
 from edgelin.export.targets import get_target, target_names
 from edgelin.families import FAMILIES, OutputGate
+from edgelin.families.spec import Decay
+
+
+def tensorrt_step(spec) -> str:
+    """How a TensorRT engine runs this family's decode step: which part goes through edgelin's CUDA
+    step kernel (the EdgelinStep plugin, edgelin/plugins/tensorrt/) with which attributes, and which
+    part stays in plain ONNX ops around it."""
+    gate = {Decay.NONE: 0, Decay.FIXED: 1, Decay.SCALAR: 1, Decay.PER_KEY: 2}[spec.decay]
+    flags = f"gate={gate} delta={int(spec.delta_rule)}"
+    around = []
+    if spec.decay is Decay.FIXED:
+        around.append("the fixed log-decay fed as g")
+    elif spec.gate is not None:
+        around.append(f"the {spec.gate.value} log-decay")
+    if spec.delta_rule:
+        around.append("beta")
+    if spec.feature_map not in ("identity",):
+        around.append(f"the {spec.feature_map} feature map")
+    if spec.normalizer:
+        around.append("the normaliser z' = z + phi(k) and o / (phi(q)^T z')")
+    if spec.short_conv:
+        around.append("the short convolution")
+    if spec.skip_d:
+        around.append("+ D v")
+    if spec.output_gate is not OutputGate.NONE or spec.output_norm:
+        around.append("the output norm/gate")
+    return f"kernel ({flags}); ONNX ops: " + (", ".join(around) if around else "none")
 
 
 def family_rows() -> list[dict]:
@@ -34,9 +61,11 @@ def family_rows() -> list[dict]:
             "readout": " ".join(readout),
             "state": state,
             "targets": ", ".join(support),
+            "tensorrt_step": tensorrt_step(spec),
         })
     rows.append({"family": "softmax", "summary": "softmax attention (hybrids, KV baseline)", "rule": "-",
                  "decay": "-", "feature_map": "-", "readout": "softmax(q k^T) v",
                  "state": ["key, value [batch, Hkv, window | past_sequence, d_h]"],
-                 "targets": ", ".join(f"{n}: yes" for n in targets)})
+                 "targets": ", ".join(f"{n}: yes" for n in targets),
+                 "tensorrt_step": "ONNX ops (attention over the KV window; no recurrence for the kernel)"})
     return rows

@@ -184,8 +184,10 @@ def families(out: Output, as_json: bool = JSON) -> None:
 
     rows = family_rows()
     out.result(rows)
-    out.table("Layer families", ["family", "update rule", "decay", "readout", "state (per layer)", "targets"],
-              [[r["family"], r["rule"], r["decay"], r["readout"], "\n".join(r["state"]), r["targets"]] for r in rows])
+    out.table("Layer families", ["family", "update rule", "decay", "readout", "state (per layer)", "targets",
+                                 "TensorRT step"],
+              [[r["family"], r["rule"], r["decay"], r["readout"], "\n".join(r["state"]), r["targets"],
+                r["tensorrt_step"]] for r in rows])
 
 
 @command
@@ -244,19 +246,27 @@ def export(
                                                   help="Compute precision of the graphs (default: the device's, else fp32)."),
     no_tokenizer: bool = typer.Option(False, "--no-tokenizer",
                                       help="Export without a tokenizer (generate will then need one)."),
+    baseline: Optional[Baseline] = typer.Option(
+        None, "--baseline", help="Also export a same-size KV-cache softmax model into DIR/baseline-kv "
+                                 "(for `bench --baseline kv`)."),
     as_json: bool = JSON,
 ) -> None:
-    """Export step + prefill graphs and manifest.json for a target."""
+    """Export step + prefill graphs, reference vectors and manifest.json for a target."""
     from edgelin.devices import export_settings, get_device
-    from edgelin.export.base import ExportOptions
+    from edgelin.export.base import phase_refusal
+    from edgelin.export.targets import get_target
+
+    phase = get_target(target).can_export()  # before the exporter's own imports (torch): one line if missing
+    if not phase.ok:
+        raise phase_refusal(get_target(target), "export", phase, "pick another --target")
     from edgelin.export.pipeline import export_checkpoint
 
     profile = get_device(device) if device else None
     settings = export_settings(profile, target, precision)  # refused here, before the checkpoint loads
     with out.progress(f"exporting {checkpoint} to {target}"):
         result = export_checkpoint(checkpoint, out_dir, target, force, profile,
-                                   ExportOptions(precision=settings.precision, state_dtype=settings.state_dtype),
-                                   include_tokenizer=not no_tokenizer, settings=settings)
+                                   include_tokenizer=not no_tokenizer, settings=settings,
+                                   baselines=(baseline,) if baseline else ())
     for warning in result.warnings:
         out.warning(warning)
     m = result.manifest
@@ -267,6 +277,10 @@ def export(
     out.line(f"state per sequence: {human_bytes(m.state_bytes(1))} "
              f"({'constant' if m.constant_memory else 'grows with context'}); "
              f"layers: {', '.join(layer['type'] for layer in m.layers)}")
+    recorded = m.extra.get("reference_vectors", {}).get("file")
+    baselines = m.extra.get("baselines", {})
+    out.line(f"reference vectors: {recorded} (`edgelin validate {result.folder}` replays them)"
+             + "".join(f"; {name} baseline: {sub}/" for name, sub in baselines.items()))
     if result.inert_fields:
         out.line(f"ignored (inert upstream fields): {', '.join(result.inert_fields)}")
 
@@ -275,30 +289,54 @@ def export(
 def validate(
     out: Output,
     folder: Path = typer.Argument(..., help="An export folder."),
-    steps: int = typer.Option(512, min=1, help="Decode steps rolled out after the prompt."),
-    prompt_len: int = typer.Option(32, min=1, help="Prompt tokens (prefilled)."),
-    batch: int = typer.Option(2, min=1, help="Sequences per batch."),
+    against: Optional[Path] = typer.Option(
+        None, "--against", help="Checkpoint to run in PyTorch next to the export, for a full check of any length "
+                                "(default: replay the reference vectors recorded at export; no torch)."),
+    steps: Optional[int] = typer.Option(None, min=1, help="With --against: decode steps after the prompt [512]."),
+    prompt_len: Optional[int] = typer.Option(None, min=1, help="With --against: prompt tokens (prefilled) [32]."),
+    batch: Optional[int] = typer.Option(None, min=1, help="With --against: sequences per batch [2]."),
+    seed: Optional[int] = typer.Option(None, min=0, help="With --against: seed of the random token sequences [0]."),
     rtol: Optional[float] = typer.Option(None, callback=POSITIVE,
                                          help="Max error relative to the reference's scale (default by precision)."),
-    reference: Optional[Path] = typer.Option(None, help="Reference checkpoint (default: the one exported)."),
-    seed: int = typer.Option(0, min=0, help="Seed of the random token sequences."),
     as_json: bool = JSON,
 ) -> None:
-    """Roll out prefill + N steps through the exported graphs and compare with PyTorch at every step."""
+    """Replay the reference vectors recorded at export through the runner (no checkpoint, no torch), or with
+    --against CKPT roll out prefill + N steps and compare with PyTorch at every step."""
     from edgelin.errors import ValidationFailed
-    from edgelin.validate import validate as run_validate
 
-    with out.progress("validating", total=2 * prompt_len + steps) as update:
-        report = run_validate(folder, steps, prompt_len, batch, seed, rtol, reference,
-                              on_progress=lambda done, total: update(done))
+    if against is None:
+        from edgelin.replay import replay
+
+        given = [flag for flag, value in (("--steps", steps), ("--prompt-len", prompt_len), ("--batch", batch),
+                                          ("--seed", seed)) if value is not None]
+        if given:
+            raise EdgelinError(f"{given[0]} applies to --against only", "without --against, validate replays the "
+                               "prompt, steps and batch sizes recorded at export",
+                               f"drop {', '.join(given)}, or add --against CKPT for a check of any length")
+        with out.progress("validating") as update:
+            report = replay(folder, rtol, on_progress=lambda message: update(description=message))
+    else:
+        try:
+            from edgelin.validate import validate as run_validate
+        except ImportError as exc:  # a runtime-only install (edgelin[runtime]) has no torch
+            raise EdgelinError("validate --against needs PyTorch", f"it runs the checkpoint's reference model ({exc})",
+                               "install edgelin[onnx], or validate without --against (the recorded reference "
+                               "vectors)") from None
+
+        steps, prompt_len = steps or 512, prompt_len or 32
+        with out.progress("validating", total=2 * prompt_len + steps) as update:
+            report = run_validate(folder, steps, prompt_len, batch or 2, seed or 0, rtol, against,
+                                  on_progress=lambda done, total: update(done))
     out.result(report.to_dict())
-    out.table(f"{folder}: {report.target} {report.precision}, batch {batch}, prompt {prompt_len}, {steps} steps "
-              f"(threshold {report.threshold:g} relative)",
-              ["check", "output", "max abs", "max rel", "worst step", "result"],
-              [[m.check, m.output, m.max_abs, m.max_rel, "-" if m.worst_step is None else m.worst_step,
+    batches = " and ".join(str(b) for b in report.batches)
+    out.table(f"{folder}: {report.target} {report.precision} against {report.against}, batch {batches}, "
+              f"prompt {report.prompt_len}, {report.steps} steps (threshold {report.threshold:g} relative)",
+              ["check", "batch", "output", "max abs", "max rel", "worst step", "result"],
+              [[m.check, m.batch, m.output, m.max_abs, m.max_rel, "-" if m.worst_step is None else m.worst_step,
                 styled("ok", "green") if m.passed else styled("FAIL", "bold red")] for m in report.metrics])
     if not report.passed:
-        names = ", ".join(f"{m.check}/{m.output}" for m in report.failures[:5])
+        names = ", ".join(f"{m.check}/{m.output}" + (f"@{m.batch}" if len(report.batches) > 1 else "")
+                          for m in report.failures[:5])
         raise ValidationFailed(f"{len(report.failures)} of {len(report.metrics)} checks failed ({names})",
                                f"errors exceed {report.threshold:g} of the reference's scale",
                                "inspect the table; re-export, or loosen --rtol only if the precision warrants it")
@@ -333,7 +371,7 @@ def bench(
     threads = threads or (profile.threads if profile and profile.threads else None)
     with out.progress("benchmarking") as update:
         report = run_bench(folder, points, batch, warmup, iters, prefill_tokens, baseline=baseline, threads=threads,
-                           on_progress=lambda msg: update(description=msg))
+                           on_progress=lambda msg: update(description=msg), device=profile)
     out.result(report.to_dict())
     out.table(f"{folder}: step latency ({report.target}, batch {batch}, {iters} steps per position)",
               ["model", "position", "p50 ms", "p90 ms", "p99 ms", "state", "RSS"],
@@ -361,23 +399,58 @@ def generate(
                                      "already in the context by P; 1: off, 1.1-1.3: typical."),
     greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding (temperature, top-k and top-p unused)."),
     seed: int = typer.Option(0, min=0, help="Sampling seed."),
-    threads: Optional[int] = typer.Option(None, min=0, help="Runtime threads (0 or unset: the runtime's default)."),
+    threads: Optional[int] = typer.Option(None, min=0, help="Runtime threads (0 or unset: the device's, "
+                                                            "else the runtime's default)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
     as_json: bool = JSON,
 ) -> None:
     """Decode from a prompt with constant memory, streaming tokens to stdout (statistics on stderr)."""
+    from edgelin.devices import get_device
     from edgelin.generate import Sampling
     from edgelin.generate import generate as run_generate
 
     sampling = Sampling(temperature, top_k, top_p, greedy, seed, repetition_penalty)
+    profile = get_device(device) if device else None
+    threads = threads or (profile.threads if profile and profile.threads else None)
     # The prompt is echoed only once the folder, tokenizer and prefill have worked: a failure prints
     # one error line, not the prompt followed by an error.
     result = run_generate(folder, prompt, max_new_tokens, sampling, on_text=out.stream, keep_ids=as_json,
-                          threads=threads, on_start=lambda: out.stream(prompt))
+                          threads=threads, on_start=lambda: out.stream(prompt), device=profile)
     out.stream("\n")
     out.result(result.to_dict())
     out.note(f"{result.new_tokens} tokens, {result.tokens_per_second:,.0f} tok/s, prefill "
              f"{result.prompt_tokens} tokens in {result.prefill_seconds * 1e3:.1f} ms, RSS "
              f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}")
+
+
+@command
+def build(
+    out: Output,
+    folder: Path = typer.Argument(..., help="An export folder."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile to build for "
+                                                                  "(`edgelin devices` lists them)."),
+    as_json: bool = JSON,
+) -> None:
+    """The build phase: turn an export into what its runtime loads (engine, compiled model), where the target has one."""
+    from edgelin.devices import get_device
+    from edgelin.export.base import phase_refusal
+    from edgelin.export.targets import get_target
+    from edgelin.runtime import load_artifact
+
+    profile = get_device(device) if device else None
+    artifact = load_artifact(folder)
+    target = get_target(artifact.manifest.target)
+    phase = target.can_build(profile)
+    if phase is None:
+        out.result({"folder": str(folder), "target": target.name, "build": None})
+        out.line(f"{folder}: the {target.name} target has no build phase; the exported files run as they are")
+        return
+    if not phase.ok:
+        raise phase_refusal(target, "build", phase)
+    with out.progress(f"building {folder} for {target.name}"):
+        built = target.build(artifact, profile)
+    out.result({"folder": str(built.folder), "target": target.name, "build": built.files})
+    out.line(f"built {folder} -> {built.folder}: {', '.join(built.files.values())}")
 
 
 @command

@@ -10,13 +10,16 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from edgelin.errors import EdgelinError
 from edgelin.runtime import open_runner, prefill, rss_bytes
 from edgelin.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:
+    from edgelin.devices import DeviceProfile
 
 
 SETTLE_STEPS = 16  # the runtime allocates its buffers in the first steps; growth is measured after
@@ -99,10 +102,12 @@ def generate(
     stop_at_eos: bool = True,
     threads: int | None = None,
     on_start: Callable[[], None] | None = None,
+    device: "DeviceProfile | None" = None,
 ) -> GenerateResult:
     """`on_start` is called once the folder, tokenizer and prompt prefill have succeeded, before the
-    first token: the CLI echoes the prompt there, so a failure never prints the prompt first."""
-    runner = open_runner(folder, threads)
+    first token: the CLI echoes the prompt there, so a failure never prints the prompt first. The
+    state stays in the runner's handle (advanced in place); only the logits come back each step."""
+    runner = open_runner(folder, threads, device)
     manifest = runner.manifest
     if manifest.tokenizer is None:
         raise EdgelinError(f"{folder} has no tokenizer", "the checkpoint had no tokenizer.json",
@@ -142,7 +147,7 @@ def generate(
         if stop_at_eos and token == manifest.eos_token_id:
             break
         token_buf[0], position_buf[0] = token, position
-        logits, state = runner.step(token_buf, state, position_buf)
+        logits = runner.step(token_buf, state, position_buf)
         position += 1
         if produced == SETTLE_STEPS:
             rss_start = rss_bytes()

@@ -58,7 +58,8 @@ def _placements(model: CausalLM) -> list[dict]:
                              "reason": f"the {name} target is not implemented in this edgelin version"})
                 continue
             target = get_target(name)
-            reason = target.supports(model, device) or target.unavailable_reason()
+            export_phase = target.can_export()  # whether this machine can export it (build and run may differ)
+            reason = target.supports(model, device) or (None if export_phase.ok else export_phase.reason)
             rows.append({"device": device.name, "target": name, "ok": reason is None, "reason": reason})
     return rows
 

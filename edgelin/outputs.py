@@ -168,7 +168,18 @@ def _check_owned(out: Path, target: Path, kind: OutputKind, writes: Collection[s
     if not at_risk:
         return  # nothing of the user's is replaced (an empty folder, or only other files kept)
     owned, why_not = kind.owned(target)
-    foreign = [n for n in at_risk if n not in owned or not (target / n).is_file() or (target / n).is_symlink()]
+
+    def ours(folder: Path, name: str, listed: frozenset[str]) -> bool:
+        path = folder / name
+        if name not in listed or path.is_symlink():
+            return False
+        if path.is_file():
+            return True
+        # a listed folder is ours when it is itself wholly an export edgelin wrote (export --baseline kv)
+        inner = kind.owned(path)[0] if kind.whole_folder and path.is_dir() else frozenset()
+        return bool(inner) and all(ours(path, n, inner) for n in os.listdir(path))
+
+    foreign = [n for n in at_risk if not ours(target, n, owned)]
     if foreign:
         shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
         why = f"edgelin did not write {shown}" + (f" ({why_not})" if why_not else "")

@@ -1,38 +1,45 @@
-"""Running an exported folder: open its runner, prefill long prompts piecewise, measure memory."""
+"""Running an exported folder (the run phase): open its runner, prefill long prompts piecewise,
+measure memory. Imports no torch: this is what a runtime-only install (edgelin[runtime]) runs."""
 
 from __future__ import annotations
 
 import resource
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Runner, State
+from edgelin.export.base import Artifact, Runner, StateHandle, phase_refusal
 from edgelin.export.manifest import Manifest
 from edgelin.export.targets import get_target
 
+if TYPE_CHECKING:
+    from edgelin.devices import DeviceProfile
 
-def open_runner(folder: Path, threads: int | None = None) -> Runner:
+
+def load_artifact(folder: Path) -> Artifact:
+    """An exported folder as an Artifact: its checked manifest and its graph files."""
     manifest = Manifest.load(folder)
-    target = get_target(manifest.target)
-    reason = target.unavailable_reason()
-    if reason:
-        raise EdgelinError(f"cannot run a {manifest.target} export here", reason,
-                           f"install edgelin[{target.extra}] or run on a machine that has it")
-    kwargs = {"threads": threads} if threads else {}
-    return target.runner(Path(folder), manifest, **kwargs)
+    return Artifact(Path(folder), manifest, {kind: entry.file for kind, entry in manifest.graphs.items()})
 
 
-def check_state(runner: Runner, state: State, batch: int) -> None:
-    """Refuse a state that does not fit the graphs or holds NaN/Inf (the runner's own check)."""
-    runner.check_state(state, batch)
+def open_runner(folder: Path, threads: int | None = None, device: "DeviceProfile | None" = None) -> Runner:
+    """A runner on an exported folder, if its target can run here (for `device`, when given);
+    otherwise one line naming the run phase, why not, and where it does run."""
+    artifact = load_artifact(folder)
+    target = get_target(artifact.manifest.target)
+    phase = target.can_run(device)
+    if not phase.ok:
+        raise phase_refusal(target, "run", phase)
+    return target.runner(artifact, device, threads or None)
 
 
-def prefill(runner: Runner, ids: np.ndarray, state: State | None = None, start: int = 0,
-            chunk: int = 2048) -> tuple[np.ndarray, State]:
-    """Prefill ids [B, T] in pieces of at most `chunk` tokens (bounded memory for any T).
-    runner.prefill checks every piece (ids, positions, state) before it reaches the runtime."""
+def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, start: int = 0,
+            chunk: int = 2048) -> tuple[np.ndarray, StateHandle]:
+    """Prefill ids [B, T] in pieces of at most `chunk` tokens (bounded memory for any T), from `state`
+    (a new zero state when None), which is advanced in place; returns (last logits, the handle).
+    runner.prefill checks every piece (ids, positions, the handle) before it reaches the runtime."""
     ids = np.asarray(ids)
     if ids.ndim != 2:
         raise EdgelinError(f"prefill ids have shape {list(ids.shape)}", "prefill takes [batch, tokens]",
@@ -42,11 +49,10 @@ def prefill(runner: Runner, ids: np.ndarray, state: State | None = None, start: 
     if chunk < 1:
         raise EdgelinError(f"prefill chunk {chunk}", "a piece holds at least one token", "pass chunk >= 1")
     batch = ids.shape[0]
-    state = runner.initial_state(batch) if state is None else state
+    state = runner.new_state(batch) if state is None else state
     logits = None
     for lo in range(0, ids.shape[1], chunk):
-        piece = ids[:, lo:lo + chunk]
-        logits, state = runner.prefill(piece, state, np.full(batch, start + lo, np.int64))
+        logits = runner.prefill(ids[:, lo:lo + chunk], state, np.full(batch, start + lo, np.int64))
     return logits, state
 
 

@@ -7,8 +7,11 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("OMP_NUM_THREADS", "2")
-torch.set_num_threads(2)
+# Under pytest-xdist (`-n 2` on the 2-core CI machine) each worker gets one core's worth of threads,
+# so the two workers do not oversubscribe the machine.
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
 
 if not torch.cuda.is_available():  # on a GPU machine Triton and fla run natively
     try:  # fla's models run on CPU only under the Triton interpreter, on before anything imports triton

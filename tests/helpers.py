@@ -6,12 +6,50 @@ import glob
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from conftest import family_layers, tiny_config
 from edgelin.checkpoint import save_checkpoint
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.model.lm import CausalLM
+
+
+def _as_float64(x) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def rms_rel(got, want, floor: float = 1e-12) -> float:
+    """RMS of the error relative to the RMS of the reference (floor: for references near zero)."""
+    got, want = _as_float64(got), _as_float64(want)
+    return float(np.sqrt(np.mean((got - want) ** 2)) / max(np.sqrt(np.mean(want ** 2)), floor))
+
+
+def assert_close(got, want, rtol: float, what: str = "", floor: float = 1e-12) -> None:
+    """The one closeness check of the tests: same shape, all finite, RMS-relative error <= rtol.
+    The message also gives the max-relative error and where it is, to read a failure at a glance."""
+    g, w = _as_float64(got), _as_float64(want)
+    label = f"{what}: " if what else ""
+    assert g.shape == w.shape, f"{label}shape {g.shape} != reference {w.shape}"
+    assert np.isfinite(g).all(), f"{label}{int((~np.isfinite(g)).sum())} non-finite values"
+    err = rms_rel(g, w, floor)
+    if not err <= rtol:
+        diff = np.abs(g - w)
+        worst = np.unravel_index(int(diff.argmax()), diff.shape) if diff.size else ()
+        max_rel = float(diff.max(initial=0.0) / max(np.abs(w).max(initial=0.0), floor))
+        raise AssertionError(f"{label}RMS-relative error {err:.3g} > {rtol:g} "
+                             f"(max-relative {max_rel:.3g} at {tuple(int(i) for i in worst)})")
+
+
+def assert_states_close(got, want, rtol: float) -> None:
+    """Per-layer state dicts (the model's [{name: tensor}] form): every tensor with assert_close."""
+    assert len(got) == len(want), f"{len(got)} layers != {len(want)}"
+    for layer, (a, b) in enumerate(zip(got, want)):
+        assert a.keys() == b.keys(), f"layer {layer}: {sorted(a)} != {sorted(b)}"
+        for name in b:
+            assert_close(a[name], b[name], rtol, f"layer {layer} {name}")
 
 
 def make_tokenizer(path: Path, vocab_size: int = 97) -> Path:

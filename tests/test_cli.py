@@ -53,11 +53,12 @@ def exported(tmp_path_factory):
 
 def test_export_writes_graphs_manifest_tokenizer(exported):
     _, _, out = exported
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "prefill.onnx", "step.onnx", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "prefill.onnx", "reference.npz", "step.onnx",
+                                                     "tokenizer.json"]
 
 
 def test_validate_json_reports_every_check(exported):
-    result = run("validate", exported[2], "--steps", "24", "--prompt-len", "9", "--json")
+    result = run("validate", exported[2], "--against", exported[1], "--steps", "24", "--prompt-len", "9", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["passed"] and len(report["metrics"]) >= 4 * 3
@@ -66,19 +67,19 @@ def test_validate_json_reports_every_check(exported):
 
 
 def test_validate_fails_with_exit_1_when_the_threshold_is_impossible(exported):
-    result = run("validate", exported[2], "--steps", "8", "--rtol", "1e-30")
+    result = run("validate", exported[2], "--rtol", "1e-30")
     assert_clean_failure(result, "checks failed", code=1)
 
 
 def test_bench_json(exported):
+    """(--baseline kv, exported with the folder: tests/test_artifact.py)"""
     result = run("bench", exported[2], "--positions", "1,40", "--iters", "5", "--warmup", "1",
-                 "--prefill-tokens", "16", "--baseline", "kv", "--json")
+                 "--prefill-tokens", "16", "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     rows = {(r["model"], r["position"]): r for r in report["positions"]}
-    assert set(rows) == {("edgelin", 1), ("edgelin", 40), ("kv-baseline", 1), ("kv-baseline", 40)}
+    assert set(rows) == {("edgelin", 1), ("edgelin", 40)}
     assert rows[("edgelin", 1)]["state_bytes"] == rows[("edgelin", 40)]["state_bytes"]
-    assert rows[("kv-baseline", 40)]["state_bytes"] == 40 * rows[("kv-baseline", 1)]["state_bytes"]
     assert report["prefill_tokens_per_s"]["edgelin"] > 0
 
 
@@ -214,7 +215,7 @@ def test_manifest_state_shape_mismatch(exported, tmp_path):
         if t["name"] == "past_key_values.0.recurrent_state":
             t["dims"][2] += 1
     (out / "manifest.json").write_text(json.dumps(manifest))
-    assert_clean_failure(run("validate", out, "--steps", "4"), "manifest and step graph disagree",
+    assert_clean_failure(run("validate", out), "manifest and step graph disagree",
                          "past_key_values.0.recurrent_state")
 
 
@@ -229,10 +230,11 @@ def test_manifest_file_escaping_the_folder(exported, tmp_path):
 
 def test_nan_in_state_is_refused(exported):
     runner = open_runner(exported[2])
-    state = runner.initial_state(1)
-    state["past_key_values.0.recurrent_state"][:] = np.nan
+    state = runner.new_state(1)
+    values = runner.read_state(state)
+    values["past_key_values.0.recurrent_state"][:] = np.nan
     with pytest.raises(EdgelinError, match="contains NaN"):
-        prefill(runner, np.zeros((1, 4), np.int64), state)
+        runner.write_state(state, values)
 
 
 def test_nan_in_weights_is_refused(tmp_path, ckpt):
@@ -256,7 +258,7 @@ def test_source_checkpoint_changed_since_export(exported, tmp_path):
     shutil.copytree(ckpt, moved)
     (moved / "config.json").write_text((moved / "config.json").read_text().replace('"rms_norm_eps": 1e-06',
                                                                                    '"rms_norm_eps": 1e-05'))
-    assert_clean_failure(run("validate", out, "--steps", "4", "--reference", moved), "differs from the one exported")
+    assert_clean_failure(run("validate", out, "--steps", "4", "--against", moved), "differs from the one exported")
 
 
 def test_train_command_writes_a_loadable_checkpoint(tmp_path):

@@ -70,16 +70,17 @@ def test_a_markup_path_exports_and_prints_verbatim(exports):
 
 
 def test_a_markup_path_validates_and_prints_verbatim(exports):
-    result = run("validate", exports["out"], "--steps", "6", "--prompt-len", "3")
+    result = run("validate", exports["out"])
     assert result.exit_code == 0, result.output
     assert f"{exports['out']}: onnx fp32" in result.stdout
     assert re.search(r"│ ok +│", result.stdout) and "all " in result.stdout
 
 
 def test_the_pip_hint_survives_in_the_error_line(exports, monkeypatch):
+    from edgelin.export.base import Phase
     from edgelin.export.onnx_target import OnnxTarget
 
-    monkeypatch.setattr(OnnxTarget, "unavailable_reason", lambda self: "onnxruntime is not installed")
+    monkeypatch.setattr(OnnxTarget, "can_export", lambda self: Phase(False, "onnxruntime is not installed"))
     result = run("export", exports["ckpt"], "--out", exports["out"].parent / "never")
     assert result.exit_code == 2
     assert "edgelin[onnx]" in one_error_line(result.stderr)

@@ -18,6 +18,7 @@ from edgelin.checkpoint import load_model  # noqa: E402
 from edgelin.errors import EdgelinError  # noqa: E402
 from edgelin.export.pipeline import export_checkpoint  # noqa: E402
 from edgelin.runtime import open_runner, prefill  # noqa: E402
+from helpers import assert_close  # noqa: E402
 from upstream_fla import tiny_fla_model  # noqa: E402
 
 TYPES = ["linear_attn", "retnet", "gla", "delta_net", "gated_deltanet", "kda", "mamba2"]
@@ -59,8 +60,6 @@ def saved(tmp_path_factory):
     torch.set_num_threads(2)
 
 
-def rel(a, b) -> float:
-    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -70,7 +69,7 @@ def test_reference_matches_fla_forward(saved, name):
     assert info.format in ("fla", "transformers") and info.model_type == ALL[name][0]
     with torch.no_grad():
         got, _ = ours(ids)
-    assert rel(got, want) < 1e-5
+    assert_close(got, want, 1e-5)
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -81,9 +80,9 @@ def test_onnx_rollout_matches_fla_forward(saved, name, tmp_path):
     logits, state = prefill(runner, ids[:, :13])
     got = [logits]
     for t in range(13, 33):
-        logits, state = runner.step(ids[:, t], state, np.full(2, t, np.int64))
+        logits = runner.step(ids[:, t], state, np.full(2, t, np.int64))
         got.append(logits)
-    assert rel(np.stack(got, 1), want[:, 12:].numpy()) < 1e-4
+    assert_close(np.stack(got, 1), want[:, 12:].numpy(), 1e-4)
 
 
 def test_hybrid_with_a_torch_stand_in_for_flash_attention(tmp_path):
@@ -115,7 +114,7 @@ def test_hybrid_with_a_torch_stand_in_for_flash_attention(tmp_path):
             with torch.no_grad():
                 want = model(ids).logits
                 got, _ = load_model(folder)[0](ids)
-            assert rel(got, want) < 1e-5, window
+            assert_close(got, want, 1e-5, str(window))
     finally:
         fla_attn.flash_attn_func = saved_fn
 
@@ -145,4 +144,4 @@ def test_fields_fla_never_reads_are_inert(saved, tmp_path):
     model, info = load_model(_with_field(folder, tmp_path, "magic_gate", True))
     assert info.inert_fields == ("magic_gate",)
     with torch.no_grad():
-        assert rel(model(ids)[0], want) < 1e-5
+        assert_close(model(ids)[0], want, 1e-5)

@@ -32,6 +32,7 @@ from edgelin.model.lm import CausalLM  # noqa: E402
 from edgelin.model.mixer import use_engine  # noqa: E402
 from edgelin.reference.engine import TORCH  # noqa: E402
 from edgelin.reference.recurrence import recurrent  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
 GATES = ["none", "scalar", "per_key"]
 RULES = [False, True]
@@ -58,10 +59,6 @@ def reference(s0, q, k, v, g, beta):
     return recurrent(*d)  # the pure-torch reference: no backend can route it to a kernel
 
 
-def rel(x, ref) -> float:
-    x = x.double().cpu()
-    assert torch.isfinite(x).all(), "non-finite (or unwritten NaN-poisoned) elements"
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
 def nan_like(shape, dtype=torch.float32):
@@ -93,7 +90,8 @@ def test_fused_step(case, gate, delta, mode):
         o, s = kernels.fused_step(sq(q), sq(k), sq(v), state, sq(g), sq(beta), out=out, state_out=other)
         assert s.data_ptr() == other.data_ptr() and torch.equal(state, s0)  # the input state is untouched
     assert o.data_ptr() == out.data_ptr()
-    assert rel(o, o_ref[:, 0]) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert_close(o, o_ref[:, 0], 1e-5)
+    assert_close(s, s_ref, 1e-5)
 
 
 @pytest.mark.parametrize("block_v", [16, 64])
@@ -102,7 +100,8 @@ def test_fused_step_tile_configs(block_v):
     s0, q, k, v, g, beta = make(1, 1, 2, 128, 96, "per_key", True, seed=6)
     o_ref, s_ref = reference(s0, q, k, v, g, beta)
     o, s = kernels.fused_step(q[:, 0], k[:, 0], v[:, 0], s0, g[:, 0], beta[:, 0], block_v=block_v)
-    assert rel(o, o_ref[:, 0]) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert_close(o, o_ref[:, 0], 1e-5)
+    assert_close(s, s_ref, 1e-5)
 
 
 def test_fused_step_strided_inputs_and_expanded_gate():
@@ -114,7 +113,8 @@ def test_fused_step_strided_inputs_and_expanded_gate():
     g = torch.tensor([-0.1, -0.2, -0.3, -0.4], device=DEVICE).view(1, 4, 1).expand(3, 4, 1)
     o_ref, s_ref = reference(s0, qs[:, None], ks[:, None], v, g[:, None], beta)
     o, s = kernels.fused_step(qs, ks, v[:, 0], s0, g, beta[:, 0])
-    assert rel(o, o_ref[:, 0]) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert_close(o, o_ref[:, 0], 1e-5)
+    assert_close(s, s_ref, 1e-5)
 
 
 # ---- fused recurrence (token loop in one kernel) ------------------------------------------------
@@ -125,7 +125,8 @@ def test_fused_recurrent(case, gate, delta):
     s0, q, k, v, g, beta = make(*case, gate, delta, seed=1)
     o_ref, s_ref = reference(s0, q, k, v, g, beta)
     o, s = kernels.fused_recurrent(q, k, v, s0, g, beta, out=nan_like(v.shape), state_out=nan_like(s0.shape))
-    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
 
 
 # ---- chunked prefill ----------------------------------------------------------------------------
@@ -136,7 +137,8 @@ def test_chunk_prefill(case, gate, delta):
     s0, q, k, v, g, beta = make(*case, gate, delta, seed=2)
     o_ref, s_ref = reference(s0, q, k, v, g, beta)
     o, s = kernels.chunk_prefill(q, k, v, g, beta, s0, out=nan_like(v.shape), final_state=nan_like(s0.shape))
-    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -145,7 +147,8 @@ def test_chunk_prefill_without_initial_state(gate, delta):
     s0, q, k, v, g, beta = make(1, 70, 2, 16, 16, gate, delta, seed=3)
     o_ref, s_ref = reference(torch.zeros_like(s0), q, k, v, g, beta)
     o, s = kernels.chunk_prefill(q, k, v, g, beta)
-    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
 
 
 @pytest.mark.parametrize("gate", ["scalar", "per_key"])
@@ -156,7 +159,8 @@ def test_chunk_prefill_strong_decay_stays_finite(gate, delta):
     assert g.sum(1).min() < -200  # the cumulative decay really leaves fp32's exponent range
     o_ref, s_ref = reference(s0, q, k, v, g, beta)
     o, s = kernels.chunk_prefill(q, k, v, g, beta, s0)
-    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -176,8 +180,10 @@ def test_varlen_prefill_and_recurrence(gate, delta):
             s_ref = states[n:n + 1].double().cpu()
         else:
             o_ref, s_ref = reference(states[n:n + 1], *(piece(x) for x in (q, k, v, g, beta)))
-            assert rel(o_chunk[:, a:z], o_ref) < 1e-5 and rel(o_rec[:, a:z], o_ref) < 1e-5
-        assert rel(s_chunk[n:n + 1], s_ref) < 1e-5 and rel(s_rec[n:n + 1], s_ref) < 1e-5
+            assert_close(o_chunk[:, a:z], o_ref, 1e-5)
+            assert_close(o_rec[:, a:z], o_ref, 1e-5)
+        assert_close(s_chunk[n:n + 1], s_ref, 1e-5)
+        assert_close(s_rec[n:n + 1], s_ref, 1e-5)
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -226,7 +232,8 @@ def test_backend_switch_routes_only_what_it_may(monkeypatch):
     with torch.no_grad():
         o, s = run()
     o_ref, s_ref = reference(s0, q.detach(), k, v, g, beta)
-    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
 
 
 def test_installed_engine_wins_over_the_backend(monkeypatch):
@@ -260,10 +267,11 @@ def test_model_through_kernels_matches_torch_engines(family):
         with dispatch.use_backend("triton"):
             logits, state = model(ids, mode="chunked")
             step, _ = model(ids[:, :1], state, torch.full((2,), 21, device=DEVICE), mode="recurrent")
-    assert rel(logits, ref_logits.double().cpu()) < 1e-5 and rel(step, ref_step.double().cpu()) < 1e-5
+    assert_close(logits, ref_logits.double().cpu(), 1e-5)
+    assert_close(step, ref_step.double().cpu(), 1e-5)
     for layer, ref_layer in zip(state, ref_state):
         for name in layer:
-            assert rel(layer[name], ref_layer[name].double().cpu()) < 1e-5, name
+            assert_close(layer[name], ref_layer[name].double().cpu(), 1e-5, str(name))
 
 
 # ---- the CUDA C++ kernel: build check for every target arch, launcher validation ---------------
@@ -305,10 +313,12 @@ int main(void) {
   int bad_flags = edgelin_step_launch(&a, 0);
   a.gate = EDGELIN_GATE_SCALAR;
   int no_gate_tensor = edgelin_step_launch(&a, 0);
-  a.gate = EDGELIN_GATE_NONE; a.dtype = EDGELIN_F16; a.q = (const char*)qkv + 1;
+  a.gate = EDGELIN_GATE_NONE; a.dtype = EDGELIN_F16; a.aux_dtype = EDGELIN_BF16;
+  int mixed_aux = edgelin_step_launch(&a, 0);  /* g/beta: float32 or the inputs' dtype, not a third */
+  a.aux_dtype = EDGELIN_F32; a.q = (const char*)qkv + 1;
   int misaligned = edgelin_step_launch(&a, 0);
-  printf("%d %d %d %d %d|%s\n", bad_null, bad_dims, bad_flags, no_gate_tensor, misaligned,
-         edgelin_step_status_string(bad_dims));
+  printf("%d %d %d %d %d %d %d|%s\n", bad_null, bad_dims, bad_flags, no_gate_tensor, mixed_aux, misaligned,
+         edgelin_step_abi_version(), edgelin_step_status_string(bad_dims));
   return 0;
 }
 """
@@ -326,7 +336,8 @@ def test_c_launcher_is_plain_c_and_validates_before_launching(cuda_object, tmp_p
         assert build.returncode == 0, build.stderr[-2000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     codes, message = run.stdout.strip().split("|")
-    assert codes.split() == ["-1", "-2", "-3", "-1", "-4"], run.stdout
+    # the last number is the linked launcher's ABI version: 2 since g and beta have their own dtype
+    assert codes.split() == ["-1", "-2", "-3", "-1", "-3", "-4", "2"], run.stdout
     assert "1..256" in message
 
 
@@ -340,3 +351,17 @@ def test_step_destination_refuses_two_destinations():
     assert state_destination(state, None, False, "t") is None
     with pytest.raises(KernelError, match="different state_out"):
         state_destination(state, other, True, "t")
+
+
+def test_cuda_step_keeps_gate_and_beta_out_of_half_precision():
+    """ABI 2: g and beta reach the launcher in float32 unless both already are in q's dtype
+    (before, a half-precision step cast them to fp16 and decayed in fp16)."""
+    half, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+    g16, b16, b32 = torch.zeros(1, 1, 1, dtype=half), torch.zeros(1, 1, dtype=half), torch.zeros(1, 1)
+    assert cuda_ext.aux_dtype(half, g16, None) is half
+    assert cuda_ext.aux_dtype(half, g16, b16) is half
+    assert cuda_ext.aux_dtype(half, g16, b32) is f32
+    assert cuda_ext.aux_dtype(bf16, g16, None) is f32
+    assert cuda_ext.aux_dtype(half, None, None) is f32
+    assert cuda_ext.aux_dtype(half, torch.zeros(1, 1, 1), None) is f32
+    assert cuda_ext.header_abi_version() == 2

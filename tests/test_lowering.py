@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
 from edgelin.export import lowering as lowering_mod
-from edgelin.export.base import ExportOptions
 from edgelin.export.graphs import graph_io
 from edgelin.export.lowering import Lowering, get_lowering, lowering, register_lowering, scan_loop
-from edgelin.export.onnx_target import OnnxTarget
+from edgelin.export.onnx_target import OnnxOptions, OnnxTarget
 from edgelin.export.state import output_name_for, parse_state_name, state_input_name, state_output_name
 from edgelin.families.spec import StateTensor
 from edgelin.model.lm import CausalLM
@@ -51,7 +51,9 @@ def linear_attn_export(tmp_path_factory):
     """One linear_attn layer through the ONNX target's own export (its lowering included)."""
     folder = tmp_path_factory.mktemp("lowering")
     torch.manual_seed(0)
-    OnnxTarget().export(CausalLM(tiny_config(("linear_attn",))).eval(), folder, ExportOptions())
+    target = OnnxTarget()
+    target.export(CausalLM(tiny_config(("linear_attn",))).eval(), None, ExportSettings(), target.default_options(),
+                  folder)
     return folder
 
 
@@ -136,7 +138,7 @@ def test_state_names_and_roles_come_from_one_place():
 def test_onnx_target_refuses_a_float16_state(tmp_path):
     model = CausalLM(tiny_config(("gla",)))
     with pytest.raises(EdgelinError) as err:
-        OnnxTarget().export(model, tmp_path, ExportOptions(state_dtype="float16"))
+        OnnxTarget().export(model, None, ExportSettings(state_dtype="float16"), OnnxOptions(), tmp_path)
     assert "ONNX state dtype 'float16'" in err.value.line() and "\n" not in err.value.line()
     assert not list(tmp_path.iterdir())
 

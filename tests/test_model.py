@@ -11,6 +11,7 @@ from edgelin.errors import EdgelinError
 from edgelin.families import FAMILIES, get_family
 from edgelin.model.config import AttentionConfig, ModelConfig
 from edgelin.model.lm import CausalLM
+from helpers import assert_close, assert_states_close
 
 FAMILIES_AND_HYBRID = ALL_FAMILIES + ["hybrid"]
 
@@ -19,10 +20,6 @@ def build(family: str, **changes) -> CausalLM:
     return CausalLM(tiny_config(family_layers(family), **changes)).eval()
 
 
-def max_state_diff(a, b) -> float:
-    """Largest error relative to each tensor's scale (accumulating states grow with T)."""
-    return max(((x - y).abs().max() / y.abs().max().clamp_min(1.0)).item()
-               for la, lb in zip(a, b) for x, y in zip(la.values(), lb.values()))
 
 
 @pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
@@ -33,8 +30,8 @@ def test_chunked_forward_matches_token_loop(family, length):
     with torch.no_grad():
         logits_c, state_c = model(ids, mode="chunked")
         logits_r, state_r = model(ids, mode="recurrent")
-    assert (logits_c - logits_r).abs().max() < 1e-5
-    assert max_state_diff(state_c, state_r) < 1e-5
+    assert_close(logits_c, logits_r, 1e-5)
+    assert_states_close(state_c, state_r, 1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
@@ -44,11 +41,11 @@ def test_prefill_then_steps_equals_whole_sequence(family):
     with torch.no_grad():
         full, full_state = model(ids)
         logits, state = model(ids[:, :prompt], last_only=True)
-        assert (logits - full[:, prompt - 1]).abs().max() < 1e-5
+        assert_close(logits, full[:, prompt - 1], 1e-5)
         for t in range(prompt, total):
             logits, state = model(ids[:, t:t + 1], state, torch.full((batch,), t), mode="recurrent", last_only=True)
-            assert (logits - full[:, t]).abs().max() < 1e-5, f"step {t}"
-    assert max_state_diff(state, full_state) < 1e-5
+            assert_close(logits, full[:, t], 1e-5, f"step {t}")
+    assert_states_close(state, full_state, 1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
@@ -63,8 +60,8 @@ def test_prefill_in_pieces_equals_one_prefill(family):
             start_t = torch.full((2,), start)
             logits, state = model(ids[:, start:end], state, start_t, last_only=True)
             start = end
-    assert (logits - whole).abs().max() < 1e-5
-    assert max_state_diff(state, whole_state) < 1e-5
+    assert_close(logits, whole, 1e-5)
+    assert_states_close(state, whole_state, 1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
@@ -84,7 +81,7 @@ def test_rows_of_a_batch_are_independent():
     with torch.no_grad():
         together, _ = model(ids)
         alone, _ = model(ids[1:2])
-    assert (together[1] - alone[0]).abs().max() < 1e-5
+    assert_close(together[1], alone[0], 1e-5)
 
 
 def test_sliding_window_forgets_beyond_the_window():
@@ -112,7 +109,7 @@ def test_full_context_kv_cache_grows():
         assert state[0]["key"].shape[2] == 5
         logits, state = model(ids[:, 5:6], state, torch.full((2,), 5), mode="recurrent", last_only=True)
     assert state[0]["key"].shape[2] == 6
-    assert (logits - full[:, 5]).abs().max() < 1e-5
+    assert_close(logits, full[:, 5], 1e-5)
 
 
 def test_grouped_value_heads():
@@ -121,7 +118,7 @@ def test_grouped_value_heads():
     with torch.no_grad():
         c, _ = model(ids)
         r, _ = model(ids, mode="recurrent")
-    assert (c - r).abs().max() < 1e-5
+    assert_close(c, r, 1e-5)
 
 
 @pytest.mark.parametrize("feature_map", ["identity", "relu", "poly2"])
@@ -135,7 +132,7 @@ def test_linear_attn_feature_maps(feature_map):
     with torch.no_grad():
         c, _ = model(ids)
         r, _ = model(ids, mode="recurrent")
-    assert (c - r).abs().max() < 1e-5
+    assert_close(c, r, 1e-5)
 
 
 def test_performer_projection_is_stored_and_seeded():
@@ -205,9 +202,9 @@ def test_knob_variants_keep_the_chain(variant):
         logits, state = model(ids[:, :30], last_only=True)
         for t in range(30, 41):
             logits, state = model(ids[:, t:t + 1], state, torch.full((2,), t), mode="recurrent", last_only=True)
-    assert (full - loop).abs().max() < 1e-5
-    assert (logits - full[:, -1]).abs().max() < 1e-5
-    assert max_state_diff(state, full_state) < 1e-5
+    assert_close(full, loop, 1e-5)
+    assert_close(logits, full[:, -1], 1e-5)
+    assert_states_close(state, full_state, 1e-5)
 
 
 def test_gated_attention_with_qk_norm_and_partial_rotary():
@@ -220,7 +217,7 @@ def test_gated_attention_with_qk_norm_and_partial_rotary():
         logits, state = model(ids[:, :10], last_only=True)
         for t in range(10, 23):
             logits, state = model(ids[:, t:t + 1], state, torch.full((2,), t), mode="recurrent", last_only=True)
-            assert (logits - full[:, t]).abs().max() < 1e-5
+            assert_close(logits, full[:, t], 1e-5)
     # partial rotary: channels past rotary_dim are position-independent
     rot = model.model.layers[1].mixer.rotary
     x = torch.randn(1, 2, 1, 16)
@@ -242,9 +239,10 @@ def test_normalizer_state_chunked_loop_and_steps_agree(family, batch):
         logits, state = model(ids[:, :21], last_only=True)
         for t in range(21, 37):
             logits, state = model(ids[:, t:t + 1], state, torch.full((batch,), t), mode="recurrent", last_only=True)
-            assert (logits - full[:, t]).abs().max() < 1e-5, f"step {t}"
-    assert (full - loop).abs().max() < 1e-5
-    assert max_state_diff(loop_state, full_state) < 1e-5 and max_state_diff(state, full_state) < 1e-5
+            assert_close(logits, full[:, t], 1e-5, f"step {t}")
+    assert_close(full, loop, 1e-5)
+    assert_states_close(loop_state, full_state, 1e-5)
+    assert_states_close(state, full_state, 1e-5)
     z = full_state[0]["normalizer"]
     assert z.shape == (batch, 2, model.state_tensors()[0][1].dims[2])
     if family != "gla":

@@ -6,10 +6,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from conftest import ALL_FAMILIES
+from edgelin.checkpoint import load_model
 from edgelin.export.manifest import Manifest
 from edgelin.runtime import open_runner
+from edgelin.replay import replay
 from edgelin.validate import validate
 from helpers import export_family
 
@@ -22,9 +25,11 @@ def exports(tmp_path_factory):
     return {family: export_family(root, family) for family in FAMILIES_AND_HYBRID}
 
 
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
-def test_onnx_rollout_matches_reference(exports, family):
-    report = validate(exports[family], steps=40, prompt_len=21, batch=2)
+def test_onnx_rollout_matches_reference(exports, family, batch):
+    """Batch 1 and 3: the graphs were traced at batch 2, so both are sizes the exporter never saw."""
+    report = validate(exports[family], steps=40, prompt_len=21, batch=batch)
     assert report.passed, [m.to_dict() for m in report.failures]
     rollout = next(m for m in report.metrics if (m.check, m.output) == ("rollout", "logits"))
     assert rollout.max_rel < 1e-5 and rollout.ref_scale > 0
@@ -33,14 +38,30 @@ def test_onnx_rollout_matches_reference(exports, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
+def test_recorded_reference_vectors_replay(exports, family):
+    """What `edgelin validate DIR` runs on a device: the vectors recorded at export, batch 1 and 3."""
+    report = replay(exports[family])
+    assert report.passed, [m.to_dict() for m in report.failures]
+    assert {m.batch for m in report.metrics} == {1, 3}
+    assert max(m.max_rel for m in report.metrics) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES_AND_HYBRID)
 def test_saved_graphs_keep_named_dynamic_axes(exports, family):
+    """The axes in the saved files against what the torch model computes (not against the manifest,
+    which wrote them): batch symbolic, every other state dim the size the reference's state has."""
     manifest = Manifest.load(exports[family])
+    model = load_model(exports[family].parent / f"{family}-ckpt")[0]
+    with torch.no_grad():
+        _, state = model(torch.zeros(2, 5, dtype=torch.long))
+    expected = {f"past_key_values.{i}.{name}": ["batch", *t.shape[1:]] for i, layer in enumerate(state)
+                for name, t in layer.items()}
     for kind, entry in manifest.graphs.items():
         proto = onnx.load(str(exports[family] / entry.file))
         dims = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in proto.graph.input}
-        assert dims["input_ids"] == (["batch"] if kind == "step" else ["batch", "sequence"])
-        for t in entry.inputs:
-            assert dims[t.name] == list(t.dims)
+        assert dims.pop("input_ids") == (["batch"] if kind == "step" else ["batch", "sequence"])
+        assert dims.pop("position_ids", ["batch"]) == ["batch"]
+        assert dims == expected, kind
 
 
 @pytest.mark.parametrize("family", ["gated_deltanet", "hybrid"])
@@ -48,7 +69,7 @@ def test_runs_at_batch_one_and_single_token_prompt(exports, family):
     """Shapes the exporter never saw (batch 1, T = 1, T not a multiple of the chunk)."""
     runner = open_runner(exports[family])
     for length in (1, 17, 70):
-        logits, state = runner.prefill(np.zeros((1, length), np.int64), runner.initial_state(1), np.zeros(1, np.int64))
+        logits = runner.prefill(np.zeros((1, length), np.int64), runner.new_state(1), np.zeros(1, np.int64))
         assert logits.shape == (1, runner.manifest.vocab_size) and np.isfinite(logits).all()
 
 
@@ -61,4 +82,6 @@ def test_manifest_contract(exports):
     assert pairs["past_key_values.1.key"] == "present.1.key"
     step_outputs = {t.name: t for t in manifest.graphs["step"].outputs}
     assert step_outputs["present.0.recurrent_state"].feeds == "past_key_values.0.recurrent_state"
-    assert data["source"]["sha256"] and data["model"]["state_bytes_per_sequence"] == manifest.state_bytes(1)
+    # By hand, fp32 (tiny_config: 2 heads of 8x8, conv 4, window 8, one KV head of 16):
+    # gated_deltanet 2*8*8 + (16+16+16)*3 = 272; softmax key+value 2*8*16 = 256; gla 2*8*8 = 128.
+    assert data["source"]["sha256"] and data["model"]["state_bytes_per_sequence"] == (272 + 256 + 128) * 4

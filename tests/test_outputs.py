@@ -112,7 +112,7 @@ def test_manifest_lists_every_file_written(fast_graphs, tmp_path):
     result = run("export", ckpt, "--out", tmp_path / "out")
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["files"] == ["manifest.json", "prefill.onnx", "step.onnx", "tokenizer.json"]
+    assert manifest["files"] == ["manifest.json", "prefill.onnx", "reference.npz", "step.onnx", "tokenizer.json"]
     assert sorted(os.listdir(tmp_path / "out")) == manifest["files"]
 
 
@@ -123,7 +123,7 @@ def test_force_replaces_our_own_export(ckpt, fast_graphs, tmp_path):
     result = run("export", ckpt, "--out", out, "--force")
     assert result.exit_code == 0, result.output
     assert (out / "step.onnx").read_bytes() == FAKE_GRAPH  # the new export is in place
-    assert sorted(os.listdir(out)) == ["manifest.json", "prefill.onnx", "step.onnx"]
+    assert sorted(os.listdir(out)) == ["manifest.json", "prefill.onnx", "reference.npz", "step.onnx"]
     assert leftovers(tmp_path) == []
 
 
@@ -132,6 +132,8 @@ def test_force_replaces_an_older_export_without_a_files_list(ckpt, fast_graphs, 
     assert run("export", ckpt, "--out", out).exit_code == 0
     manifest = json.loads((out / "manifest.json").read_text())
     del manifest["files"]  # as written before the list existed: manifest + graphs + tokenizer are ours
+    del manifest["extra"]["reference_vectors"]  # nor were reference vectors recorded then
+    (out / "reference.npz").unlink()
     (out / "manifest.json").write_text(json.dumps(manifest))
     assert run("export", ckpt, "--out", out, "--force").exit_code == 0
     assert "files" in json.loads((out / "manifest.json").read_text())

@@ -15,11 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import family_layers, tiny_config
-from edgelin import bench as bench_module
-from edgelin.bench import bench, memory_needed, random_pieces
+from edgelin.bench import bench, memory_needed, random_pieces, time_steps
 from edgelin.cli import app
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Runner, all_finite
+from edgelin.export.base import NumpyRunner, Phase, StateHandle, all_finite
 from edgelin.export.manifest import Manifest
 from edgelin.export.pipeline import build_manifest, export_checkpoint
 from edgelin.model.config import AttentionConfig
@@ -61,16 +60,14 @@ def edited_copy(src: Path, dst: Path, edit) -> Path:
 
 
 # ---- the runner's input checks (no runtime needed: a runner that returns zeros) -----------------
-class ZerosRunner(Runner):
+class ZerosRunner(NumpyRunner):
     def __init__(self, manifest: Manifest):
         super().__init__(manifest)
         self.calls = 0
 
-    def _step(self, input_ids, state, position):
+    def _graph(self, kind, input_ids, state, position):
         self.calls += 1
         return np.zeros((len(input_ids), self.manifest.vocab_size), np.float32), state
-
-    _prefill = _step
 
 
 def zeros_runner(window: int | None = 8) -> ZerosRunner:
@@ -111,15 +108,60 @@ BAD_STEPS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_STEPS))
-def test_step_refuses_a_bad_state(case):
+def test_write_state_refuses_a_bad_state(case):
+    """The state checks live in write_state: a handle's contents come only from the runtime or from
+    a checked write, so a bad state never reaches a step."""
     runner = zeros_runner()
     edit, needle = BAD_STEPS[case]
-    state = edit(runner.initial_state(2))
+    handle = runner.new_state(2)
+    before = runner.read_state(handle)
     with pytest.raises(EdgelinError, match=needle.replace("[", r"\[").replace("+", r"\+")):
-        runner.step(np.zeros(2, np.int64), state, np.zeros(2, np.int64))
-    with pytest.raises(EdgelinError, match="state|past_key_values"):
-        runner.prefill(np.zeros((2, 3), np.int64), state, np.zeros(2, np.int64))
+        runner.write_state(handle, edit(runner.read_state(handle)))
+    after = runner.read_state(handle)  # a refused write leaves the handle as it was
+    assert after.keys() == before.keys() and all(np.array_equal(after[k], before[k]) for k in before)
     assert runner.calls == 0  # nothing reached the "runtime"
+
+
+def test_a_state_dict_is_not_a_handle():
+    runner = zeros_runner()
+    with pytest.raises(EdgelinError, match="the state is a dict: runners take the StateHandle"):
+        runner.step(np.zeros(2, np.int64), runner.manifest.initial_state(2), np.zeros(2, np.int64))
+    assert runner.calls == 0
+
+
+def test_a_handle_from_another_runner_or_batch_is_refused():
+    runner, other = zeros_runner(), zeros_runner()
+    foreign = other.new_state(2)
+    for call in (lambda: runner.step(np.zeros(2, np.int64), foreign, np.zeros(2, np.int64)),
+                 lambda: runner.prefill(np.zeros((2, 3), np.int64), foreign, np.zeros(2, np.int64)),
+                 lambda: runner.read_state(foreign), lambda: runner.fork(foreign),
+                 lambda: runner.write_state(foreign, other.read_state(foreign))):
+        with pytest.raises(EdgelinError, match="the state handle belongs to another runner"):
+            call()
+    three = runner.new_state(3)
+    with pytest.raises(EdgelinError, match="the state handle holds batch 3 but the ids have batch 2"):
+        runner.step(np.zeros(2, np.int64), three, np.zeros(2, np.int64))
+    with pytest.raises(EdgelinError, match="holds batch 3 but the ids have batch 1"):
+        runner.prefill(np.zeros((1, 4), np.int64), three, np.zeros(1, np.int64))
+    with pytest.raises(EdgelinError, match=r"has shape \[2, 2, 8, 8\]: the graph expects .* with batch 3"):
+        runner.write_state(three, runner.read_state(runner.new_state(2)))
+    assert runner.calls == 0 and other.calls == 0
+    with pytest.raises(EdgelinError, match="new_state batch 0"):
+        runner.new_state(0)
+
+
+def test_fork_and_write_state_copy():
+    """A fork is independent of its source, and write_state keeps no reference to the caller's arrays."""
+    runner = zeros_runner()
+    handle = runner.new_state(2)
+    values = {k: np.full_like(v, 0.5) for k, v in runner.read_state(handle).items()}
+    runner.write_state(handle, values)
+    fork = runner.fork(handle)
+    values["past_key_values.0.recurrent_state"][:] = 7.0  # the caller's array, after the write
+    runner.write_state(fork, {k: np.full_like(v, 2.0) for k, v in values.items()})
+    assert all((v == 0.5).all() for v in runner.read_state(handle).values())
+    assert all((v == 2.0).all() for v in runner.read_state(fork).values())
+    assert fork.batch == 2 and isinstance(fork, StateHandle)
 
 
 @pytest.mark.parametrize("ids, position, needle", [
@@ -127,7 +169,7 @@ def test_step_refuses_a_bad_state(case):
     (np.array([0, -1]), np.zeros(2, np.int64), r"token id out of range: ids must be in \[0, 97\), got -1\.\.0"),
     (np.array([0, 97]), np.zeros(2, np.int64), r"got 0\.\.97"),
     (np.zeros((2, 1), np.int64), np.zeros(2, np.int64), r"step input_ids has shape \[2, 1\]"),
-    (np.zeros(3, np.int64), np.zeros(3, np.int64), r"has shape \[2, 2, 8, 8\]: .* with batch 3"),  # state's batch
+    (np.zeros(3, np.int64), np.zeros(3, np.int64), "the state handle holds batch 2 but the ids have batch 3"),
     (np.zeros(2, np.int64), np.zeros(3, np.int64), r"position_ids has shape \[3\]"),
     (np.zeros(2, np.int64), np.zeros(2, np.float64), "dtype float64"),
     (np.zeros(2, np.int64), np.array([0, -4]), "position_ids holds -4"),
@@ -137,14 +179,14 @@ def test_step_refuses_a_bad_state(case):
 def test_step_refuses_bad_ids_and_positions(ids, position, needle):
     runner = zeros_runner()
     with pytest.raises(EdgelinError, match=needle):
-        runner.step(ids, runner.initial_state(2), position)
+        runner.step(ids, runner.new_state(2), position)
     assert runner.calls == 0
 
 
 def test_prefill_refuses_an_empty_prompt_and_the_helper_a_bad_rank():
     runner = zeros_runner()
     with pytest.raises(EdgelinError, match=r"prefill input_ids has shape \[2, 0\]"):
-        runner.prefill(np.zeros((2, 0), np.int64), runner.initial_state(2), np.zeros(2, np.int64))
+        runner.prefill(np.zeros((2, 0), np.int64), runner.new_state(2), np.zeros(2, np.int64))
     with pytest.raises(EdgelinError, match=r"prefill ids have shape \[5\]"):
         prefill(runner, np.zeros(5, np.int64))
     with pytest.raises(EdgelinError, match="out of range"):  # the helper relies on the runner's check
@@ -153,21 +195,24 @@ def test_prefill_refuses_an_empty_prompt_and_the_helper_a_bad_rank():
 
 def test_a_growing_cache_must_agree_on_its_length():
     runner = zeros_runner(window=None)
+    handle = runner.new_state(1)
     state = runner.manifest.initial_state(1, past=5)
-    runner.step(np.zeros(1, np.int64), state, np.full(1, 5, np.int64))  # any past length is fine...
+    runner.write_state(handle, state)  # any past length is fine...
+    assert runner.read_state(handle)["past_key_values.1.key"].shape == (1, 1, 5, 16)
     state["past_key_values.1.value"] = np.zeros((1, 1, 4, 16), np.float32)
     with pytest.raises(EdgelinError, match="past_key_values.1.value has shape .* and past_sequence 5"):
-        runner.step(np.zeros(1, np.int64), state, np.full(1, 5, np.int64))  # ...but key and value agree
+        runner.write_state(handle, state)  # ...but key and value agree
 
 
 def test_finite_state_with_huge_values_passes_without_a_warning():
     """x·x overflows for |x| ~ 1e20: the check falls back to the exact test (no false refusal, no warning)."""
     runner = zeros_runner()
-    state = {k: np.full_like(v, 3e37) for k, v in runner.initial_state(2).items()}
+    handle = runner.new_state(2)
+    state = {k: np.full_like(v, 3e37) for k, v in runner.read_state(handle).items()}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        runner.step(np.zeros(2, np.int64), state, np.zeros(2, np.int64))
-    assert runner.calls == 1
+        runner.write_state(handle, state)
+    assert (runner.read_state(handle)["past_key_values.1.key"] == np.float32(3e37)).all()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
@@ -187,22 +232,122 @@ def test_all_finite_is_exact(dtype, size):
 
 
 def test_check_can_be_switched_off():
+    """check_inputs=False skips the id and position checks; the handle is still checked."""
     runner = zeros_runner()
     runner.check_inputs = False
-    state = {k: np.full_like(v, np.nan) for k, v in runner.initial_state(2).items()}
-    runner.step(np.zeros(2, np.int64), state, np.zeros(2, np.int64))
+    runner.step(np.array([0, 97]), runner.new_state(2), None)  # out of range, no position: not looked at
     assert runner.calls == 1
+    with pytest.raises(EdgelinError, match="holds batch 3 but the ids have batch 2"):
+        runner.step(np.zeros(2, np.int64), runner.new_state(3), np.zeros(2, np.int64))
 
 
-def test_onnx_runner_step_refuses_nan_state_and_bad_ids(exported):
-    """Issue 7.10: runner.step itself (not only the prefill() helper) refuses them."""
+def test_onnx_runner_refuses_nan_state_and_bad_ids(exported):
+    """Issue 7.10: the ONNX runner itself (not only the prefill() helper) refuses them."""
     runner = open_runner(exported)
-    state = runner.initial_state(1)
+    handle = runner.new_state(1)
+    state = runner.read_state(handle)
     state["past_key_values.2.recurrent_state"] = state["past_key_values.2.recurrent_state"] + np.nan
     with pytest.raises(EdgelinError, match="past_key_values.2.recurrent_state contains NaN or Inf"):
-        runner.step(np.zeros(1, np.int64), state, np.zeros(1, np.int64))
+        runner.write_state(handle, state)
     with pytest.raises(EdgelinError, match="token id out of range"):
-        runner.prefill(np.full((1, 2), 256, np.int64), runner.initial_state(1), np.zeros(1, np.int64))
+        runner.prefill(np.full((1, 2), 256, np.int64), handle, np.zeros(1, np.int64))
+    with pytest.raises(EdgelinError, match="the state handle belongs to another runner"):
+        runner.step(np.zeros(1, np.int64), open_runner(exported).new_state(1), np.zeros(1, np.int64))
+
+
+def plain_rollout(folder: Path, ids: np.ndarray, prompt: int, fork_at: int) -> tuple[list, dict, dict]:
+    """The same rollout through ONNX Runtime's plain numpy API (state dicts in and out every call):
+    logits per call, the state after `fork_at` tokens, and the final state."""
+    import onnxruntime as ort
+
+    manifest = Manifest.load(folder)
+    sessions = {k: ort.InferenceSession(str(folder / e.file), providers=["CPUExecutionProvider"])
+                for k, e in manifest.graphs.items()}
+    names = [t.name for t in manifest.state_inputs]
+    outputs = ["logits", *[n.replace("past_key_values.", "present.", 1) for n in names]]
+    batch, state, logits, at_fork = ids.shape[0], manifest.initial_state(ids.shape[0]), [], None
+    for kind, lo, hi in [("prefill", 0, prompt)] + [("step", t, t + 1) for t in range(prompt, ids.shape[1])]:
+        fed = ids[:, lo:hi] if kind == "prefill" else ids[:, lo]
+        out = sessions[kind].run(outputs, {"input_ids": fed, "position_ids": np.full(batch, lo, np.int64), **state})
+        logits.append(out[0])
+        state = dict(zip(names, out[1:]))
+        if hi == fork_at:
+            at_fork = state
+    return logits, at_fork, state
+
+
+@pytest.fixture(scope="module")
+def growing(tmp_path_factory) -> Path:
+    """Softmax layers with a growing KV cache: the runner's other state path (outputs ONNX Runtime allocates)."""
+    root = tmp_path_factory.mktemp("growing")
+    ckpt = make_checkpoint(root / "ckpt", "softmax", tokenizer=False,
+                           attention=AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, window=None))
+    return export_checkpoint(ckpt, root / "out").folder
+
+
+@pytest.mark.parametrize("which", ["ring buffer", "growing cache"])
+def test_onnx_handles_match_plain_runs(exported, growing, which):
+    """The state kept in OrtValues (ping-pong buffers rebound each step, or ORT-allocated growing
+    caches) gives the logits and state of feeding numpy dicts every call: through a prefill, steps,
+    a fork replayed from the middle, a write_state of the middle state, and a prefill on a handle
+    whose step bindings already exist (the buffers' roles must stay in step with the bindings)."""
+    folder = exported if which == "ring buffer" else growing
+    runner = open_runner(folder)
+    ids = np.random.default_rng(3).integers(0, runner.manifest.vocab_size, (2, 30))
+    want, at_fork, final = plain_rollout(folder, ids, prompt=11, fork_at=20)
+    handle = runner.new_state(2)
+    got = [runner.prefill(ids[:, :11], handle, np.zeros(2, np.int64))]
+    for t in range(11, 30):
+        if t == 20:
+            fork, middle = runner.fork(handle), runner.read_state(handle)
+        got.append(runner.step(ids[:, t], handle, np.full(2, t, np.int64)))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for name, value in runner.read_state(handle).items():
+        np.testing.assert_allclose(value, final[name], rtol=1e-6, atol=1e-6)
+    for name, value in middle.items():
+        np.testing.assert_allclose(value, at_fork[name], rtol=1e-6, atol=1e-6)
+    rewritten = runner.new_state(2)
+    runner.step(ids[:, 0], rewritten, np.zeros(2, np.int64))  # builds its step bindings first
+    runner.write_state(rewritten, middle)
+    for replay in (fork, rewritten):
+        for t in range(20, 30):
+            logits = runner.step(ids[:, t], replay, np.full(2, t, np.int64))
+        np.testing.assert_allclose(logits, want[-1], rtol=1e-6, atol=1e-6)
+    again = runner.new_state(2)
+    runner.step(ids[:, 0], again, np.zeros(2, np.int64))
+    runner.write_state(again, runner.read_state(runner.new_state(2)))  # back to zeros, bindings kept
+    runner.prefill(ids[:, :11], again, np.zeros(2, np.int64))
+    for t in range(11, 30):
+        logits = runner.step(ids[:, t], again, np.full(2, t, np.int64))
+    np.testing.assert_allclose(logits, want[-1], rtol=1e-6, atol=1e-6)
+
+
+def test_open_runner_names_the_run_phase_and_where_it_runs(exported, monkeypatch):
+    """A target whose run phase is not available here: one line naming the phase, why, and where."""
+    from edgelin.export.onnx_target import OnnxTarget
+
+    monkeypatch.setattr(OnnxTarget, "can_run", lambda self, device=None: Phase(
+        False, "the runtime needs a GPU this machine lacks", "a Jetson Orin (compute cuda)"))
+    with pytest.raises(EdgelinError) as info:
+        open_runner(exported)
+    assert info.value.line() == ("the onnx target cannot run here (run phase): the runtime needs a GPU this "
+                                 "machine lacks. Fix: run it on a Jetson Orin (compute cuda)")
+    assert_one_line_error(run("bench", exported, "--positions", "1"), "(run phase)", "a Jetson Orin")
+    assert_one_line_error(run("generate", exported, "--prompt", "x", "-n", "2"), "(run phase)")
+
+
+def test_build_names_the_build_phase(exported, monkeypatch):
+    """ONNX has no build phase (one line, exit 0); a target whose build phase cannot run here is one error line."""
+    from edgelin.export.onnx_target import OnnxTarget
+
+    result = run("build", exported)
+    assert result.exit_code == 0 and result.stdout.strip() == (
+        f"{exported}: the onnx target has no build phase; the exported files run as they are")
+    monkeypatch.setattr(OnnxTarget, "can_build", lambda self, device=None: Phase(
+        False, "TensorRT is not installed", "an NVIDIA GPU with TensorRT 10"))
+    assert_one_line_error(run("build", exported), "the onnx target cannot build here (build phase): TensorRT is not "
+                                                  "installed. Fix: build it on an NVIDIA GPU with TensorRT 10")
 
 
 # ---- manifest consistency ---------------------------------------------------------------------------
@@ -260,7 +405,7 @@ def test_edited_state_dims_fail_every_command(exported, tmp_path):
     folder = edited_copy(exported, tmp_path / "edited",
                          lambda d: _state(d, "past_key_values.1.value")["dims"].__setitem__(2, 9))
     needle = "manifest and step graph disagree: past_key_values.1.value dims"
-    assert_one_line_error(run("validate", folder, "--steps", "2"), needle)
+    assert_one_line_error(run("validate", folder), needle)
     assert_one_line_error(run("bench", folder, "--positions", "1"), needle)
     assert_one_line_error(run("generate", folder, "--prompt", "x", "-n", "2"), needle)
 
@@ -285,7 +430,7 @@ def test_truncated_graph_is_a_user_error(exported, tmp_path):
     shutil.copytree(exported, folder)
     data = (folder / "step.onnx").read_bytes()
     (folder / "step.onnx").write_bytes(data[: len(data) // 2])
-    assert_one_line_error(run("validate", folder, "--steps", "2"), "step.onnx cannot be loaded by ONNX Runtime",
+    assert_one_line_error(run("validate", folder), "step.onnx cannot be loaded by ONNX Runtime",
                           "the file is truncated or corrupt")
     (folder / "step.onnx").write_bytes(b"\x00garbage" * 10)
     assert_one_line_error(run("bench", folder, "--positions", "1"), "step.onnx cannot be loaded by ONNX Runtime")
@@ -320,16 +465,6 @@ def test_bench_refuses_a_position_out_of_reach_quickly(exported):
     assert time.perf_counter() - started < 15
 
 
-def test_bench_refuses_a_kv_position_that_does_not_fit(exported, monkeypatch):
-    """The KV baseline's cache at 1e5 positions is checked against the memory available (here
-    pretended to be 64 MiB) before the baseline is exported."""
-    monkeypatch.setattr(bench_module, "available_memory", lambda: 64 << 20)
-    monkeypatch.setattr(bench_module, "kv_baseline", lambda *a: pytest.fail("exported before the check"))
-    with pytest.raises(EdgelinError, match=r"kv-baseline: position 100000 does not fit in memory: .* need about "
-                                           r"[\d.]+ GiB, and 64.0 MiB is available"):
-        bench(exported, [1, 100_000], baseline="kv")
-
-
 def test_memory_estimate_of_a_growing_cache():
     """KV baseline of the tiny hybrid: 3 layers x (key + value) x 2 heads x 8 dims x 4 bytes = 384
     bytes per token; one layer's scores [1, 2, piece, position] float32, twice (scores, softmax)."""
@@ -342,6 +477,31 @@ def test_memory_estimate_of_a_growing_cache():
     constant = build_manifest(CausalLM(tiny_config(family_layers("hybrid"))), "onnx", "fp32",
                               {"step": "s", "prefill": "p"}, {}, None)
     assert memory_needed(constant, 10**12, 1, 2048) == 2 * 2624 + 2048 * 8 + 97 * 4  # no growth
+
+
+class RecordingRunner(NumpyRunner):
+    """Records the position of every call and adds 1 to every state value."""
+
+    def __init__(self, manifest: Manifest):
+        super().__init__(manifest)
+        self.seen: list[int] = []
+
+    def _graph(self, kind, input_ids, state, position):
+        self.seen.append(int(position[0]))
+        return np.zeros((len(input_ids), self.manifest.vocab_size), np.float32), {k: v + 1 for k, v in state.items()}
+
+
+@pytest.mark.parametrize("window, positions", [(8, [50, 51, 52, 50, 51, 52, 53, 54]), (None, [50] * 8)])
+def test_bench_times_steps_on_forks(window, positions):
+    """A constant-memory state: warm-up and timed steps on forks advancing from p. A growing cache:
+    every step from a fresh fork at exactly p. Either way the state reached stays at p."""
+    attention = AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, window=window)
+    model = CausalLM(tiny_config(family_layers("hybrid"), attention=attention))
+    runner = RecordingRunner(build_manifest(model, "onnx", "fp32", {"step": "s", "prefill": "p"}, {}, None))
+    state = runner.new_state(1)
+    ms = time_steps(runner, state, 50, 1, warmup=3, iters=5)
+    assert runner.seen == positions and ms.shape == (5,)
+    assert all((v == 0).all() for v in runner.read_state(state).values())
 
 
 def test_bench_prompt_ids_are_drawn_piecewise():

@@ -1,6 +1,6 @@
-"""validate streams its rollout: the reference runs window by window (never over the whole
-sequence), the progress callback moves from the first window on, and peak memory does not grow
-with the step count (issue 7.13: 100000 steps used to grow to 10 GB)."""
+"""validate --against (the full check against the checkpoint) streams its rollout: the reference runs
+window by window (never over the whole sequence), the progress callback moves from the first window
+on, and peak memory does not grow with the step count (issue 7.13: 100000 steps used to grow to 10 GB)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def test_reference_runs_in_windows_and_progress_moves(big_vocab, monkeypatch):
     load = validate_module.load_reference
     lengths: list[int] = []
 
-    def spying_load(manifest, reference):
-        model = load(manifest, reference)
+    def spying_load(manifest, against):
+        model = load(manifest, against)
         forward = model.forward
 
         def spy(ids, *args, **kwargs):

@@ -1,5 +1,21 @@
-"""The target plug-in interface. A target says whether it is available here, whether it supports a
-model on a device (and why not), exports the graphs into a folder, and gives a runner for them."""
+"""The target plug-in interface, in three phases, and the runner with state handles.
+
+A target declares, each as a `Phase` (ok, why not, where it does work):
+  export  can this machine write the target's files (graphs, manifest)?
+  build   can it turn them into what the runtime loads (an engine, a compiled model, a plugin
+          library)? Optional: `can_build` is None for a target with no build phase (ONNX).
+  run     can it open a runner on them?
+A TensorRT export writes its ONNX anywhere but builds and runs only on an NVIDIA GPU; a Core ML
+model converts on Linux but predicts only on macOS: one "available" flag cannot say that.
+
+A `Runner` keeps the recurrent state where its runtime wants it (ONNX Runtime OrtValues, a Core ML
+MLState, device buffers) behind an opaque `StateHandle`; `step` and `prefill` advance a handle in
+place and return logits. Only `read_state`/`write_state` copy the state to or from numpy (validation,
+tests), and `write_state` is where a state is checked (names, shapes, dtype, finite): a handle's
+contents come only from the runtime or from write_state, so a step needs no per-call state scan.
+
+This module imports no torch: a runtime-only install (edgelin[runtime]) uses it.
+"""
 
 from __future__ import annotations
 
@@ -7,74 +23,144 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
-    from edgelin.devices import DeviceProfile
+    from edgelin.devices import DeviceProfile, ExportSettings
     from edgelin.export.manifest import Manifest
     from edgelin.families import FamilySpec
     from edgelin.model.lm import CausalLM
 
-State = dict[str, np.ndarray]
+State = dict[str, np.ndarray]  # past_key_values.* name -> array: what read_state returns, write_state takes
+_FROM_HERE = "start from runner.new_state(batch), or write what runner.read_state returned"
 
 
 @dataclass(frozen=True)
-class ExportOptions:
-    precision: str = "fp32"
-    opset: int = 18
-    state_dtype: str = "float32"  # storage dtype of the state tensors (a device profile's state_dtype)
+class Phase:
+    """Whether a phase (export, build, run) works on this machine; if not, why, and where it does."""
+
+    ok: bool
+    reason: str | None = None
+    where: str | None = None  # where it does run, when not here (e.g. "macOS with coremltools")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """An exported (or built) folder: its manifest and the files a phase wrote ({kind: file name})."""
+
+    folder: Path
+    manifest: "Manifest"
+    files: dict[str, str]
+
+
+class StateHandle:
+    """A runner's recurrent state for `batch` sequences, kept where the runtime keeps it. Opaque:
+    only the runner that made it reads its contents; `runner.read_state(handle)` copies them out."""
+
+    __slots__ = ("_owner", "_batch", "_value")
+
+    def __init__(self, owner: "Runner", batch: int, value: Any):
+        self._owner, self._batch, self._value = owner, batch, value
+
+    @property
+    def batch(self) -> int:
+        return self._batch
+
+    def __repr__(self) -> str:
+        return f"<StateHandle batch={self._batch} of {type(self._owner).__name__}>"
 
 
 class Runner(ABC):
-    """Runs an exported folder. State is a dict keyed by the graphs' past_key_values.* names.
+    """Runs an exported folder on state handles.
 
-    `step` and `prefill` refuse bad input before it reaches a runtime (a wrong shape or dtype can
-    crash a runtime or be silently broadcast; a NaN in the state poisons every later token); the
-    target implements `_step` and `_prefill`. Set `check_inputs = False` to skip the checks for
-    inputs already known good (the check costs a few µs per step: see README)."""
+    `step` and `prefill` check the ids and positions of every call before they reach a runtime (a
+    wrong shape or dtype can crash a runtime or be silently broadcast) and refuse a handle that
+    another runner made or that holds another batch size. Set `check_inputs = False` to skip the
+    id and position checks for inputs already known good; the handle check always runs (it is two
+    comparisons). A target implements `_new`, `_run`, `_read`, `_write` and `_copy`."""
 
     check_inputs: bool = True
 
     def __init__(self, manifest: "Manifest"):
         self.manifest = manifest
-        # Resolved once, since the check runs on every call: per state input its name, dims, dtype,
-        # and the dims after batch when they are all fixed (None for a growing cache).
+        # Resolved once: per state input its name, dims, dtype, and the dims after batch when they
+        # are all fixed (None for a growing cache).
         self._state_spec = [(t.name, t.dims, np.dtype(t.dtype),
                              tuple(t.dims[1:]) if all(isinstance(d, int) for d in t.dims[1:]) else None)
                             for t in manifest.state_inputs]
         self._state_names = frozenset(spec[0] for spec in self._state_spec)
 
-    def initial_state(self, batch: int) -> State:
-        return self.manifest.initial_state(batch)
+    # ---- the API -------------------------------------------------------------------------------
+    def new_state(self, batch: int) -> StateHandle:
+        """A handle on the initial state (zeros, per the manifest's `init`) for `batch` sequences."""
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+            raise EdgelinError(f"new_state batch {batch!r}", "a state holds one or more sequences",
+                               "pass an integer batch >= 1")
+        return StateHandle(self, int(batch), self._new(int(batch)))
 
-    def step(self, input_ids: np.ndarray, state: State, position: np.ndarray | None = None
-             ) -> tuple[np.ndarray, State]:
-        """input_ids [B] int, position [B] int -> (logits [B, V], new state)."""
-        if self.check_inputs:
-            self.check_call("step", input_ids, state, position)
-        return self._step(input_ids, state, position)
+    def step(self, input_ids: np.ndarray, state: StateHandle, position: np.ndarray | None = None) -> np.ndarray:
+        """input_ids [B] int, position [B] int: advances `state` by one token; returns logits [B, V]."""
+        batch = self._ids_batch("step", input_ids)
+        self._own(state, batch)
+        if self.check_inputs and (position is not None or self.manifest.needs_position):
+            check_positions(position, batch, "step")
+        return self._run("step", input_ids, state, position)
 
-    def prefill(self, input_ids: np.ndarray, state: State, start: np.ndarray | None = None
-                ) -> tuple[np.ndarray, State]:
-        """input_ids [B, T] int, start [B] int -> (logits of the last position [B, V], new state)."""
-        if self.check_inputs:
-            self.check_call("prefill", input_ids, state, start)
-        return self._prefill(input_ids, state, start)
+    def prefill(self, input_ids: np.ndarray, state: StateHandle, start: np.ndarray | None = None) -> np.ndarray:
+        """input_ids [B, T] int, start [B] int (the position of the first token): advances `state` by
+        T tokens; returns the logits of the last position [B, V]."""
+        batch = self._ids_batch("prefill", input_ids)
+        self._own(state, batch)
+        if self.check_inputs and (start is not None or self.manifest.needs_position):
+            check_positions(start, batch, "prefill")
+        return self._run("prefill", input_ids, state, start)
+
+    def read_state(self, state: StateHandle) -> State:
+        """A copy of the state as numpy arrays, keyed by the graphs' past_key_values.* names."""
+        self._own(state)
+        return self._read(state)
+
+    def write_state(self, state: StateHandle, values: State) -> None:
+        """Replace the handle's contents with `values` (copied), after checking names, shapes, dtype
+        and that every value is finite (a NaN in the state poisons every later token)."""
+        self._own(state)
+        self.check_state(values, state.batch)
+        self._write(state, values)
+
+    def fork(self, state: StateHandle) -> StateHandle:
+        """An independent copy of the handle (bench from one state, beam search)."""
+        self._own(state)
+        return StateHandle(self, state.batch, self._copy(state))
+
+    # ---- what a target implements ----------------------------------------------------------------
+    @abstractmethod
+    def _new(self, batch: int) -> Any:
+        """The runtime's initial state for `batch` sequences (the handle's contents)."""
 
     @abstractmethod
-    def _step(self, input_ids: np.ndarray, state: State, position: np.ndarray | None) -> tuple[np.ndarray, State]:
-        """The target's step, on inputs already checked."""
+    def _run(self, kind: str, input_ids: np.ndarray, state: StateHandle, position: np.ndarray | None) -> np.ndarray:
+        """Run graph `kind` on checked inputs, replace `state._value` with the new state, return logits."""
 
     @abstractmethod
-    def _prefill(self, input_ids: np.ndarray, state: State, start: np.ndarray | None) -> tuple[np.ndarray, State]:
-        """The target's prefill, on inputs already checked."""
+    def _read(self, state: StateHandle) -> State:
+        """Copies of the handle's tensors as numpy arrays."""
 
-    # ---- input checks --------------------------------------------------------------------------
-    def check_call(self, kind: str, input_ids: np.ndarray, state: State, position: np.ndarray | None) -> None:
+    @abstractmethod
+    def _write(self, state: StateHandle, values: State) -> None:
+        """Store copies of checked `values` in the handle."""
+
+    @abstractmethod
+    def _copy(self, state: StateHandle) -> Any:
+        """Independent contents equal to the handle's (for fork)."""
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def _ids_batch(self, kind: str, input_ids: np.ndarray) -> int:
+        if not self.check_inputs:
+            return len(input_ids)
         ids = _array("input_ids", input_ids)
         rank = 1 if kind == "step" else 2
         if ids.ndim != rank or (rank == 2 and ids.shape[1] == 0) or ids.shape[0] == 0:
@@ -82,24 +168,35 @@ class Runner(ABC):
             raise EdgelinError(f"{kind} input_ids has shape {list(ids.shape)}", f"the {kind} graph takes {want}",
                                "pass one token per sequence to step, a [batch, tokens] array to prefill")
         check_ids(ids, self.manifest.vocab_size)
-        batch = ids.shape[0]
-        if position is not None or self.manifest.needs_position:
-            check_positions(position, batch, kind)
-        self.check_state(state, batch)
+        return ids.shape[0]
+
+    def _own(self, state: StateHandle, batch: int | None = None) -> None:
+        """Refuse a handle this runner did not make, or one of another batch size than the ids'."""
+        if not isinstance(state, StateHandle):
+            raise EdgelinError(f"the state is a {type(state).__name__}", "runners take the StateHandle that "
+                               "runner.new_state(batch) returns (numpy arrays go through runner.write_state)",
+                               "start from runner.new_state(batch)")
+        if state._owner is not self:
+            raise EdgelinError("the state handle belongs to another runner", "a handle lives in the runtime "
+                               "of the runner that made it", "copy it across with other.write_state(new, "
+                               "runner.read_state(handle)), or start from this runner's new_state(batch)")
+        if batch is not None and batch != state._batch:
+            raise EdgelinError(f"the state handle holds batch {state._batch} but the ids have batch {batch}",
+                               "each sequence of the batch has its own state", f"pass {state._batch} sequences, "
+                               f"or use runner.new_state({batch})")
 
     def check_state(self, state: State, batch: int) -> None:
         """Refuse a state that does not fit the graphs or holds NaN/Inf, before it reaches a runtime."""
         if not isinstance(state, dict):
-            raise EdgelinError(f"the state is a {type(state).__name__}", "it must be a dict of past_key_values.* "
-                               "arrays", "start from runner.initial_state(batch)")
+            raise EdgelinError(f"the state values are a {type(state).__name__}", "write_state takes a dict of "
+                               "past_key_values.* arrays", _FROM_HERE)
         if len(state) != len(self._state_spec) or not self._state_names.issuperset(state):
             missing = [spec[0] for spec in self._state_spec if spec[0] not in state]
             if missing:
                 raise EdgelinError(f"state input {missing[0]} is missing", "every past_key_values.* must be fed",
-                                   "start from runner.initial_state(batch)")
+                                   _FROM_HERE)
             raise EdgelinError(f"unknown state input {sorted(set(state) - self._state_names)[0]}",
-                               "the graphs take only the manifest's state tensors",
-                               "feed the state the graphs returned, or runner.initial_state(batch)")
+                               "the graphs take only the manifest's state tensors", _FROM_HERE)
         past: dict[str, int] = {}  # a growing cache's length must agree across its tensors
         with np.errstate(over="ignore"):  # entered once: all_finite's x·x may overflow (then re-checked)
             for name, dims, dtype, tail in self._state_spec:
@@ -115,16 +212,41 @@ class Runner(ABC):
                     raise EdgelinError(f"state input {name} has shape {list(shape)}",
                                        f"the graph expects {list(dims)} with batch {batch}"
                                        + "".join(f" and {d} {n} (as in the tensors before it)"
-                                                 for d, n in past.items()),
-                                       "feed the state the graphs returned, or runner.initial_state(batch)")
+                                                 for d, n in past.items()), _FROM_HERE)
                 if tail is None:
                     past.update({d: shape[a] for a, d in enumerate(dims) if isinstance(d, str) and d != "batch"})
                 if value.dtype != dtype:
                     raise EdgelinError(f"state input {name} has dtype {value.dtype}", f"the graph expects {dtype}",
-                                       "feed the state the graphs returned, or runner.initial_state(batch)")
+                                       _FROM_HERE)
                 if not all_finite(value):
                     raise EdgelinError(f"state input {name} contains NaN or Inf", "the recurrence would "
-                                       "propagate it to every later token", "start from runner.initial_state(batch)")
+                                       "propagate it to every later token", "start from runner.new_state(batch)")
+
+
+class NumpyRunner(Runner):
+    """A runner whose handle holds numpy arrays (a runtime that takes and returns host arrays);
+    the target implements `_graph`."""
+
+    def _new(self, batch: int) -> State:
+        return self.manifest.initial_state(batch)
+
+    @abstractmethod
+    def _graph(self, kind: str, input_ids: np.ndarray, state: State, position: np.ndarray | None
+               ) -> tuple[np.ndarray, State]:
+        """Run graph `kind`: (logits, the new state)."""
+
+    def _run(self, kind, input_ids, state, position):
+        logits, state._value = self._graph(kind, input_ids, state._value, position)
+        return logits
+
+    def _read(self, state: StateHandle) -> State:
+        return {k: np.array(v, copy=True) for k, v in state._value.items()}
+
+    def _write(self, state: StateHandle, values: State) -> None:
+        state._value = {name: np.array(values[name], copy=True) for name in self._state_names}
+
+    def _copy(self, state: StateHandle) -> State:
+        return self._read(state)
 
 
 def _array(name: str, value) -> np.ndarray:
@@ -174,14 +296,33 @@ def all_finite(value: np.ndarray) -> bool:
     return bool(np.isfinite(value).all())
 
 
+def phase_refusal(target: "Target", phase: str, status: Phase, alternative: str = "") -> EdgelinError:
+    """One line for a phase (export, build, run) this machine cannot do: which phase, why, where it works."""
+    fix = f"{phase} it on {status.where}" if status.where else f"install edgelin[{target.extra}] here"
+    return EdgelinError(f"the {target.name} target cannot {phase} here ({phase} phase)", status.reason or "unavailable",
+                        fix + (f", or {alternative}" if alternative else ""))
+
+
 class Target(ABC):
+    """An export target, in phases (module docstring). Subclasses set `name`, `extra` (the pip extra
+    that brings the target's dependencies) and `options_type` (a frozen dataclass of the target's own
+    export options, e.g. OnnxOptions(opset=18))."""
+
     name: str
-    extra: str  # the pip extra that brings this target's dependencies
-    graph_suffix: str
+    extra: str
+    options_type: type
 
     @abstractmethod
-    def unavailable_reason(self) -> str | None:
-        """None when this machine can export and run this target; otherwise why not."""
+    def can_export(self) -> Phase:
+        """Can this machine write this target's files?"""
+
+    def can_build(self, device: "DeviceProfile | None" = None) -> Phase | None:
+        """Can this machine build the exported files for `device`? None: the target has no build phase."""
+        return None
+
+    @abstractmethod
+    def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
+        """Can this machine open a runner on an export (for `device`, when given)?"""
 
     def supports(self, model: "CausalLM", device: "DeviceProfile | None" = None) -> str | None:
         """None when the target can take this model on this device; otherwise the reason."""
@@ -193,9 +334,20 @@ class Target(ABC):
         """None when every layer of this family can be exported; otherwise why not."""
         return None
 
-    @abstractmethod
-    def export(self, model: "CausalLM", folder: Path, options: ExportOptions) -> dict[str, str]:
-        """Write the step and prefill graphs into folder; return {graph kind: file name}."""
+    def default_options(self) -> Any:
+        return self.options_type()
 
     @abstractmethod
-    def runner(self, folder: Path, manifest: "Manifest") -> Runner: ...
+    def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings", options: Any,
+               folder: Path) -> dict[str, str]:
+        """Write the graphs into `folder` (a temp folder the pipeline renames); return {kind: file name}."""
+
+    def build(self, artifact: Artifact, device: "DeviceProfile | None" = None) -> Artifact:
+        """The build phase (engine, compiled model, plugin library). Only for targets whose
+        can_build is not None; they override this."""
+        raise EdgelinError(f"the {self.name} target has no build phase", "its exported files run as they are",
+                           f"open the folder directly (edgelin bench/generate/validate {artifact.folder})")
+
+    @abstractmethod
+    def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None, threads: int | None = None) -> Runner:
+        """A runner on the artifact (the run phase; open_runner checks can_run first)."""

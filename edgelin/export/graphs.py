@@ -13,39 +13,14 @@ choice (edgelin.export.lowering); the modules only pick the form: recurrent (ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from edgelin.export.state import state_input_name, state_output_name, state_tensors
+from edgelin.export.tensors import TensorIO, grown_dims  # the contract's types: torch-free, for runtimes
 from edgelin.model.lm import CausalLM
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class TensorIO:
-    name: str
-    dims: tuple[int | str, ...]
-    dtype: str
-    role: str  # input_ids | position_ids | state | logits
-    feeds: str | None = None  # a present.* output: the past input it becomes next call
-    layer: int | None = None
-    state_name: str | None = None
-    state_role: str | None = None  # recurrent | normalizer | conv | key | value (StateTensor.role)
-
-    def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items() if v is not None}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "TensorIO":
-        return cls(**{**data, "dims": tuple(data["dims"])})
-
-
-def _grown(dims: tuple, extra: str) -> tuple:
-    """A growing KV cache's present length is its past length plus the new tokens."""
-    return tuple(f"past_sequence + {extra}" if d == "past_sequence" else d for d in dims)
 
 
 def graph_io(model: CausalLM, kind: str, state_dtype: str = "float32") -> tuple[list[TensorIO], list[TensorIO]]:
@@ -60,7 +35,7 @@ def graph_io(model: CausalLM, kind: str, state_dtype: str = "float32") -> tuple[
             past = state_input_name(layer, t.name)
             meta = {"layer": layer, "state_name": t.name, "state_role": t.role}
             inputs.append(TensorIO(past, t.dims, t.dtype, "state", **meta))
-            outputs.append(TensorIO(state_output_name(layer, t.name), _grown(t.dims, new_tokens), t.dtype, "state",
+            outputs.append(TensorIO(state_output_name(layer, t.name), grown_dims(t.dims, new_tokens), t.dtype, "state",
                                     feeds=past, **meta))
     return inputs, outputs
 

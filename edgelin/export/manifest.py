@@ -11,7 +11,7 @@ import numpy as np
 
 from edgelin import __version__
 from edgelin.errors import EdgelinError
-from edgelin.export.graphs import TensorIO
+from edgelin.export.tensors import TensorIO
 from edgelin.export.state import state_output_name
 
 MANIFEST = "manifest.json"
@@ -158,7 +158,7 @@ def check_consistency(data: dict[str, Any]) -> None:
     graphs' I/O, and the step and prefill graphs against each other. (The runner then checks the
     graph files against `graphs`.) A mismatch raises EdgelinError naming the fact and both values;
     a missing key or a wrong type raises KeyError/TypeError/ValueError (the caller: "malformed")."""
-    from edgelin.export.graphs import _grown
+    from edgelin.export.tensors import grown_dims as _grown
     from edgelin.export.state import state_input_name, state_output_name
 
     model = data["model"]

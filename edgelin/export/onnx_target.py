@@ -1,29 +1,40 @@
-"""ONNX target: torch's dynamo exporter -> checked .onnx files -> ONNX Runtime runner."""
+"""ONNX target: torch's dynamo exporter -> checked .onnx files; runs on ONNX Runtime.
+
+This module is the target and its export half. It imports no torch at module level: the registry
+imports it on a runtime-only install too (can_run, runner). The exporter's modules (torch, onnx)
+are imported inside the export functions; the run half is edgelin.export.onnx_runtime.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import ExportOptions, Runner, State, Target
-from edgelin.export.graphs import GRAPHS, TensorIO, graph_io
-from edgelin.export.manifest import GraphEntry, Manifest
-from edgelin.export.state import outputs_by_input
-from edgelin.model.lm import CausalLM
+from edgelin.export.base import Artifact, Phase, Target
+from edgelin.export.tensors import TensorIO
+
+if TYPE_CHECKING:
+    import torch
+
+    from edgelin.devices import DeviceProfile, ExportSettings
+    from edgelin.export.onnx_runtime import OnnxRunner
+    from edgelin.model.lm import CausalLM
 
 # Example sizes for tracing: none is 0 or 1 (the exporter would specialise them) and the sequence
 # spans several chunks and attention blocks with a remainder.
 EXAMPLE_SIZES = {"batch": 2, "sequence": 67, "past_sequence": 5}
 
 
-def example_inputs(model: CausalLM, inputs: list[TensorIO], sizes: dict[str, int]) -> tuple[torch.Tensor, ...]:
+def example_inputs(model: "CausalLM", inputs: list[TensorIO], sizes: dict[str, int]) -> tuple["torch.Tensor", ...]:
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     out = []
     for t in inputs:
@@ -37,8 +48,10 @@ def example_inputs(model: CausalLM, inputs: list[TensorIO], sizes: dict[str, int
     return tuple(out)
 
 
-def export_onnx_graph(module: torch.nn.Module, model: CausalLM, inputs: list[TensorIO], outputs: list[TensorIO],
+def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list[TensorIO], outputs: list[TensorIO],
                       path: Path, opset: int) -> None:
+    import torch
+
     args = example_inputs(model, inputs, EXAMPLE_SIZES)
     # Parameters must not require grad: otherwise the exporter's type-promotion pass re-traces the
     # chunk scan through its autograd path, which fails on symbolic shapes (torch 2.13).
@@ -99,116 +112,76 @@ def name_dynamic_axes(path: Path, inputs: list[TensorIO], outputs: list[TensorIO
     onnx.save(proto, str(path))
 
 
-class OnnxRunner(Runner):
-    def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None):
-        super().__init__(manifest)
-        import onnxruntime as ort
+@dataclass(frozen=True)
+class OnnxOptions:
+    """The ONNX target's own export options."""
 
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
-        self.sessions = {}
-        for kind, entry in manifest.graphs.items():
-            path = Path(folder) / entry.file
-            if not path.is_file():
-                raise EdgelinError(f"{path} is missing", "the manifest lists it", "re-run `edgelin export`")
-            try:
-                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            except _ort_errors() as exc:  # a truncated or corrupt file is the folder's fault, not edgelin's
-                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise EdgelinError(f"{path} cannot be loaded by ONNX Runtime", f"{type(exc).__name__}: {reason}",
-                                   "re-run `edgelin export` (the file is truncated or corrupt)") from exc
-            _check_contract(kind, session, entry)
-            self.sessions[kind] = session
-        self.state_names = [t.name for t in manifest.state_inputs]
-        feeds = outputs_by_input(manifest.graphs["step"].outputs)  # the manifest checked prefill's agree
-        self.output_names = ["logits", *[feeds[name] for name in self.state_names]]
-
-    def _run(self, kind: str, ids: np.ndarray, state: State, position: np.ndarray | None):
-        feed = {"input_ids": ids.astype(np.int64, copy=False), **state}
-        if self.manifest.needs_position:
-            feed["position_ids"] = position.astype(np.int64, copy=False)
-        outs = self.sessions[kind].run(self.output_names, feed)
-        return outs[0], dict(zip(self.state_names, outs[1:]))
-
-    def _step(self, input_ids, state, position):
-        return self._run("step", input_ids, state, position)
-
-    def _prefill(self, input_ids, state, start):
-        return self._run("prefill", input_ids, state, start)
+    opset: int = 18
 
 
-def _ort_errors() -> tuple[type[BaseException], ...]:
-    """ONNX Runtime's exception classes (they share no base class but Exception)."""
-    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
-
-    found = tuple(c for c in vars(ort_state).values() if isinstance(c, type) and issubclass(c, Exception))
-    return (*found, RuntimeError)
+# The modules each phase imports (import names; the distributions are the extras in pyproject.toml).
+_EXPORT_NEEDS = ("torch", "onnx", "onnxscript", "onnxruntime")
+_RUN_NEEDS = ("onnxruntime",)
 
 
-_ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)",
-               "int32": "tensor(int32)"}
-
-
-def _check_contract(kind: str, session, entry: GraphEntry) -> None:
-    """The manifest and the graph file must agree on every input's and output's name, rank, fixed
-    sizes and dtype, and the graph must have no input or output the manifest does not list."""
-    for direction, actual_list, expected in (("input", session.get_inputs(), entry.inputs),
-                                             ("output", session.get_outputs(), entry.outputs)):
-        actual = {i.name: i for i in actual_list}
-        for t in expected:
-            got = actual.get(t.name)
-            problem = None
-            if got is None:
-                problem = f"is not an {direction} of the graph"
-            elif len(got.shape) != len(t.dims) or any(
-                    isinstance(w, int) and g != w for g, w in zip(got.shape, t.dims)):
-                problem = f"has shape {got.shape} in the graph but {list(t.dims)} in the manifest"
-            elif got.type != _ONNX_TYPES.get(t.dtype, t.dtype):
-                problem = f"has type {got.type} in the graph but {t.dtype} in the manifest"
-            if problem:
-                raise EdgelinError(f"manifest and {kind} graph disagree: {direction} {t.name} {problem}",
-                                   "the folder was edited or mixed with another export", "re-run `edgelin export`")
-        unlisted = sorted(set(actual) - {t.name for t in expected})
-        if unlisted:
-            raise EdgelinError(f"manifest and {kind} graph disagree: the graph has {direction} {unlisted[0]}",
-                               "the manifest does not list it", "re-run `edgelin export`")
+def _missing(modules: tuple[str, ...]) -> str | None:
+    """The first module that cannot be imported, without importing any (they are heavy)."""
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):
+            return name
+    return None
 
 
 class OnnxTarget(Target):
     name = "onnx"
     extra = "onnx"
-    graph_suffix = ".onnx"
+    options_type = OnnxOptions
 
-    def unavailable_reason(self) -> str | None:
-        try:
-            import onnx  # noqa: F401
-            import onnxruntime  # noqa: F401
-            import onnxscript  # noqa: F401
-        except ImportError as exc:
-            return f"{exc.name} is not installed (pip install 'edgelin[onnx]')"
-        return None
+    def can_export(self) -> Phase:
+        missing = _missing(_EXPORT_NEEDS)
+        if missing:
+            return Phase(False, f"{missing} is not installed (pip install 'edgelin[onnx]')",
+                         "a machine with edgelin[onnx] installed (any OS)")
+        return Phase(True)
 
-    def export(self, model: CausalLM, folder: Path, options: ExportOptions) -> dict[str, str]:
-        if options.precision != "fp32":
-            raise EdgelinError(f"ONNX precision {options.precision!r}", "this target exports fp32 graphs",
+    def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
+        if device is not None and self.name not in device.targets:
+            return Phase(False, f"device {device.name} does not list target {self.name} (it lists: "
+                                f"{', '.join(device.targets)})", "a device whose profile lists onnx")
+        missing = _missing(_RUN_NEEDS)
+        if missing:
+            return Phase(False, f"{missing} is not installed (pip install 'edgelin[runtime]')",
+                         "any machine with edgelin[runtime] installed (CPU; Linux, macOS, Windows, Android)")
+        return Phase(True)
+
+    def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
+               options: OnnxOptions, folder: Path) -> dict[str, str]:
+        if not isinstance(options, OnnxOptions):
+            raise EdgelinError(f"ONNX export options of type {type(options).__name__}",
+                               "the onnx target takes OnnxOptions", "pass OnnxOptions(opset=...) or nothing")
+        if settings.precision != "fp32":
+            raise EdgelinError(f"ONNX precision {settings.precision!r}", "this target exports fp32 graphs",
                                "use --precision fp32")
-        if options.state_dtype != "float32":  # float16 state: issue 11
-            raise EdgelinError(f"ONNX state dtype {options.state_dtype!r}", "this target stores the state as float32",
+        if settings.state_dtype != "float32":  # float16 state: issue 11
+            raise EdgelinError(f"ONNX state dtype {settings.state_dtype!r}", "this target stores the state as float32",
                                "export with state dtype float32 (pick a device profile whose state_dtype is float32)")
+        from edgelin.export.graphs import GRAPHS, graph_io
         from edgelin.export.lowering import lowering
 
         files = {}
         with lowering(self.name):  # the ONNX forms of the recurrences (chunk loop -> one Scan)
             for kind, graph in GRAPHS.items():
-                inputs, outputs = graph_io(model, kind, options.state_dtype)
+                inputs, outputs = graph_io(model, kind, settings.state_dtype)
                 files[kind] = f"{kind}.onnx"
                 export_onnx_graph(graph(model).eval(), model, inputs, outputs, Path(folder) / files[kind],
                                   options.opset)
         return files
 
-    def runner(self, folder: Path, manifest: Manifest, threads: int | None = None) -> OnnxRunner:
-        return OnnxRunner(folder, manifest, threads)
+    def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
+               threads: int | None = None) -> "OnnxRunner":
+        from edgelin.export.onnx_runtime import OnnxRunner
 
-
+        return OnnxRunner(artifact.folder, artifact.manifest, threads)

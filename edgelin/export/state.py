@@ -18,10 +18,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
-from edgelin.families.spec import STATE_DTYPES, StateTensor
 
-if TYPE_CHECKING:
-    from edgelin.export.graphs import TensorIO
+if TYPE_CHECKING:  # the names below are read by runtimes too, which import no torch: keep this module light
+    from edgelin.export.tensors import TensorIO
+    from edgelin.families.spec import StateTensor
     from edgelin.model.lm import CausalLM
 
 STATE_INPUT_PREFIX = "past_key_values"
@@ -63,6 +63,8 @@ def outputs_by_input(outputs: Iterable["TensorIO"]) -> dict[str, str]:
 def state_tensors(model: "CausalLM", state_dtype: str = "float32") -> list[list[StateTensor]]:
     """The model's state tensors per layer with the storage dtype of an export for `state_dtype`
     (a device profile's choice)."""
+    from edgelin.families.spec import STATE_DTYPES
+
     if state_dtype not in STATE_DTYPES:
         raise EdgelinError(f"state dtype {state_dtype!r}", f"state tensors are stored as {', '.join(STATE_DTYPES)}",
                            "fix the device profile's state_dtype or the export option")

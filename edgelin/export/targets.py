@@ -1,5 +1,7 @@
 """The target registry. Each target module is imported only when asked for, so a user who
-installed one extra never imports another target's heavy dependencies."""
+installed one extra never imports another target's heavy dependencies. A target module imports
+nothing heavy at module level (its exporter's torch, its runtime's library are imported inside the
+phase that needs them): a runtime-only install asks the registry for the target to run a folder."""
 
 from __future__ import annotations
 

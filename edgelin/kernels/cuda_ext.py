@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,6 +23,15 @@ SOURCES = ("step.cu",)
 HEADERS = ("edgelin_step.h", "step.cuh")
 # Ampere desktop (sm_86), Jetson Orin (sm_87), Ada (sm_89), Hopper H100/H200 (sm_90)
 ARCHS = ("86", "87", "89", "90")
+
+
+def header_abi_version() -> int:
+    """EDGELIN_STEP_ABI_VERSION as edgelin_step.h defines it (the one source of the number)."""
+    match = re.search(r"#define EDGELIN_STEP_ABI_VERSION (\d+)", (CUDA_DIR / "edgelin_step.h").read_text())
+    if match is None:
+        raise KernelError("edgelin_step.h has no EDGELIN_STEP_ABI_VERSION", "the header is damaged",
+                          "reinstall edgelin")
+    return int(match.group(1))
 
 
 def gencode_flags(archs: tuple[str, ...] | list[str]) -> list[str]:
@@ -61,7 +71,7 @@ def load_extension(verbose: bool = False):
         archs_list = [f"{major}{minor}"]
     # torch adds its own -gencode flags from TORCH_CUDA_ARCH_LIST; make them the same archs
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ";".join(f"{a[:-1]}.{a[-1]}" for a in archs_list))
-    return cpp_extension.load(
+    ext = cpp_extension.load(
         name="edgelin_cuda_step",
         sources=[str(CUDA_DIR / "torch_ext.cpp"), *(str(CUDA_DIR / s) for s in SOURCES)],
         extra_include_paths=[str(CUDA_DIR)],
@@ -69,6 +79,21 @@ def load_extension(verbose: bool = False):
         extra_cuda_cflags=["-O3", "-std=c++17", *gencode_flags(archs_list)],
         verbose=verbose,
     )
+    # torch caches builds by source hash; a stale one from an older header must not drive the launcher
+    want = header_abi_version()
+    if ext.abi_version != want or ext.launcher_abi_version() != want:
+        raise KernelError("the CUDA step extension has launcher ABI "
+                          f"{ext.launcher_abi_version()} (binding {ext.abi_version}), not {want}",
+                          "it was built from another edgelin_step.h",
+                          "delete TORCH_EXTENSIONS_DIR's edgelin_cuda_step folder and rebuild")
+    return ext
+
+
+def aux_dtype(dtype: torch.dtype, g: Tensor | None, beta: Tensor | None) -> torch.dtype:
+    """The launcher's dtype for g and beta: float32 (ABI 2's default, so a half-precision step
+    still decays in float32), or q's dtype when every one given is already in it (no cast, no copy)."""
+    given = [x.dtype for x in (g, beta) if x is not None]
+    return dtype if given and all(d == dtype for d in given) else torch.float32
 
 
 def cuda_step(
@@ -93,9 +118,10 @@ def cuda_step(
     check_aux(g, beta, (batch, heads), d_k, what)
     if not q.is_cuda:
         raise KernelError(f"{what}: tensors on {q.device}", "the CUDA kernel runs on a CUDA device", "move them")
-    dtype = q.dtype  # the C interface takes one dtype for q, k, v, o, g and beta
-    g = None if g is None else last_dim_contiguous(g.to(dtype))
-    beta = None if beta is None else beta.to(dtype)
+    dtype = q.dtype  # one dtype for q, k, v and o
+    aux = aux_dtype(dtype, g, beta)  # g and beta: their own (float32 unless both are in q's dtype)
+    g = None if g is None else last_dim_contiguous(g.to(aux))
+    beta = None if beta is None else beta.to(aux)
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     shape = (batch, heads, d_k, d_v)
     check_state(state, shape, what)

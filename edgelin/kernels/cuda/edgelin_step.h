@@ -7,6 +7,9 @@
  * No torch or TensorRT type appears here: pointers, dims, element strides, flags and a stream.
  * The last dim of every tensor is contiguous; strides below are in elements, not bytes.
  * state_out may equal state_in (in-place update) or be another buffer (ping-pong).
+ * g and beta have their own dtype, `aux_dtype` (float32 by default, the zero value): a half-precision
+ * engine must not round its decay to fp16. aux_dtype is float32 or the same as `dtype`.
+ * ABI version 2: aux_dtype added; callers check edgelin_step_abi_version() against the header.
  */
 #ifndef EDGELIN_STEP_H
 #define EDGELIN_STEP_H
@@ -18,7 +21,7 @@
 extern "C" {
 #endif
 
-#define EDGELIN_STEP_ABI_VERSION 1
+#define EDGELIN_STEP_ABI_VERSION 2
 #define EDGELIN_STEP_MAX_HEAD_DIM 256
 
 typedef enum { EDGELIN_F32 = 0, EDGELIN_F16 = 1, EDGELIN_BF16 = 2 } EdgelinDtype;
@@ -28,7 +31,7 @@ typedef enum {
   EDGELIN_OK = 0,
   EDGELIN_ERR_NULL = -1,      /* a required pointer is NULL */
   EDGELIN_ERR_DIMS = -2,      /* batch/heads < 1, or d_k / d_v outside 1..256 */
-  EDGELIN_ERR_FLAGS = -3,     /* unknown dtype or gate, or delta without beta */
+  EDGELIN_ERR_FLAGS = -3,     /* unknown dtype or gate, delta not 0/1, aux_dtype neither f32 nor dtype */
   EDGELIN_ERR_ALIGN = -4,     /* a pointer is not aligned to its element size */
   EDGELIN_ERR_GRID = -5       /* batch * heads * ceil(d_v / 32) exceeds the grid limit */
 } EdgelinStatus;
@@ -39,7 +42,7 @@ typedef struct EdgelinStepArgs {
   const void* k;
   const void* v;
   void* o;
-  /* g [B, H, 1 | d_k] and beta [B, H], of `dtype`; NULL when the flag says absent */
+  /* g [B, H, 1 | d_k] and beta [B, H], of `aux_dtype`; NULL when the flag says absent */
   const void* g;
   const void* beta;
   /* state [B, H, d_k, d_v], float32 */
@@ -53,11 +56,16 @@ typedef struct EdgelinStepArgs {
   int32_t dtype; /* EdgelinDtype */
   int32_t gate;  /* EdgelinGate */
   int32_t delta; /* 0: additive rule, 1: delta rule (beta required) */
+  int32_t aux_dtype; /* EdgelinDtype of g and beta: EDGELIN_F32 (default) or `dtype` */
 } EdgelinStepArgs;
 
 /* Validates the arguments and enqueues the kernel on `stream`. Returns EDGELIN_OK, an
  * EdgelinStatus (< 0, nothing launched), or a cudaError_t (> 0) from the launch. */
 int edgelin_step_launch(const EdgelinStepArgs* args, cudaStream_t stream);
+
+/* EDGELIN_STEP_ABI_VERSION of the launcher this library was built with: a caller built against
+ * another header (a plugin, an extension) compares it with its own and refuses a mismatch. */
+int edgelin_step_abi_version(void);
 
 /* A static, human-readable message for a code returned by edgelin_step_launch. */
 const char* edgelin_step_status_string(int code);

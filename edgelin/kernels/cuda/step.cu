@@ -1,6 +1,6 @@
 // The plain-C launcher: validates EdgelinStepArgs, picks the template instance for the flags
-// (dtype x gate x delta x vectorised), and enqueues it on the caller's stream. No allocation, no
-// synchronisation: safe inside CUDA-graph capture and from a TensorRT plugin's enqueue().
+// (dtype x aux dtype x gate x delta x vectorised), and enqueues it on the caller's stream. No
+// allocation, no synchronisation: safe inside CUDA-graph capture and from a TensorRT plugin's enqueue().
 #include <stdint.h>
 
 #include "edgelin_step.h"
@@ -20,35 +20,43 @@ bool can_vectorise(const EdgelinStepArgs& a) {
   return a.d_v % 4 == 0 && strides && aligned(a.state_in, 16) && aligned(a.state_out, 16);
 }
 
-template <typename T, int GATE, bool DELTA>
+template <typename T, typename TG, int GATE, bool DELTA>
 int launch_vec(const EdgelinStepArgs& a, cudaStream_t stream) {
   // 1-D grid, column tiles fastest: neighbouring CTAs stream one head's contiguous state together
   const unsigned tiles = static_cast<unsigned>((a.d_v + kTileV - 1) / kTileV);
   const dim3 grid(static_cast<unsigned>(a.batch) * static_cast<unsigned>(a.heads) * tiles);
   const bool vec = can_vectorise(a), wide = a.d_k > 8 * edgelin::kRowGroups;
   if (vec && !wide)
-    edgelin::step_kernel<T, GATE, DELTA, true, 8><<<grid, kThreads, 0, stream>>>(a);
+    edgelin::step_kernel<T, TG, GATE, DELTA, true, 8><<<grid, kThreads, 0, stream>>>(a);
   else if (vec)
-    edgelin::step_kernel<T, GATE, DELTA, true, 16><<<grid, kThreads, 0, stream>>>(a);
+    edgelin::step_kernel<T, TG, GATE, DELTA, true, 16><<<grid, kThreads, 0, stream>>>(a);
   else if (!wide)
-    edgelin::step_kernel<T, GATE, DELTA, false, 8><<<grid, kThreads, 0, stream>>>(a);
+    edgelin::step_kernel<T, TG, GATE, DELTA, false, 8><<<grid, kThreads, 0, stream>>>(a);
   else
-    edgelin::step_kernel<T, GATE, DELTA, false, 16><<<grid, kThreads, 0, stream>>>(a);
+    edgelin::step_kernel<T, TG, GATE, DELTA, false, 16><<<grid, kThreads, 0, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, int GATE>
+template <typename T, typename TG, int GATE>
 int launch_delta(const EdgelinStepArgs& a, cudaStream_t stream) {
-  return a.delta ? launch_vec<T, GATE, true>(a, stream) : launch_vec<T, GATE, false>(a, stream);
+  return a.delta ? launch_vec<T, TG, GATE, true>(a, stream) : launch_vec<T, TG, GATE, false>(a, stream);
 }
 
-template <typename T>
+template <typename T, typename TG>
 int launch_gate(const EdgelinStepArgs& a, cudaStream_t stream) {
   switch (a.gate) {
-    case EDGELIN_GATE_NONE: return launch_delta<T, EDGELIN_GATE_NONE>(a, stream);
-    case EDGELIN_GATE_SCALAR: return launch_delta<T, EDGELIN_GATE_SCALAR>(a, stream);
-    default: return launch_delta<T, EDGELIN_GATE_PER_KEY>(a, stream);
+    case EDGELIN_GATE_SCALAR: return launch_delta<T, TG, EDGELIN_GATE_SCALAR>(a, stream);
+    case EDGELIN_GATE_PER_KEY: return launch_delta<T, TG, EDGELIN_GATE_PER_KEY>(a, stream);
+    // no gate: only beta can read TG, so the additive rule needs one instance per T alone
+    default: return a.delta ? launch_vec<T, TG, EDGELIN_GATE_NONE, true>(a, stream)
+                            : launch_vec<T, T, EDGELIN_GATE_NONE, false>(a, stream);
   }
+}
+
+// g and beta in float32 (the default) or in the inputs' own dtype
+template <typename T>
+int launch_aux(const EdgelinStepArgs& a, cudaStream_t stream) {
+  return a.aux_dtype == EDGELIN_F32 ? launch_gate<T, float>(a, stream) : launch_gate<T, T>(a, stream);
 }
 
 }  // namespace
@@ -61,29 +69,32 @@ extern "C" int edgelin_step_launch(const EdgelinStepArgs* args, cudaStream_t str
       a.d_v > EDGELIN_STEP_MAX_HEAD_DIM)
     return EDGELIN_ERR_DIMS;
   if (a.dtype < EDGELIN_F32 || a.dtype > EDGELIN_BF16 || a.gate < EDGELIN_GATE_NONE ||
-      a.gate > EDGELIN_GATE_PER_KEY || (a.delta != 0 && a.delta != 1))
+      a.gate > EDGELIN_GATE_PER_KEY || (a.delta != 0 && a.delta != 1) ||
+      (a.aux_dtype != EDGELIN_F32 && a.aux_dtype != a.dtype))
     return EDGELIN_ERR_FLAGS;
   if ((a.gate != EDGELIN_GATE_NONE && !a.g) || (a.delta && !a.beta)) return EDGELIN_ERR_NULL;
   const int64_t ctas = static_cast<int64_t>(a.batch) * a.heads * ((a.d_v + kTileV - 1) / kTileV);
   if (ctas > 0x7fffffffLL) return EDGELIN_ERR_GRID;
-  const size_t elem = a.dtype == EDGELIN_F32 ? 4 : 2;
+  const size_t elem = a.dtype == EDGELIN_F32 ? 4 : 2, aux = a.aux_dtype == EDGELIN_F32 ? 4 : 2;
   if (!aligned(a.q, elem) || !aligned(a.k, elem) || !aligned(a.v, elem) || !aligned(a.o, elem) ||
-      (a.g && !aligned(a.g, elem)) || (a.beta && !aligned(a.beta, elem)) || !aligned(a.state_in, 4) ||
+      (a.g && !aligned(a.g, aux)) || (a.beta && !aligned(a.beta, aux)) || !aligned(a.state_in, 4) ||
       !aligned(a.state_out, 4))
     return EDGELIN_ERR_ALIGN;
   switch (a.dtype) {
-    case EDGELIN_F32: return launch_gate<float>(a, stream);
-    case EDGELIN_F16: return launch_gate<__half>(a, stream);
-    default: return launch_gate<__nv_bfloat16>(a, stream);
+    case EDGELIN_F32: return launch_gate<float, float>(a, stream);
+    case EDGELIN_F16: return launch_aux<__half>(a, stream);
+    default: return launch_aux<__nv_bfloat16>(a, stream);
   }
 }
+
+extern "C" int edgelin_step_abi_version(void) { return EDGELIN_STEP_ABI_VERSION; }
 
 extern "C" const char* edgelin_step_status_string(int code) {
   switch (code) {
     case EDGELIN_OK: return "ok";
     case EDGELIN_ERR_NULL: return "a required pointer is NULL (q, k, v, o, states; g or beta when flagged)";
     case EDGELIN_ERR_DIMS: return "batch and heads must be >= 1 and d_k, d_v within 1..256";
-    case EDGELIN_ERR_FLAGS: return "unknown dtype or gate, or delta not 0/1";
+    case EDGELIN_ERR_FLAGS: return "unknown dtype or gate, delta not 0/1, or aux_dtype neither float32 nor dtype";
     case EDGELIN_ERR_ALIGN: return "a pointer is not aligned to its element size";
     case EDGELIN_ERR_GRID: return "batch * heads * ceil(d_v / 32) exceeds 2^31 - 1";
     default: return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown edgelin status";

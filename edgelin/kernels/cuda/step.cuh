@@ -56,10 +56,11 @@ __device__ __forceinline__ void column_sums(float (&part)[kColsPerThread], float
   }
 }
 
-// GATE: EdgelinGate; DELTA: delta rule; VEC: 16-byte state accesses (d_v % 4 == 0, aligned rows);
+// T: q, k, v, o; TG: g and beta (float, or T); GATE: EdgelinGate; DELTA: delta rule;
+// VEC: 16-byte state accesses (d_v % 4 == 0, aligned rows);
 // ROWS: d_k rows per thread (8: d_k <= 128, 16: d_k <= 256). Fewer rows, fewer registers, more
 // CTAs per SM and so more state bytes in flight.
-template <typename T, int GATE, bool DELTA, bool VEC, int ROWS>
+template <typename T, typename TG, int GATE, bool DELTA, bool VEC, int ROWS>
 __global__ void __launch_bounds__(kThreads) step_kernel(const EdgelinStepArgs a) {
   constexpr int kRowsPerThread = ROWS;
   __shared__ float scratch[2][kWarps * kTileV];  // two buffers: no barrier between the two sums
@@ -103,13 +104,13 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const EdgelinStepArgs a)
   for (int c = 0; c < kColsPerThread; ++c) vv[c] = col + c < V ? to_float(v[col + c]) : 0.f;
 
   if (GATE == EDGELIN_GATE_SCALAR) {
-    const float decay = __expf(to_float(static_cast<const T*>(a.g)[b * a.g_stride_b + h * a.g_stride_h]));
+    const float decay = __expf(to_float(static_cast<const TG*>(a.g)[b * a.g_stride_b + h * a.g_stride_h]));
 #pragma unroll
     for (int r = 0; r < kRowsPerThread; ++r)
 #pragma unroll
       for (int c = 0; c < kColsPerThread; ++c) s[r][c] *= decay;
   } else if (GATE == EDGELIN_GATE_PER_KEY) {
-    const T* g = static_cast<const T*>(a.g) + b * a.g_stride_b + h * a.g_stride_h;
+    const TG* g = static_cast<const TG*>(a.g) + b * a.g_stride_b + h * a.g_stride_h;
 #pragma unroll
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int kr = row + r * kRowGroups;
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const EdgelinStepArgs a)
 #pragma unroll
       for (int c = 0; c < kColsPerThread; ++c) part[c] = fmaf(s[r][c], kv[r], part[c]);
     column_sums(part, scratch[0], col4);
-    const float beta = to_float(static_cast<const T*>(a.beta)[b * a.beta_stride_b + h * a.beta_stride_h]);
+    const float beta = to_float(static_cast<const TG*>(a.beta)[b * a.beta_stride_b + h * a.beta_stride_h]);
 #pragma unroll
     for (int c = 0; c < kColsPerThread; ++c) u[c] = beta * (vv[c] - part[c]);
   } else {

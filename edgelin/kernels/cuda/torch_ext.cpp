@@ -46,6 +46,8 @@ void step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c
     a.g_stride_b = g->stride(0), a.g_stride_h = g->stride(1);
     a.gate = g->size(2) == 1 ? EDGELIN_GATE_SCALAR : EDGELIN_GATE_PER_KEY;
   }
+  // g and beta share one dtype (cuda_ext.py casts them): float32 unless both match q
+  a.aux_dtype = g.has_value() ? dtype_code(*g) : beta.has_value() ? dtype_code(*beta) : EDGELIN_F32;
   a.delta = beta.has_value() ? 1 : 0;
   if (beta.has_value()) {
     a.beta = beta->data_ptr();
@@ -59,5 +61,7 @@ void step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("step", &step, "edgelin fused decode step (CUDA)");
+  // the header this binding was compiled with, and the launcher it links: equal by construction here
   m.attr("abi_version") = EDGELIN_STEP_ABI_VERSION;
+  m.def("launcher_abi_version", &edgelin_step_abi_version, "EDGELIN_STEP_ABI_VERSION of the linked launcher");
 }

@@ -1,0 +1,208 @@
+"""The ONNX target's run half: an ONNX Runtime runner whose state stays in OrtValues between calls.
+
+Imports onnxruntime and numpy only (no torch, no onnx): a runtime-only install runs exported folders
+with it. The export half is edgelin.export.onnx_target.
+
+State handles: a constant-memory model's state lives in two sets of preallocated OrtValues per handle,
+and each step binds one set as the past inputs and the other as the present outputs, then swaps them
+(ping-pong), so no state tensor is copied or allocated per step; the step's two IO bindings are built
+once per handle, and a step only writes the token and position into their bound buffers. A growing KV
+cache changes shape every call: its outputs are allocated by ONNX Runtime and kept as the next
+inputs (still no numpy round trip). Only read_state / write_state copy state to or from numpy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgelin.errors import EdgelinError
+from edgelin.export.base import Runner, State, StateHandle
+from edgelin.export.manifest import NUMPY_DTYPES, GraphEntry, Manifest
+from edgelin.export.state import outputs_by_input
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+
+def _filled(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Zeros whose pages are already touched: a buffer first written inside a timed step would pay
+    its page faults there."""
+    out = np.empty(shape, dtype)
+    out.fill(0)
+    return out
+
+
+class _Buffers:
+    """A handle's contents: the current state (OrtValues in the runner's state order) and, for a
+    constant-memory model, the spare set the next call writes into plus that handle's step bindings."""
+
+    __slots__ = ("current", "spare", "ids", "position", "logits", "bindings")
+
+    def __init__(self, current: list, spare: list | None):
+        self.current, self.spare = current, spare
+        self.ids = self.position = self.logits = None  # the step's bound input/output buffers
+        self.bindings: list | None = None  # [current -> spare, spare -> current], built on the first step
+
+    def swap(self) -> None:
+        """The present just written is the next past; the next call writes over the old past."""
+        self.current, self.spare = self.spare, self.current
+        if self.bindings is not None:
+            self.bindings.reverse()
+
+
+class OnnxRunner(Runner):
+    def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None):
+        super().__init__(manifest)
+        import onnxruntime as ort
+
+        self._ort = ort
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        for kind, entry in manifest.graphs.items():
+            path = Path(folder) / entry.file
+            if not path.is_file():
+                raise EdgelinError(f"{path} is missing", "the manifest lists it", "re-run `edgelin export`")
+            try:
+                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            except _ort_errors() as exc:  # a truncated or corrupt file is the folder's fault, not edgelin's
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise EdgelinError(f"{path} cannot be loaded by ONNX Runtime", f"{type(exc).__name__}: {reason}",
+                                   "re-run `edgelin export` (the file is truncated or corrupt)") from exc
+            _check_contract(kind, session, entry)
+            self.sessions[kind] = session
+        self.state_names = [t.name for t in manifest.state_inputs]
+        self._dtypes = [NUMPY_DTYPES[t.dtype] for t in manifest.state_inputs]
+        feeds = outputs_by_input(manifest.graphs["step"].outputs)  # the manifest checked prefill's agree
+        self.present_names = [feeds[name] for name in self.state_names]
+        self._fixed = manifest.constant_memory  # fixed shapes: preallocated ping-pong buffers
+
+    # ---- handles ---------------------------------------------------------------------------------
+    def _ortvalue(self, array: np.ndarray):
+        # The OrtValue wraps the array's memory (and keeps a reference to it): pass arrays it may own.
+        return self._ort.OrtValue.ortvalue_from_numpy(array)
+
+    def _new(self, batch: int) -> _Buffers:
+        return self._buffers([_filled(tuple(v.shape), v.dtype) for v in self.manifest.initial_state(batch).values()])
+
+    def _buffers(self, arrays: list[np.ndarray]) -> _Buffers:
+        current = [self._ortvalue(a) for a in arrays]
+        spare = [self._ortvalue(_filled(a.shape, a.dtype)) for a in arrays] if self._fixed else None
+        return _Buffers(current, spare)
+
+    def _read(self, state: StateHandle) -> State:
+        return {name: np.array(value.numpy(), copy=True) for name, value in zip(self.state_names, state._value.current)}
+
+    def _write(self, state: StateHandle, values: State) -> None:
+        buffers: _Buffers = state._value
+        if self._fixed:  # same shapes (write_state checked them): copy into the bound buffers
+            for value, name, dtype in zip(buffers.current, self.state_names, self._dtypes):
+                value.update_inplace(np.ascontiguousarray(values[name], dtype))
+        else:
+            buffers.current = [self._ortvalue(np.array(values[name], dtype, copy=True))
+                               for name, dtype in zip(self.state_names, self._dtypes)]
+
+    def _copy(self, state: StateHandle) -> _Buffers:
+        if not self._fixed:  # nothing writes into a growing cache's OrtValues (each call allocates new
+            return _Buffers(list(state._value.current), None)  # ones; write_state replaces them): share them
+        return self._buffers([np.array(v.numpy(), copy=True) for v in state._value.current])
+
+    # ---- calls -----------------------------------------------------------------------------------
+    def _run(self, kind: str, input_ids: np.ndarray, state: StateHandle, position: np.ndarray | None) -> np.ndarray:
+        buffers: _Buffers = state._value
+        ids = np.ascontiguousarray(input_ids, np.int64)
+        if position is not None:
+            position = np.ascontiguousarray(position, np.int64)
+        if kind == "step" and self._fixed:
+            return self._fixed_step(buffers, ids, position)
+        binding = self.sessions[kind].io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        if self.manifest.needs_position:
+            binding.bind_cpu_input("position_ids", position)
+        for name, value in zip(self.state_names, buffers.current):
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output("logits", "cpu")
+        for i, name in enumerate(self.present_names):
+            if self._fixed:
+                binding.bind_ortvalue_output(name, buffers.spare[i])
+            else:  # a growing cache: ONNX Runtime allocates the longer present
+                binding.bind_output(name, "cpu")
+        self.sessions[kind].run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        if self._fixed:
+            buffers.swap()
+        else:
+            buffers.current = list(outputs[1:])
+        return np.array(outputs[0].numpy(), copy=True)
+
+    def _fixed_step(self, buffers: _Buffers, ids: np.ndarray, position: np.ndarray | None) -> np.ndarray:
+        if buffers.bindings is None:
+            self._bind_step(buffers, len(ids))
+        buffers.ids.update_inplace(ids)
+        if buffers.position is not None:
+            buffers.position.update_inplace(position)
+        self.sessions["step"].run_with_iobinding(buffers.bindings[0])
+        buffers.swap()
+        return np.array(buffers.logits.numpy(), copy=True)  # the bound logits buffer is reused next step
+
+    def _bind_step(self, buffers: _Buffers, batch: int) -> None:
+        session = self.sessions["step"]
+        buffers.ids = self._ortvalue(np.zeros(batch, np.int64))
+        if self.manifest.needs_position:
+            buffers.position = self._ortvalue(np.zeros(batch, np.int64))
+        buffers.logits = self._ortvalue(_filled((batch, self.manifest.vocab_size), np.float32))
+        bindings = []
+        for past, present in ((buffers.current, buffers.spare), (buffers.spare, buffers.current)):
+            binding = session.io_binding()
+            binding.bind_ortvalue_input("input_ids", buffers.ids)
+            if buffers.position is not None:
+                binding.bind_ortvalue_input("position_ids", buffers.position)
+            for name, value in zip(self.state_names, past):
+                binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output("logits", buffers.logits)
+            for name, value in zip(self.present_names, present):
+                binding.bind_ortvalue_output(name, value)
+            bindings.append(binding)
+        buffers.bindings = bindings
+
+
+def _ort_errors() -> tuple[type[BaseException], ...]:
+    """ONNX Runtime's exception classes (they share no base class but Exception)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    found = tuple(c for c in vars(ort_state).values() if isinstance(c, type) and issubclass(c, Exception))
+    return (*found, RuntimeError)
+
+
+_ONNX_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int64": "tensor(int64)",
+               "int32": "tensor(int32)"}
+
+
+def _check_contract(kind: str, session: "ort.InferenceSession", entry: GraphEntry) -> None:
+    """The manifest and the graph file must agree on every input's and output's name, rank, fixed
+    sizes and dtype, and the graph must have no input or output the manifest does not list."""
+    for direction, actual_list, expected in (("input", session.get_inputs(), entry.inputs),
+                                             ("output", session.get_outputs(), entry.outputs)):
+        actual = {i.name: i for i in actual_list}
+        for t in expected:
+            got = actual.get(t.name)
+            problem = None
+            if got is None:
+                problem = f"is not an {direction} of the graph"
+            elif len(got.shape) != len(t.dims) or any(
+                    isinstance(w, int) and g != w for g, w in zip(got.shape, t.dims)):
+                problem = f"has shape {got.shape} in the graph but {list(t.dims)} in the manifest"
+            elif got.type != _ONNX_TYPES.get(t.dtype, t.dtype):
+                problem = f"has type {got.type} in the graph but {t.dtype} in the manifest"
+            if problem:
+                raise EdgelinError(f"manifest and {kind} graph disagree: {direction} {t.name} {problem}",
+                                   "the folder was edited or mixed with another export", "re-run `edgelin export`")
+        unlisted = sorted(set(actual) - {t.name for t in expected})
+        if unlisted:
+            raise EdgelinError(f"manifest and {kind} graph disagree: the graph has {direction} {unlisted[0]}",
+                               "the manifest does not list it", "re-run `edgelin export`")

@@ -1,0 +1,244 @@
+"""`edgelin validate DIR`: replay the reference vectors recorded at export through the runner.
+
+No checkpoint and no torch: this is the check that runs where the model ships (a Jetson, a phone, a
+board with `pip install edgelin[runtime]`). `reference.npz` (edgelin/export/reference_vectors.py)
+holds a seeded prompt and N steps at batch 1 and at batch 3 with the PyTorch reference's logits at
+every step and its state tensors at a few checkpoints. Checks, per batch, every one reported:
+
+  prefill           runner prefill(prompt): last logits, and every state tensor where recorded
+  rollout           N runner steps fed their own state: logits at every step, and every state
+                    tensor at the recorded steps
+  prefill-vs-steps  runner steps from the empty state over the prompt vs the runner's prefill
+
+Errors are max |runner - reference| / max |reference| per output (as `validate --against`, which
+reloads the checkpoint and runs torch: edgelin/validate.py). The report types live here so that the
+torch-free path imports nothing of the torch side.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zipfile
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from edgelin.errors import EdgelinError
+from edgelin.export.manifest import MANIFEST, Manifest
+from edgelin.export.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, batch_key, sha256_of,
+                                              state_key, threshold_for)
+from edgelin.export.state import output_name_for
+
+FIX = "re-export, or validate against the checkpoint with --against CKPT"
+
+
+@dataclass
+class Metric:
+    check: str
+    output: str
+    batch: int | None = None
+    max_abs: float = 0.0
+    ref_scale: float = 0.0
+    worst_step: int | None = None
+    threshold: float = 0.0
+
+    @property
+    def max_rel(self) -> float:
+        return self.max_abs / max(self.ref_scale, 1e-12)
+
+    @property
+    def passed(self) -> bool:
+        return bool(np.isfinite(self.max_abs)) and self.max_rel <= self.threshold
+
+    def update(self, got: np.ndarray, want: np.ndarray, step: int | None) -> None:
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        if got.shape != want.shape:  # e.g. a runtime that returns another batch: a failure, not a crash
+            err = float("inf")
+        else:
+            err = float(np.abs(got - want).max(initial=0.0)) if np.isfinite(got).all() else float("inf")
+        self.ref_scale = max(self.ref_scale, float(np.abs(want).max(initial=0.0)))
+        if self.worst_step is None or err > self.max_abs:
+            self.max_abs, self.worst_step = err, step
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "max_rel": self.max_rel, "passed": self.passed}
+
+
+@dataclass
+class ValidationReport:
+    folder: str
+    target: str
+    precision: str
+    against: str  # "reference vectors" (the recorded file) or the checkpoint's path
+    batches: list[int]
+    prompt_len: int
+    steps: int
+    threshold: float
+    metrics: list[Metric] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(m.passed for m in self.metrics)
+
+    @property
+    def failures(self) -> list[Metric]:
+        return [m for m in self.metrics if not m.passed]
+
+    def to_dict(self) -> dict:
+        data = {k: v for k, v in asdict(self).items() if k != "metrics"}
+        return {**data, "passed": self.passed, "metrics": [m.to_dict() for m in self.metrics]}
+
+
+class Checks:
+    """Accumulates one Metric per (check, output, batch) over every step it is fed."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+        self.metrics: dict[tuple[str, str, int | None], Metric] = {}
+
+    def __call__(self, check: str, output: str, got, want, step: int | None = None, batch: int | None = None) -> None:
+        key = (check, output, batch)
+        if key not in self.metrics:
+            self.metrics[key] = Metric(check, output, batch, threshold=self.threshold)
+        self.metrics[key].update(got, want, step)
+
+    def states(self, check: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray], step: int | None = None,
+               batch: int | None = None) -> None:
+        for name, value in want.items():
+            self(check, output_name_for(name), got.get(name, np.full(1, np.inf)), value, step, batch)
+
+
+# ---- the recorded file ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ReferenceVectors:
+    path: Path
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.meta["prompt_len"])
+
+    @property
+    def steps(self) -> int:
+        return int(self.meta["steps"])
+
+    @property
+    def batches(self) -> list[int]:
+        return [int(b) for b in self.meta["batches"]]
+
+    def checkpoints(self, batch: int) -> list[str]:
+        return list(self.meta["state_checkpoints"][str(batch)])
+
+    def state(self, batch: int, checkpoint: str, names: list[str]) -> dict[str, np.ndarray]:
+        return {name: self.arrays[state_key(batch, checkpoint, name)] for name in names}
+
+
+def load_vectors(folder: Path, manifest: Manifest) -> ReferenceVectors:
+    """The folder's reference vectors, checked against the manifest's sha256 and the graphs' I/O;
+    an EdgelinError naming the file otherwise (the fix: re-export, or --against)."""
+    entry = manifest.extra.get(MANIFEST_KEY)
+    if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)):
+        raise EdgelinError(f"{Path(folder) / MANIFEST} records no reference vectors",
+                           f"validate replays the reference vectors an export records (extra.{MANIFEST_KEY}); "
+                           "this folder was exported without them or its manifest was edited", FIX)
+    name = entry["file"]
+    if Path(name).name != name or name in ("", ".", ".."):
+        raise EdgelinError(f"{Path(folder) / MANIFEST} is malformed",
+                           f"its reference vectors file {name!r} escapes the export folder", FIX)
+    path = Path(folder) / name
+    if not path.is_file():
+        raise EdgelinError(f"reference vectors {path} are missing", "validate replays the prompt, logits and states "
+                           "recorded at export, and the manifest lists this file", FIX)
+    if sha256_of(path) != entry["sha256"]:
+        raise EdgelinError(f"reference vectors {path} differ from the ones exported",
+                           "the file's sha256 does not match the manifest's (changed, truncated or replaced)", FIX)
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+        meta = json.loads(str(arrays.pop("meta")))
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}, expected {FORMAT!r} "
+                             f"version {FORMAT_VERSION}")
+        vectors = ReferenceVectors(path, meta, arrays)
+        _check_shapes(vectors, manifest)
+    except (KeyError, TypeError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise EdgelinError(f"reference vectors {path} are corrupt", f"{type(exc).__name__}: {exc}", FIX) from exc
+    return vectors
+
+
+def _check_shapes(vectors: ReferenceVectors, manifest: Manifest) -> None:
+    """Every array the replay reads exists with the shape the graphs take (ValueError otherwise)."""
+    prompt, steps, vocab = vectors.prompt_len, vectors.steps, manifest.vocab_size
+    if prompt < 1 or steps < 1 or not vectors.batches:
+        raise ValueError(f"prompt_len {prompt}, steps {steps}, batches {vectors.batches}")
+    specs = {t.name: t for t in manifest.state_inputs}
+    for batch in vectors.batches:
+        want = {"ids": (batch, prompt + steps), "start": (batch,), "prefill_logits": (batch, vocab),
+                "step_logits": (steps, batch, vocab)}
+        for what, shape in want.items():
+            value = vectors.arrays[batch_key(batch, what)]
+            if value.shape != shape:
+                raise ValueError(f"{batch_key(batch, what)} has shape {list(value.shape)}, expected {list(shape)}")
+        for what, limit in (("ids", vocab), ("start", None)):
+            value = vectors.arrays[batch_key(batch, what)]
+            if value.dtype.kind not in "iu" or value.min() < 0 or (limit is not None and value.max() >= limit):
+                raise ValueError(f"{batch_key(batch, what)} holds {value.dtype} values out of range")
+        for checkpoint in vectors.checkpoints(batch):
+            if checkpoint != "prefill" and not (checkpoint.startswith("step") and checkpoint[4:].isdigit()
+                                                and 1 <= int(checkpoint[4:]) <= steps):
+                raise ValueError(f"state checkpoint {checkpoint!r}")
+            for name, value in vectors.state(batch, checkpoint, list(specs)).items():
+                if value.ndim != len(specs[name].dims) or value.shape[0] != batch:
+                    raise ValueError(f"{state_key(batch, checkpoint, name)} has shape {list(value.shape)}, the graphs "
+                                     f"take {list(specs[name].dims)} at batch {batch}")
+
+
+# ---- the replay ------------------------------------------------------------------------------------
+def replay(folder: Path, rtol: float | None = None, threads: int | None = None,
+           on_progress: Callable[[str], None] | None = None) -> ValidationReport:
+    """Replay the recorded prompt and steps at every recorded batch size; never raises for a mismatch
+    (the report says which checks failed), only for a folder or file it cannot use."""
+    from edgelin.runtime import open_runner
+
+    started = time.perf_counter()
+    runner = open_runner(folder, threads=threads)
+    manifest = runner.manifest
+    vectors = load_vectors(folder, manifest)
+    threshold = rtol if rtol is not None else float(vectors.meta.get("threshold", threshold_for(manifest.precision)))
+    report = ValidationReport(str(folder), manifest.target, manifest.precision, "reference vectors", vectors.batches,
+                              vectors.prompt_len, vectors.steps, threshold)
+    check = Checks(threshold)
+    names = [t.name for t in manifest.state_inputs]
+    prompt_len, steps = vectors.prompt_len, vectors.steps
+    for batch in vectors.batches:
+        if on_progress:
+            on_progress(f"replaying batch {batch}: prompt {prompt_len}, {steps} steps")
+        ids, start = (vectors.arrays[batch_key(batch, what)].astype(np.int64) for what in ("ids", "start"))
+        kept = vectors.checkpoints(batch)
+        state = runner.new_state(batch)
+        prefill_logits = runner.prefill(ids[:, :prompt_len], state, start)
+        prefill_state = runner.read_state(state)
+        check("prefill", "logits", prefill_logits, vectors.arrays[batch_key(batch, "prefill_logits")], batch=batch)
+        if "prefill" in kept:
+            check.states("prefill", prefill_state, vectors.state(batch, "prefill", names), batch=batch)
+        step_logits = vectors.arrays[batch_key(batch, "step_logits")]
+        for t in range(steps):
+            logits = runner.step(ids[:, prompt_len + t], state, start + prompt_len + t)
+            check("rollout", "logits", logits, step_logits[t], t, batch)
+            if f"step{t + 1}" in kept:
+                check.states("rollout", runner.read_state(state), vectors.state(batch, f"step{t + 1}", names), t, batch)
+
+        state = runner.new_state(batch)
+        for t in range(prompt_len):
+            logits = runner.step(ids[:, t], state, start + t)
+        check("prefill-vs-steps", "logits", logits, prefill_logits, batch=batch)
+        check.states("prefill-vs-steps", runner.read_state(state), prefill_state, batch=batch)
+    report.metrics = list(check.metrics.values())
+    report.seconds = time.perf_counter() - started
+    return report
