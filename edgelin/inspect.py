@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from edgelin.checkpoint import TOKENIZER, checkpoint_dir, load_model, read_config
-from edgelin.devices import load_devices
+from edgelin.devices import check_state_dims, export_settings, load_devices
 from edgelin.errors import EdgelinError
 from edgelin.export.targets import get_target, target_names
 from edgelin.model.lm import CausalLM
@@ -60,6 +60,11 @@ def _placements(model: CausalLM) -> list[dict]:
             target = get_target(name)
             export_phase = target.can_export()  # whether this machine can export it (build and run may differ)
             reason = target.supports(model, device) or (None if export_phase.ok else export_phase.reason)
+            if reason is None:  # what the profile asks (precision, state dtype, dim multiples): as export decides
+                try:
+                    check_state_dims(model.state_tensors(), export_settings(device, name))
+                except EdgelinError as exc:
+                    reason = f"{exc.why} ({exc.fix})"
             rows.append({"device": device.name, "target": name, "ok": reason is None, "reason": reason})
     return rows
 

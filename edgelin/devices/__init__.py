@@ -40,6 +40,7 @@ SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackw
 # a planned target (tensorrt, coreml) is refused by the target registry before this matters.
 TARGET_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
     "onnx": {"precision": ("fp32",), "state_dtype": ("float32",)},
+    "tensorrt": {"precision": ("fp32",), "state_dtype": ("float32",)},  # fp32 plugin graphs; fp32 state always
 }
 # The profile fields each target reads as its options (README.md: "what reads it").
 TARGET_OPTIONS: dict[str, tuple[str, ...]] = {"onnx": (), "tensorrt": ("sm",), "coreml": ("compute",)}

@@ -7,8 +7,8 @@ linear mixer (`edgelin.model.mixer.use_engine`), in the spirit of optimum's mode
 - "onnx": the torch forms, with the chunked form's loop over chunks as torch's scan operator,
   which the exporter turns into one ONNX `Scan` with a dynamic trip count (a Python loop would be
   unrolled for the example's chunk count and pin the sequence length).
-- "tensorrt" (hook, a later issue): an engine whose `step` emits a custom node the IPluginV3 step
-  plugin implements (it updates S and z in place), prefill as for ONNX.
+- "tensorrt": an engine whose `step` emits one `edgelin::EdgelinStep` node the IPluginV3 step
+  plugin implements (S's update and readout; the normaliser stays in standard ops), prefill as for ONNX.
 - "coreml" (hook, a later issue): coremltools cannot convert torch's scan; its engine will run a
   static chunk loop (a fixed maximum prompt length per graph, or a per-chunk graph).
 
@@ -63,6 +63,22 @@ def register_lowering(entry: Lowering) -> Lowering:
 
 register_lowering(Lowering("onnx", TorchEngine(name="onnx-scan", loop=scan_loop),
                            "torch forms; the chunk loop is torch's scan (one ONNX Scan, dynamic count)"))
+
+
+@dataclass(frozen=True)
+class PluginStepEngine(TorchEngine):
+    """The ONNX forms, except that `step` exports as one edgelin::EdgelinStep node (the TensorRT
+    step plugin; edgelin.export.tensorrt_target gives it an ONNX function with the same math)."""
+
+    def step(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
+             beta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        from edgelin.export.tensorrt_target import plugin_step
+
+        return plugin_step(state, q, k, v, g, beta)
+
+
+register_lowering(Lowering("tensorrt", PluginStepEngine(name="tensorrt-plugin", loop=scan_loop),
+                           "step: one edgelin::EdgelinStep plugin node per linear layer; prefill as for ONNX"))
 
 
 def get_lowering(target_name: str) -> Lowering:

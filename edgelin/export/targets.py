@@ -11,7 +11,8 @@ from importlib import import_module
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Target
 
-_TARGETS = {"onnx": ("edgelin.export.onnx_target", "OnnxTarget")}
+_TARGETS = {"onnx": ("edgelin.export.onnx_target", "OnnxTarget"),
+            "tensorrt": ("edgelin.export.tensorrt_target", "TensorrtTarget")}
 
 
 def target_names() -> list[str]:
