@@ -429,6 +429,10 @@ def build(
     folder: Path = typer.Argument(..., help="An export folder."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile to build for "
                                                                   "(`edgelin devices` lists them)."),
+    trt_include: Optional[Path] = typer.Option(None, "--trt-include", help="tensorrt: the folder holding "
+                                               "NvInferRuntime.h (default: $TENSORRT_INCLUDE_DIR, system folders)."),
+    archs: Optional[str] = typer.Option(None, "--archs", help="tensorrt: CUDA compute capabilities, e.g. 87 or "
+                                        "86,89,90 (default: the device's sm, else 80-90)."),
     as_json: bool = JSON,
 ) -> None:
     """The build phase: turn an export into what its runtime loads (engine, compiled model), where the target has one."""
@@ -447,6 +451,19 @@ def build(
         return
     if not phase.ok:
         raise phase_refusal(target, "build", phase)
+    if target.name == "tensorrt":  # its own options; a partial build (library, no engine) still exits 0
+        import re
+
+        from edgelin.export.tensorrt_build import build_folder
+
+        arch_list = [a for a in re.split(r"[,; ]+", archs or "") if a] or None
+        with out.progress(f"building {folder} for tensorrt"):
+            result = build_folder(artifact.folder, profile, trt_include, arch_list)
+        out.result({"folder": str(folder), "target": target.name, "build": result.files, "missing": result.missing})
+        out.line(f"built {folder}: {', '.join(result.files.values())}")
+        if result.missing:
+            out.line(f"not built: {result.missing}")
+        return
     with out.progress(f"building {folder} for {target.name}"):
         built = target.build(artifact, profile)
     out.result({"folder": str(built.folder), "target": target.name, "build": built.files})

@@ -58,6 +58,8 @@ def _owned_export(folder: Path) -> tuple[frozenset[str], str]:
         graphs = data.get("graphs") if isinstance(data.get("graphs"), dict) else {}
         files = [g.get("file") for g in graphs.values() if isinstance(g, dict)] + [data.get("tokenizer")]
     names = {n for n in files if isinstance(n, str) and _plain_name(n)} | {"manifest.json"}
+    recorded = written_record(folder)
+    names |= {n for n in recorded if _plain_name(n)} | ({RECORD} if recorded else set())
     return frozenset(names), ""
 
 
@@ -85,6 +87,51 @@ CHECKPOINT = OutputKind("training run", "a checkpoint edgelin trained", "tmp", F
 
 def _plain_name(name: str) -> bool:
     return Path(name).name == name and name not in ("", ".", "..")
+
+
+# Files a target or a later phase writes into an export after its manifest (a target's sub-folder of
+# sources, a built library, engines) are listed in a record beside them, so --force still knows them.
+RECORD = ".edgelin-files.json"
+
+
+def written_record(folder: Path) -> frozenset[str]:
+    """The paths (relative to folder, '/'-separated) that edgelin recorded writing into folder."""
+    try:
+        data = json.loads((Path(folder) / RECORD).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return frozenset()
+    files = data.get("files") if isinstance(data, dict) else None
+    if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
+        return frozenset()
+    return frozenset(n for n in files if n and not n.startswith("/") and ".." not in n.split("/"))
+
+
+def record_written(folder: Path, paths: Collection[str]) -> None:
+    """Add `paths` (relative to folder) to its record, atomically."""
+    folder = Path(folder)
+    names = sorted(written_record(folder) | set(paths))
+    staged = folder / f".{RECORD}.tmp-{os.getpid()}"
+    try:
+        staged.write_text(json.dumps({"format": "edgelin-files", "files": names}, indent=1) + "\n")
+        os.replace(staged, folder / RECORD)
+    except OSError as exc:
+        staged.unlink(missing_ok=True)
+        raise os_error(exc, folder) from None
+
+
+def _all_recorded(folder: Path) -> bool:
+    """Every file below folder is in its record (a target's sub-folder of an export)."""
+    record = written_record(folder)
+    if not record:
+        return False
+    for root, dirs, files in os.walk(folder):
+        if any((Path(root) / d).is_symlink() for d in dirs):
+            return False
+        for name in files:
+            rel = (Path(root) / name).relative_to(folder).as_posix()
+            if rel != RECORD and (rel not in record or (Path(root) / name).is_symlink()):
+                return False
+    return True
 
 
 # ---- checks ----------------------------------------------------------------------------------------
@@ -176,6 +223,8 @@ def _check_owned(out: Path, target: Path, kind: OutputKind, writes: Collection[s
         if path.is_file():
             return True
         # a listed folder is ours when it is itself wholly an export edgelin wrote (export --baseline kv)
+        if kind.whole_folder and path.is_dir() and _all_recorded(path):
+            return True  # a target's sub-folder whose every file edgelin recorded writing
         inner = kind.owned(path)[0] if kind.whole_folder and path.is_dir() else frozenset()
         return bool(inner) and all(ours(path, n, inner) for n in os.listdir(path))
 

@@ -84,9 +84,15 @@ def test_validate_against_the_reference(exported):
     assert report.target == "tensorrt"
 
 
-def test_build_phase_names_where_it_runs():
+def test_build_phase_needs_nvcc_and_cmake_only():
+    import shutil
+
     phase = get_target("tensorrt").can_build()
-    assert phase is not None and not phase.ok and "TensorRT 10.3+" in phase.where
+    assert phase is not None
+    if shutil.which("cmake") and shutil.which("nvcc"):  # the plugin library builds here (engines: tensorrt_build)
+        assert phase.ok
+    else:
+        assert not phase.ok and "TensorRT 10.3+" in phase.where
 
 
 def test_cli_export_for_jetson_orin(exported, tmp_path):

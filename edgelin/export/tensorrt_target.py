@@ -16,8 +16,9 @@ also runs, with the same math, on ONNX Runtime.
 
 Decision (run phase): this target's `runner` is the ONNX Runtime runner on that file (CPU, through
 the functions). It is the *validation* runner: `edgelin validate`/replay check the exported math on
-any machine. It does not run TensorRT: the engine and the plugin library come from the build phase,
-which needs TensorRT 10.3+ and an NVIDIA GPU (`can_build` says so here). The prefill graph stays in
+any machine. It does not run TensorRT (no TensorRT runner yet): the plugin library comes from the
+build phase (nvcc, cmake, TensorRT headers), the engines from tensorrt/build_engine.py, which
+`edgelin build` runs where TensorRT 10.3+ and an NVIDIA GPU are (edgelin/export/tensorrt_build.py). The prefill graph stays in
 standard ops (the plugin is a decode-step plugin).
 
 No torch at module level (the registry imports this module on a runtime-only install).
@@ -162,12 +163,27 @@ class TensorrtTarget(OnnxTarget):
     options_type = TensorrtOptions
 
     def can_build(self, device: "DeviceProfile | None" = None) -> Phase | None:
+        # The plugin library needs only nvcc, cmake and TensorRT's headers; the engines need TensorRT
+        # and a GPU as well (build_folder builds what it can and says what is missing).
+        import shutil
+
+        if shutil.which("cmake") is None:
+            return Phase(False, "the plugin library is built with cmake, which is not installed here", _WHERE_TRT)
         try:
-            import tensorrt  # noqa: F401
-        except ImportError:
-            return Phase(False, "TensorRT is not installed here, and an engine builds only on an NVIDIA GPU",
+            from edgelin.plugins.tensorrt import find_nvcc
+
+            find_nvcc()
+        except EdgelinError:
+            return Phase(False, "the plugin library is compiled with nvcc (the CUDA toolkit), not found here",
                          _WHERE_TRT)
-        return Phase(False, "edgelin's TensorRT build phase is not implemented yet", _WHERE_TRT)
+        return Phase(True)
+
+    def build(self, artifact: Artifact, device: "DeviceProfile | None" = None) -> Artifact:
+        """The plugin library into tensorrt/, then the engines where TensorRT and a GPU are (tensorrt_build)."""
+        from edgelin.export.tensorrt_build import build_folder
+
+        result = build_folder(artifact.folder, device)
+        return Artifact(artifact.folder, artifact.manifest, result.files)
 
     def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
         # The validation runner: step.onnx through its ONNX functions on ONNX Runtime (module docstring).
@@ -192,6 +208,9 @@ class TensorrtTarget(OnnxTarget):
         if found != linear:
             raise EdgelinError(f"step.onnx has {found} {PLUGIN_NAME} nodes for {linear} linear layers",
                                "every linear layer's step must be one plugin node", "report this as an edgelin bug")
+        from edgelin.export.tensorrt_build import write_folder
+
+        write_folder(Path(folder), files, device)  # tensorrt/: plugin sources, build_engine.py, COMMANDS.md
         return files
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,

@@ -1,0 +1,221 @@
+"""The tensorrt target's engine path: what export writes into `tensorrt/` (plugin sources + CMake,
+a standalone `build_engine.py`, `COMMANDS.md` with the trtexec and polygraphy lines) and what
+`edgelin build` does with it (the plugin library here; the engines where TensorRT and a GPU are).
+
+Layout of `tensorrt/` (the plugin's CMakeLists.txt finds the launcher at ../../kernels/cuda):
+  plugins/tensorrt/CMakeLists.txt, plugins/tensorrt/src/*.cpp, kernels/cuda/*  the plugin sources
+  build_engine.py   tensorrt + numpy only: one optimisation profile per graph, writes *.engine
+  COMMANDS.md       the equivalent trtexec lines and a polygraphy TensorRT-vs-ONNX-Runtime line
+  build.json        written by `edgelin build` (the manifest is never rewritten: the folder still validates)
+
+No torch and no TensorRT import at module level (runtime-only installs, machines without TensorRT).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgelin.errors import EdgelinError
+
+if TYPE_CHECKING:
+    from edgelin.devices import DeviceProfile
+
+TRT_DIR = "tensorrt"
+BUILD_RECORD = "build.json"
+GRAPHS = ("step", "prefill")
+BATCH = (1, 1, 8)  # min / opt / max batch of the optimisation profiles
+PROMPT = (1, 128, 2048)  # min / opt / max prompt length (prefill's `sequence`)
+PAST = (0, 128, 2048)  # a growing cache's past length (an empty cache is allowed)
+DEFAULT_ARCHS = ("80", "86", "87", "89", "90")
+HEADER_CANDIDATES = ("/usr/include/aarch64-linux-gnu", "/usr/include/x86_64-linux-gnu", "/usr/local/tensorrt/include",
+                     "/usr/include")
+WHERE_ENGINE = "a machine with TensorRT 10.3+ (pip install tensorrt, or JetPack 6) and an NVIDIA GPU"
+
+Shapes = dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]  # input -> (min, opt, max)
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """min / opt / max per symbolic dimension."""
+
+    batch: tuple[int, int, int] = BATCH
+    prompt: tuple[int, int, int] = PROMPT
+
+    @classmethod
+    def for_device(cls, device: "DeviceProfile | None") -> "Ranges":
+        # A profile may one day carry its own ranges (min_batch/opt_batch/max_batch, ...); none does yet.
+        def pick(prefix: str, default: tuple[int, int, int]) -> tuple[int, int, int]:
+            values = tuple(getattr(device, f"{w}_{prefix}", None) for w in ("min", "opt", "max"))
+            return values if all(isinstance(v, int) for v in values) else default  # type: ignore[return-value]
+
+        return cls(pick("batch", BATCH), pick("prompt", PROMPT)) if device is not None else cls()
+
+    def dim(self, name: str | int, which: int) -> int:
+        if isinstance(name, int):
+            return name
+        if name == "batch":
+            return self.batch[which]
+        if name.startswith("past"):
+            return PAST[which]
+        return self.prompt[which]  # sequence (prompt length)
+
+
+def graph_inputs(path: Path) -> list[tuple[str, tuple[str | int, ...]]]:
+    """(name, dims) of each input of an ONNX graph: an int for a fixed dim, its name for a symbolic one."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    return [(i.name, tuple(d.dim_param if d.dim_param else d.dim_value for d in i.type.tensor_type.shape.dim))
+            for i in model.graph.input]
+
+
+def profile_shapes(inputs: list[tuple[str, tuple[str | int, ...]]], ranges: Ranges) -> Shapes:
+    return {name: tuple(tuple(ranges.dim(d, w) for d in dims) for w in range(3))  # type: ignore[misc]
+            for name, dims in inputs}
+
+
+def shape_arg(shapes: Shapes, which: int) -> str:
+    """trtexec / polygraphy form: name:1x2x8x8,name2:1 (a scalar input is name:)."""
+    return ",".join(f"{name}:{'x'.join(str(d) for d in dims[which])}" for name, dims in shapes.items())
+
+
+def trtexec_line(graph: str, shapes: Shapes, plugin: str, fp16: bool = False) -> str:
+    return (f"trtexec --onnx={graph}.onnx --dynamicPlugins={plugin} --minShapes={shape_arg(shapes, 0)} "
+            f"--optShapes={shape_arg(shapes, 1)} --maxShapes={shape_arg(shapes, 2)} "
+            f"--saveEngine={graph}.engine" + (" --fp16" if fp16 else ""))
+
+
+def polygraphy_line(graph: str, shapes: Shapes, plugin: str) -> str:
+    """The opt shapes (polygraphy feeds one shape per input: name:[1,2,8,8])."""
+    inputs = " ".join(f"{n}:[{','.join(str(d) for d in dims[1])}]" for n, dims in shapes.items())
+    return f"polygraphy run {graph}.onnx --trt --onnxrt --plugins {plugin} --input-shapes {inputs}"
+
+
+def plugin_file(trt_major: int | str) -> str:
+    return f"libedgelin_trt_plugin_trt{trt_major}.so"
+
+
+def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | None") -> None:
+    """Write `tensorrt/` into the export's temp folder (the pipeline renames the whole folder)."""
+    from edgelin.plugins.tensorrt import CUDA_DIR, PLUGIN_DIR
+
+    root = Path(folder) / TRT_DIR
+    ranges = Ranges.for_device(device)
+    shapes = {g: profile_shapes(graph_inputs(Path(folder) / files[g]), ranges) for g in GRAPHS if g in files}
+    plugins = root / "plugins" / "tensorrt"
+    (plugins / "src").mkdir(parents=True)
+    shutil.copy2(PLUGIN_DIR / "CMakeLists.txt", plugins / "CMakeLists.txt")
+    for src in sorted((PLUGIN_DIR / "src").glob("*.cpp")):
+        shutil.copy2(src, plugins / "src" / src.name)
+    (root / "kernels" / "cuda").mkdir(parents=True)
+    for src in sorted(CUDA_DIR.iterdir()):
+        if src.suffix in (".h", ".cuh", ".cu"):  # the launcher; torch_ext.cpp is the torch extension's
+            shutil.copy2(src, root / "kernels" / "cuda" / src.name)
+    spec = {g: {"file": files[g], "shapes": {n: [list(s) for s in v] for n, v in shapes[g].items()}} for g in shapes}
+    script = (PLUGIN_DIR / "build_engine.py").read_text()  # the template; GRAPHS filled in below
+    (root / "build_engine.py").write_text(script.replace("GRAPHS = {}  # filled in by edgelin export",
+                                                         f"GRAPHS = {json.dumps(spec)}"))
+    (root / "COMMANDS.md").write_text(commands_text(shapes))
+    from edgelin.outputs import record_written
+
+    # every file of tensorrt/ is edgelin's: a later `export --force` may replace the folder
+    record_written(root, [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()])
+
+
+def commands_text(shapes: dict[str, Shapes]) -> str:
+    lib = "tensorrt/" + plugin_file("10")
+    lines = ["# Building and checking the TensorRT engines by hand", "",
+             "Run from the export folder. `edgelin build .` builds the plugin library (`" + lib + "`; `trt11` for "
+             "TensorRT 11) and, where TensorRT and a GPU are present, runs `tensorrt/build_engine.py`.", "",
+             "## Plugin library", "", "```sh",
+             "cmake -S tensorrt/plugins/tensorrt -B tensorrt/build -DTENSORRT_INCLUDE_DIR=/usr/include/aarch64-linux-gnu "
+             "-DEDGELIN_TRT_MAJOR=10 -DCMAKE_CUDA_ARCHITECTURES=87 && cmake --build tensorrt/build", "```", "",
+             "## Engines (the same as build_engine.py)", "", "```sh"]
+    lines += [trtexec_line(g, s, lib) for g, s in shapes.items()]
+    lines += ["```", "", "Add `--fp16` (build_engine.py: `--fp16`) to allow half precision.", "",
+              "## Compare TensorRT with ONNX Runtime", "", "```sh"]
+    lines += [polygraphy_line(g, s, lib) for g, s in shapes.items()]
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+# ---- the build phase ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BuildResult:
+    files: dict[str, str]  # kind -> path relative to the export folder
+    missing: str | None  # what was not built and why (None: everything)
+
+
+def find_headers(trt_include: Path | None) -> Path:
+    from edgelin.plugins.tensorrt import HEADERS_FIX
+
+    if trt_include is not None:
+        return Path(trt_include)
+    env = os.environ.get("TENSORRT_INCLUDE_DIR")
+    for candidate in ([env] if env else []) + list(HEADER_CANDIDATES):
+        if (Path(candidate) / "NvInferRuntime.h").is_file():
+            return Path(candidate)
+    raise EdgelinError("no TensorRT headers found", "the plugin library is compiled against NvInferRuntime.h",
+                       HEADERS_FIX.replace("pass the folder", "pass --trt-include with the folder"))
+
+
+def engine_possible() -> str | None:
+    """None when `tensorrt` imports and a GPU is visible; otherwise why not (one line)."""
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return "the tensorrt Python package is not installed here"
+    if not (Path("/dev/nvidia0").exists() or any(Path("/dev").glob("nvhost-*"))):
+        return "no NVIDIA GPU is visible here"
+    return None
+
+
+def build_folder(folder: Path, device: "DeviceProfile | None" = None, trt_include: Path | None = None,
+                 archs: list[str] | None = None) -> BuildResult:
+    """Build the plugin library into folder/tensorrt/, then the engines when TensorRT and a GPU are here."""
+    from edgelin.plugins.tensorrt import build_plugin, header_version
+
+    folder = Path(folder)
+    root = folder / TRT_DIR
+    if not (root / "build_engine.py").is_file():
+        raise EdgelinError(f"{folder} has no tensorrt/build_engine.py", "it was exported by an older edgelin",
+                           f"export it again with --target tensorrt")
+    headers = find_headers(trt_include)
+    major, _ = header_version(headers)
+    if not archs:
+        archs = [str(device.sm)] if device is not None and device.sm else list(DEFAULT_ARCHS)
+    library = build_plugin(root, headers, archs, major)
+    files = {"plugin": f"{TRT_DIR}/{library.name}"}
+    missing = engine_possible()
+    if missing is None:
+        done = subprocess.run([sys.executable, str(root / "build_engine.py"), "--plugin", str(library)],
+                              cwd=folder, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = " | ".join(ln.strip() for ln in (done.stdout + done.stderr).splitlines()[-3:])
+            raise EdgelinError("building the TensorRT engines failed", tail or "no output",
+                               "run tensorrt/build_engine.py by hand for the full log (tensorrt/COMMANDS.md)")
+        files.update({g: f"{g}.engine" for g in GRAPHS if (folder / f"{g}.engine").is_file()})
+    from edgelin.outputs import record_written
+
+    record_written(root, [library.name, BUILD_RECORD])  # before writing them: never an unrecorded file of ours
+    engines = [f for g, f in files.items() if g != "plugin"]
+    if engines:
+        record_written(folder, engines)
+    record = {"plugin": library.name, "trt_major": major, "archs": [str(a) for a in archs],
+              "engines": {g: f for g, f in files.items() if g != "plugin"}, "engine_missing": missing}
+    try:
+        staged = root / f".{BUILD_RECORD}.tmp"
+        staged.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(staged, root / BUILD_RECORD)
+    except OSError as exc:
+        raise EdgelinError(f"cannot write {root / BUILD_RECORD}", exc.strerror or str(exc),
+                           "free some space or make the folder writable") from None
+    return BuildResult(files, None if missing is None else f"the engines need TensorRT: {missing}; build them on "
+                       f"{WHERE_ENGINE} (edgelin build again, or tensorrt/build_engine.py)")
