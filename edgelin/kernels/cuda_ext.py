@@ -6,32 +6,22 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import torch
 
+from edgelin.kernels.abi import CUDA_DIR, header_abi_version  # noqa: F401 (re-exported)
 from edgelin.kernels._common import (
     KernelError, Tensor, check_aux, check_out, check_qkv, check_state, last_dim_contiguous,
     state_destination,
 )
 
-CUDA_DIR = Path(__file__).parent / "cuda"
 SOURCES = ("step.cu",)
 HEADERS = ("edgelin_step.h", "step.cuh")
 # Ampere desktop (sm_86), Jetson Orin (sm_87), Ada (sm_89), Hopper H100/H200 (sm_90)
 ARCHS = ("86", "87", "89", "90")
-
-
-def header_abi_version() -> int:
-    """EDGELIN_STEP_ABI_VERSION as edgelin_step.h defines it (the one source of the number)."""
-    match = re.search(r"#define EDGELIN_STEP_ABI_VERSION (\d+)", (CUDA_DIR / "edgelin_step.h").read_text())
-    if match is None:
-        raise KernelError("edgelin_step.h has no EDGELIN_STEP_ABI_VERSION", "the header is damaged",
-                          "reinstall edgelin")
-    return int(match.group(1))
 
 
 def gencode_flags(archs: tuple[str, ...] | list[str]) -> list[str]:

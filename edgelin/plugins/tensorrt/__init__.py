@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgelin.errors import EdgelinError
+from edgelin.kernels.abi import CUDA_DIR
+from edgelin.kernels.abi import header_abi_version as step_abi_version  # the launcher ABI this edgelin speaks
 
 PLUGIN_DIR = Path(__file__).parent
-CUDA_DIR = PLUGIN_DIR.parent.parent / "kernels" / "cuda"
 # TensorRT 10.3 (JetPack 6: IPluginV3OneBuildV2 and aliasing) through 11.x
 SUPPORTED_MAJORS = (10, 11)
 # Ampere (80, 86), Orin (87), Ada (89), Hopper (90), Blackwell and Thor (100, 103, 110, 120, 121):
@@ -39,15 +40,6 @@ class LibraryInfo:
 
 def library_name(trt_major: int) -> str:
     return f"libedgelin_trt_plugin_trt{trt_major}.so"
-
-
-def step_abi_version() -> int:
-    """EDGELIN_STEP_ABI_VERSION from edgelin_step.h: the launcher ABI this edgelin speaks."""
-    match = re.search(r"#define EDGELIN_STEP_ABI_VERSION (\d+)", (CUDA_DIR / "edgelin_step.h").read_text())
-    if match is None:
-        raise EdgelinError("edgelin_step.h has no EDGELIN_STEP_ABI_VERSION", "the installed header is damaged",
-                           "reinstall edgelin")
-    return int(match.group(1))
 
 
 def header_version(trt_include: Path) -> tuple[int, int]:
