@@ -203,7 +203,7 @@ def test_profile_values_reach_the_settings():
     android = export_settings(get_device("android"), "onnx")
     assert android.threads == 4 and android.manifest_entry() == {
         "name": "android", "precision": "fp32", "state_dtype": "float32", "state_dim_multiple": 1, "threads": 4,
-        "target_options": {}}
+        "target_options": {}, "quantize": None, "block_size": 32}
 
 
 def test_target_the_device_does_not_list_is_refused():

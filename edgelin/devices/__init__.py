@@ -7,6 +7,7 @@ the same name. No device policy is coded here: the profiles are data, this modul
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import os
@@ -32,6 +33,7 @@ README = "edgelin/devices/README.md"
 KINDS = ("desktop", "jetson", "phone", "server")
 COMPUTES = ("cpu", "cuda", "ane", "gpu")
 PRECISIONS = ("fp32", "fp16")
+QUANTIZE = ("int8", "int4")  # weight-only quantisation (--quantize); the state and recurrence stay float
 STATE_DTYPES = ("float32", "float16")
 TARGETS = ("onnx", "tensorrt", "coreml")  # implemented or planned; the registry says which exist
 SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackwell (12.0)
@@ -229,18 +231,31 @@ class ExportSettings:
     target_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"sm": 87} for tensorrt
     threads: int = 0
     device: str | None = None  # the profile's name
+    quantize: str | None = None  # weight-only quantisation: None, "int8" or "int4" (--quantize)
+    block_size: int = 32  # weights per quantisation block (--block-size)
+    force: bool = False  # the user's --force: export past a failed quality or state-precision check
 
     def manifest_entry(self) -> dict[str, Any]:
         """manifest.json's extra["device"]: the profile and the choices it led to."""
         return {"name": self.device, "precision": self.precision, "state_dtype": self.state_dtype,
                 "state_dim_multiple": self.state_dim_multiple, "threads": self.threads,
-                "target_options": dict(self.target_options)}
+                "target_options": dict(self.target_options), "quantize": self.quantize,
+                "block_size": self.block_size}
 
 
-def export_settings(profile: DeviceProfile | None, target_name: str,
-                    precision_flag: str | None = None) -> ExportSettings:
+def export_settings(profile: DeviceProfile | None, target_name: str, precision_flag: str | None = None,
+                    quantize: str | None = None, block_size: int | None = None, force: bool = False) -> ExportSettings:
     """The export choices for `target_name` on `profile`: an explicit flag wins over the profile, the
-    profile over the defaults. A choice the target cannot write is refused, never silently replaced."""
+    profile over the defaults. A choice the target cannot write is refused, never silently replaced.
+    `quantize`/`block_size`: --quantize/--block-size; `force`: the user's --force (recorded, read by the
+    quality and state-precision checks that it overrides)."""
+    if quantize is not None and quantize not in QUANTIZE:
+        raise EdgelinError(f"--quantize {quantize}", f"weight quantisation must be one of: {', '.join(QUANTIZE)}"
+                           + _closest(quantize, QUANTIZE), "pass --quantize int8 or --quantize int4")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
+                                   or block_size < 16 or block_size & (block_size - 1)):
+        raise EdgelinError(f"--block-size {block_size}", "a quantisation block is a power of two >= 16 weights",
+                           "pass --block-size 32 (or 16, 64, 128)")
     if precision_flag is not None and precision_flag not in PRECISIONS:
         raise EdgelinError(f"--precision {precision_flag}", f"precision must be one of: {', '.join(PRECISIONS)}"
                            + _closest(precision_flag, PRECISIONS), "pass --precision fp32 or --precision fp16")
@@ -264,6 +279,13 @@ def export_settings(profile: DeviceProfile | None, target_name: str,
                            f"{settings.precision} {target_name} export lands with the edge-precision work",
                            f"pass --precision {limits['precision'][0]} to export {limits['precision'][0]} graphs"
                            + (f" for {settings.device}" if settings.device else ""))
+    if quantize is not None and quantize not in limits.get("quantize", ()):
+        takes = "/".join(limits.get("quantize", ())) or "no weight quantisation"
+        raise EdgelinError(f"--quantize {quantize} for the {target_name} target",
+                           f"the {target_name} target takes {takes}",
+                           "drop --quantize, or use --target onnx (int8/int4 through ONNX Runtime)")
+    settings = dataclasses.replace(settings, quantize=quantize, force=force,
+                                   **({"block_size": block_size} if block_size is not None else {}))
     if settings.state_dtype not in limits.get("state_dtype", STATE_DTYPES):
         raise EdgelinError(f"device {settings.device} asks for state_dtype {settings.state_dtype}, which the "
                            f"{target_name} target cannot export",
