@@ -29,7 +29,7 @@ from edgelin.devices import DeviceProfile
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, StateHandle
 from edgelin.export.manifest import Manifest
-from edgelin.runtime import open_runner, peak_rss_bytes, prefill, rss_bytes
+from edgelin.runtime import open_runner, peak_rss_bytes, prefill, rss_bytes, runner_label
 
 MAX_SECONDS = 3600.0  # a bench plan estimated to take longer is refused before it starts
 
@@ -56,6 +56,18 @@ class BenchReport:
     prefill_tokens_per_s: dict[str, float] = field(default_factory=dict)
     steps_tokens_per_s: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: int = 0
+    disk_bytes: dict[str, int] = field(default_factory=dict)  # every file of the folder (disk_usage)
+    runtime_bytes: int = 0  # what the runner loads: graphs + weights file (the manifest's graphs and weights)
+    load_rss_bytes: int = 0  # resident memory added by opening the runner and a first step + prefill
+    load_pss_bytes: int | None = None  # the same as PSS (Linux): a page mapped twice counts once
+    runner: str = ""  # which runtime ran it (edgelin.runtime.runner_label)
+
+    def footprint_line(self) -> str:
+        """One line for people: bytes on disk and in memory (method in load_memory's docstring)."""
+        pss = f", PSS +{human(self.load_pss_bytes)}" if self.load_pss_bytes is not None else ""
+        return (f"on disk: {human(self.runtime_bytes)} loaded by the runner (graphs + weights), "
+                f"{human(sum(self.disk_bytes.values()))} in the folder; in memory after loading and a first step "
+                f"+ prefill: RSS +{human(self.load_rss_bytes)}{pss}; peak RSS {human(self.peak_rss_bytes)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,6 +127,52 @@ def measure(runner: Runner, label: str, positions: list[int], batch: int, warmup
         nbytes = runner.manifest.state_bytes(batch, past=p)  # a growing cache holds p positions here
         report.positions.append(PositionResult(label, p, *np.percentile(ms, [50, 90, 99]).tolist(), nbytes,
                                                rss_bytes()))
+
+
+def disk_usage(folder: Path) -> dict[str, int]:
+    """Bytes on disk of every file under an export folder, by path relative to it."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def runtime_files(manifest: Manifest) -> list[str]:
+    """The files a runner loads: the graphs and, where the export shares one, the weights file."""
+    weights = manifest.extra.get("weights", {}).get("file")
+    return sorted({g.file for g in manifest.graphs.values()} | ({weights} if weights else set()))
+
+
+def pss_bytes() -> int | None:
+    """Proportional set size (Linux /proc/self/smaps_rollup; None elsewhere): like RSS, but a page
+    mapped several times (one weights file mapped by two sessions) counts once."""
+    try:
+        with open("/proc/self/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def load_memory(folder: Path, threads: int | None, device: "DeviceProfile | None") -> tuple[Runner, int, int | None]:
+    """(runner, RSS delta, PSS delta): resident memory added by opening the runner on `folder` and
+    running one step and one 16-token prefill (mapped weights are paged in as they are first read, so
+    a first call is needed to count them), measured as process RSS / PSS after minus before. The
+    runtime library is imported before the first reading: its code pages are not the model's."""
+    import contextlib
+    import importlib
+
+    for module in ("onnxruntime",):  # the ONNX family's runtime (a missing one is refused by open_runner)
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
+    rss, pss = rss_bytes(), pss_bytes()
+    runner = open_runner(folder, threads, device)  # refused here if this machine cannot run the target
+    state = runner.new_state(1)
+    position = np.zeros(1, np.int64) if runner.manifest.needs_position else None
+    runner.step(np.zeros(1, np.int64), state, position)
+    runner.prefill(np.zeros((1, 16), np.int64), state, None if position is None else position + 1)
+    after = pss_bytes()
+    return runner, rss_bytes() - rss, (after - pss) if after is not None and pss is not None else None
 
 
 def prefill_throughput(runner: Runner, tokens: int, batch: int, prefill_chunk: int, seed: int) -> tuple[float, float]:
@@ -258,10 +316,13 @@ def bench(
     if baseline not in (None, "kv"):
         raise EdgelinError(f"unknown baseline {baseline!r}", "the one baseline is a KV-cache model", "use --baseline kv")
     kv_chunk = min(prefill_chunk, 1024)  # full attention over a growing cache: smaller pieces bound the scores
-    runner = open_runner(folder, threads, device)  # refused here if this machine cannot run the target
+    runner, load_rss, load_pss = load_memory(folder, threads, device)
     available = available_memory()
     check_memory(runner.manifest, "edgelin", positions, batch, prefill_chunk, available)
     report = BenchReport(str(folder), runner.manifest.target, batch, threads)
+    report.disk_bytes = disk_usage(folder)
+    report.runtime_bytes = sum(report.disk_bytes.get(name, 0) for name in runtime_files(runner.manifest))
+    report.load_rss_bytes, report.load_pss_bytes = load_rss, load_pss
     kv = None
     if baseline == "kv":  # exported with the folder (export --baseline kv); its memory checked up front
         from edgelin.export.baselines import baseline_folder
@@ -282,4 +343,5 @@ def bench(
     if kv is not None:
         measure(kv, "kv-baseline", positions, batch, warmup, iters, kv_chunk, report, seed, on_progress)
     report.peak_rss_bytes = peak_rss_bytes()
+    report.runner = runner_label(runner)
     return report

@@ -29,7 +29,9 @@ _debug = {"on": bool(os.environ.get("EDGELIN_DEBUG"))}
 # Choices typer shows in --help and checks at parse time.
 TargetName = Literal[tuple(target_names())]  # type: ignore[valid-type]  # the registry, not a hand-kept list
 Precision = Literal["fp32", "fp16"]
+Quantize = Literal["int8", "int4"]
 Baseline = Literal["kv"]
+CoremlStyle = Literal["explicit", "mlstate"]
 
 
 class _Clean:
@@ -185,9 +187,9 @@ def families(out: Output, as_json: bool = JSON) -> None:
     rows = family_rows()
     out.result(rows)
     out.table("Layer families", ["family", "update rule", "decay", "readout", "state (per layer)", "targets",
-                                 "TensorRT step"],
+                                 "TensorRT step", "fp16 state"],
               [[r["family"], r["rule"], r["decay"], r["readout"], "\n".join(r["state"]), r["targets"],
-                r["tensorrt_step"]] for r in rows])
+                r["tensorrt_step"], r["fp16_state"]] for r in rows])
 
 
 @command
@@ -207,9 +209,24 @@ def inspect(
     checkpoint: Path = typer.Argument(..., help="Checkpoint directory (edgelin, fla or transformers format)."),
     as_json: bool = JSON,
 ) -> None:
-    """Detected architecture, family per layer, parameters, state bytes, and where it can go (or why not)."""
-    from edgelin.inspect import inspect_checkpoint
+    """Detected architecture, family per layer, parameters, state bytes, and where it can go (or why not);
+    on an export folder: its precision and bytes on disk."""
+    from edgelin.inspect import inspect_checkpoint, inspect_export
 
+    if (checkpoint / "manifest.json").is_file():  # an export folder (edgelin export wrote it)
+        exported = inspect_export(checkpoint)
+        out.result(exported.to_dict())
+        quantized = exported.quantization
+        out.line(Text.assemble((str(checkpoint), "bold"), f": {exported.target} export, precision "
+                               + ", ".join(f"{k} {v}" for k, v in exported.precision.items() if v is not None)
+                               + (f"; {quantized['bits']}-bit weights (block {quantized['block_size']}, "
+                                  f"{len(quantized['matrices'])} matrices)" if quantized else "")))
+        out.table("Bytes on disk", ["file", "bytes"], [[name, human_bytes(n)] for name, n in exported.files.items()])
+        out.line(f"loaded by the runner (graphs + weights): {human_bytes(exported.runtime_bytes)}; folder: "
+                 f"{human_bytes(exported.total_bytes)}" + (f"; {exported.weights['file']} is read by both graphs "
+                                                          f"({exported.weights['shared_tensors']} shared tensors)"
+                                                          if exported.weights else ""))
+        return
     report = inspect_checkpoint(checkpoint)
     out.result(report.to_dict())
     if not report.supported:
@@ -244,11 +261,29 @@ def export(
                                                                   "(`edgelin devices` lists them)."),
     precision: Optional[Precision] = typer.Option(None, "--precision",
                                                   help="Compute precision of the graphs (default: the device's, else fp32)."),
+    quantize: Optional[Quantize] = typer.Option(
+        None, "--quantize", help="Weight-only quantisation of the matmul weights (block-wise, ONNX Runtime's "
+                                 "MatMulNBits); embeddings, LM head, state and recurrence stay float."),
+    block_size: Optional[int] = typer.Option(None, "--block-size",
+                                             help="Weights per quantisation block with --quantize (a power of "
+                                                  "two >= 16) [32]."),
     no_tokenizer: bool = typer.Option(False, "--no-tokenizer",
                                       help="Export without a tokenizer (generate will then need one)."),
     baseline: Optional[Baseline] = typer.Option(
         None, "--baseline", help="Also export a same-size KV-cache softmax model into DIR/baseline-kv "
                                  "(for `bench --baseline kv`)."),
+    trt_inplace: bool = typer.Option(False, "--trt-inplace",
+                                     help="tensorrt: the step plugin updates the recurrent state in place (TensorRT's "
+                                          "aliased plugin I/O, a preview feature since 10.3)."),
+    coreml_style: Optional[CoremlStyle] = typer.Option(
+        None, "--coreml-style", help="coreml: explicit state inputs/outputs, or iOS 18 MLState (fp16 state) "
+                                     "(default: explicit)."),
+    prefill_lengths: Optional[str] = typer.Option(
+        None, "--prefill-lengths", help="coreml: prompt lengths with a prefill function each, comma-separated "
+                                        "(default: 16,64); other lengths are fed in those pieces, the tail by step."),
+    deployment_target: Optional[str] = typer.Option(
+        None, "--deployment-target", help="coreml: iOS18 (default; one package, shared weights), iOS16/iOS17/"
+                                          "macOS13/macOS14 (explicit style; one package per function), macOS15."),
     as_json: bool = JSON,
 ) -> None:
     """Export step + prefill graphs, reference vectors and manifest.json for a target."""
@@ -262,9 +297,31 @@ def export(
     from edgelin.export.pipeline import export_checkpoint
 
     profile = get_device(device) if device else None
-    settings = export_settings(profile, target, precision)  # refused here, before the checkpoint loads
+    if block_size is not None and quantize is None:
+        raise EdgelinError(f"--block-size {block_size} without --quantize", "the block size is a quantisation "
+                           "setting; unquantised weights have no blocks", "add --quantize int4 (or int8), or drop "
+                           "--block-size")
+    # Refused here, before the checkpoint loads.
+    settings = export_settings(profile, target, precision, quantize, block_size, force)
+    options = None
+    if trt_inplace:
+        if target != "tensorrt":
+            raise EdgelinError(f"--trt-inplace applies to --target tensorrt only, not {target}",
+                               "it sets the TensorRT step plugin's state aliasing", "drop --trt-inplace")
+        from edgelin.export.tensorrt_target import TensorrtOptions
+
+        options = TensorrtOptions(inplace=True)
+    coreml_given = [f for f, v in (("--coreml-style", coreml_style), ("--prefill-lengths", prefill_lengths),
+                                   ("--deployment-target", deployment_target)) if v is not None]
+    if target == "coreml":
+        from edgelin.export.coreml_target import cli_options
+
+        options, settings = cli_options(settings, precision, coreml_style, prefill_lengths, deployment_target)
+    elif coreml_given:
+        raise EdgelinError(f"{coreml_given[0]} applies to --target coreml only, not {target}",
+                           "it is a Core ML export option", f"drop {', '.join(coreml_given)}")
     with out.progress(f"exporting {checkpoint} to {target}"):
-        result = export_checkpoint(checkpoint, out_dir, target, force, profile,
+        result = export_checkpoint(checkpoint, out_dir, target, force, profile, options=options,
                                    include_tokenizer=not no_tokenizer, settings=settings,
                                    baselines=(baseline,) if baseline else ())
     for warning in result.warnings:
@@ -277,6 +334,14 @@ def export(
     out.line(f"state per sequence: {human_bytes(m.state_bytes(1))} "
              f"({'constant' if m.constant_memory else 'grows with context'}); "
              f"layers: {', '.join(layer['type'] for layer in m.layers)}")
+    weights, precision = m.extra.get("weights"), m.extra.get("precision", {})
+    if weights:
+        quantized = m.extra.get("quantization")
+        what = (f"{quantized['bits']}-bit matmul weights (block {quantized['block_size']}), others "
+                f"{precision.get('weights')}" if quantized else precision.get("weights", "?"))
+        total = sum(p.stat().st_size for p in result.folder.rglob("*") if p.is_file())
+        out.line(f"weights: {weights['file']} {human_bytes(weights['bytes'])} ({what}; {weights['shared_tensors']} "
+                 f"tensors read by both graphs); state and logits float32; folder {human_bytes(total)} on disk")
     recorded = m.extra.get("reference_vectors", {}).get("file")
     baselines = m.extra.get("baselines", {})
     out.line(f"reference vectors: {recorded} (`edgelin validate {result.folder}` replays them)"
@@ -298,23 +363,41 @@ def validate(
     seed: Optional[int] = typer.Option(None, min=0, help="With --against: seed of the random token sequences [0]."),
     rtol: Optional[float] = typer.Option(None, callback=POSITIVE,
                                          help="Max error relative to the reference's scale (default by precision)."),
+    text: Optional[Path] = typer.Option(
+        None, "--text", help="With --against: held-out UTF-8 text for the perplexity figure (default: the "
+                             "checkpoint's recipe validation split, else random tokens and top-1 only)."),
+    text_tokens: Optional[int] = typer.Option(None, "--text-tokens", min=64, max=1 << 16,  # quality.MIN_TEXT_TOKENS..
+                                              help="With --against: held-out tokens scored [512]."),
+    min_top1: Optional[float] = typer.Option(
+        None, "--min-top1", callback=_finite(0.0, 1.0),
+        help="Fail below this top-1 agreement with the fp32 reference, e.g. 0.95 (default by precision: "
+             "fp16/int8 0.95, int4 0.90, fp32 none)."),
+    max_ppl_change: Optional[float] = typer.Option(
+        None, "--max-ppl-change", callback=POSITIVE,
+        help="Fail above this relative perplexity increase over the fp32 reference, e.g. 0.05 = +5% (default by "
+             "precision: fp16 0.01, int8 0.02, int4 0.05, fp32 none)."),
     as_json: bool = JSON,
 ) -> None:
     """Replay the reference vectors recorded at export through the runner (no checkpoint, no torch), or with
-    --against CKPT roll out prefill + N steps and compare with PyTorch at every step."""
+    --against CKPT roll out prefill + N steps and compare with PyTorch at every step; then the quality
+    figures: top-1 agreement with the fp32 reference and perplexity on held-out text."""
     from edgelin.errors import ValidationFailed
+    from edgelin.quality import TEXT_TOKENS
 
     if against is None:
         from edgelin.replay import replay
 
         given = [flag for flag, value in (("--steps", steps), ("--prompt-len", prompt_len), ("--batch", batch),
-                                          ("--seed", seed)) if value is not None]
+                                          ("--seed", seed), ("--text", text), ("--text-tokens", text_tokens))
+                 if value is not None]
         if given:
             raise EdgelinError(f"{given[0]} applies to --against only", "without --against, validate replays the "
-                               "prompt, steps and batch sizes recorded at export",
+                               "prompt, steps, batch sizes and held-out text recorded at export (the reference's "
+                               "log-likelihoods on other text need the checkpoint)",
                                f"drop {', '.join(given)}, or add --against CKPT for a check of any length")
         with out.progress("validating") as update:
-            report = replay(folder, rtol, on_progress=lambda message: update(description=message))
+            report = replay(folder, rtol, on_progress=lambda message: update(description=message),
+                            min_top1=min_top1, max_ppl_change=max_ppl_change)
     else:
         try:
             from edgelin.validate import validate as run_validate
@@ -326,7 +409,9 @@ def validate(
         steps, prompt_len = steps or 512, prompt_len or 32
         with out.progress("validating", total=2 * prompt_len + steps) as update:
             report = run_validate(folder, steps, prompt_len, batch or 2, seed or 0, rtol, against,
-                                  on_progress=lambda done, total: update(done))
+                                  on_progress=lambda done, total: update(done), text=text,
+                                  text_tokens=text_tokens or TEXT_TOKENS, min_top1=min_top1,
+                                  max_ppl_change=max_ppl_change)
     out.result(report.to_dict())
     batches = " and ".join(str(b) for b in report.batches)
     out.table(f"{folder}: {report.target} {report.precision} against {report.against}, batch {batches}, "
@@ -334,13 +419,50 @@ def validate(
               ["check", "batch", "output", "max abs", "max rel", "worst step", "result"],
               [[m.check, m.batch, m.output, m.max_abs, m.max_rel, "-" if m.worst_step is None else m.worst_step,
                 styled("ok", "green") if m.passed else styled("FAIL", "bold red")] for m in report.metrics])
+    _quality_table(out, report)
+    out.line(f"runner: {report.runner}")
+    checks = len(report.metrics) + len(report.quality_checks)
     if not report.passed:
-        names = ", ".join(f"{m.check}/{m.output}" + (f"@{m.batch}" if len(report.batches) > 1 else "")
-                          for m in report.failures[:5])
-        raise ValidationFailed(f"{len(report.failures)} of {len(report.metrics)} checks failed ({names})",
-                               f"errors exceed {report.threshold:g} of the reference's scale",
-                               "inspect the table; re-export, or loosen --rtol only if the precision warrants it")
-    out.line(Text.assemble((f"all {len(report.metrics)} checks passed", "green"), f" in {report.seconds:.1f} s"))
+        failed = report.failures
+        names = ", ".join([f"{m.check}/{m.output}" + (f"@{m.batch}" if len(report.batches) > 1 else "")
+                           for m in failed[:5]] + [c.name for c in report.quality_failures])
+        why = "; ".join(([f"errors exceed {report.threshold:g} of the reference's scale"] if failed else [])
+                        + [c.describe() + " (the bound)" for c in report.quality_failures])
+        fix = "; ".join((["inspect the table; re-export, or loosen --rtol only if the precision warrants it"]
+                         if failed else [])
+                        + (["re-export with a gentler precision (fp16 or int8 weights), or loosen --min-top1/"
+                            "--max-ppl-change only if the use warrants it"] if report.quality_failures else []))
+        raise ValidationFailed(f"{len(failed) + len(report.quality_failures)} of {checks} checks failed ({names})",
+                               why, fix)
+    out.line(Text.assemble((f"all {checks} checks passed", "green"), f" in {report.seconds:.1f} s"))
+
+
+def _quality_table(out: Output, report: Any) -> None:
+    """validate's quality figures (edgelin/quality.py) under the parity table; a note when unmeasured."""
+    q = report.quality
+    if q is None:
+        if report.quality_note:
+            out.line(report.quality_note)  # stdout: part of the report (stderr holds only the error line)
+        return
+    bound = {c.name: c for c in report.quality_checks}
+
+    def verdict(name: str) -> list[Any]:
+        check = bound.get(name)
+        if check is None:
+            return ["-", "-"]
+        op = ">=" if check.kind == "min" else "<="
+        return [f"{op} {check.bound:.2%}", styled("ok", "green") if check.passed else styled("FAIL", "bold red")]
+
+    rows = [[f"top-1 agreement ({q.greedy_steps} greedy steps)", f"{q.top1:.2%}", "-", *verdict("top-1 agreement")]]
+    if q.perplexity is not None:
+        rows += [[f"top-1 agreement ({q.text_tokens} held-out tokens)", f"{q.text_top1:.2%}", "-", "-", "-"],
+                 [f"perplexity ({q.text_tokens} held-out tokens)", f"{q.perplexity:.4g}",
+                  f"{q.reference_perplexity:.4g}", "-", "-"],
+                 ["perplexity change", f"{q.perplexity_change:+.2%}", "-", *verdict("perplexity change")]]
+    out.table(f"quality vs the fp32 reference ({report.precision} export; held-out text: {q.source})",
+              ["figure", "export", "reference", "bound", "result"], rows)
+    if report.quality_note:
+        out.line(report.quality_note)
 
 
 @command
@@ -381,7 +503,8 @@ def bench(
         steps = report.steps_tokens_per_s[label]
         out.line(f"{label}: prefill {tps:,.0f} tok/s vs token-by-token steps {steps:,.0f} tok/s over "
                  f"{report.prefill_tokens} tokens ({tps / steps:.1f}x)")
-    out.line(f"peak RSS {human_bytes(report.peak_rss_bytes)}")
+    out.line(report.footprint_line())  # bytes on disk and in memory (edgelin.bench.load_memory: the method)
+    out.line(f"runner: {report.runner}")
 
 
 @command
@@ -420,7 +543,7 @@ def generate(
     out.result(result.to_dict())
     out.note(f"{result.new_tokens} tokens, {result.tokens_per_second:,.0f} tok/s, prefill "
              f"{result.prompt_tokens} tokens in {result.prefill_seconds * 1e3:.1f} ms, RSS "
-             f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}")
+             f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}; runner: {result.runner}")
 
 
 @command

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from edgelin.errors import EdgelinError
-from edgelin.runtime import open_runner, prefill, rss_bytes
+from edgelin.runtime import open_runner, prefill, rss_bytes, runner_label
 from edgelin.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
@@ -82,6 +82,7 @@ class GenerateResult:
     rss_end_bytes: int
     token_ids: list[int] | None
     text: str | None
+    runner: str = ""  # which runtime ran it (edgelin.runtime.runner_label)
 
     @property
     def tokens_per_second(self) -> float:
@@ -153,4 +154,5 @@ def generate(
             rss_start = rss_bytes()
     decode_seconds = time.perf_counter() - started
     text = tokenizer.decode(kept) if kept is not None else None
-    return GenerateResult(len(ids), produced, prefill_seconds, decode_seconds, rss_start, rss_bytes(), kept, text)
+    return GenerateResult(len(ids), produced, prefill_seconds, decode_seconds, rss_start, rss_bytes(), kept, text,
+                          runner_label(runner))

@@ -62,7 +62,9 @@ def _placements(model: CausalLM) -> list[dict]:
             reason = target.supports(model, device) or (None if export_phase.ok else export_phase.reason)
             if reason is None:  # what the profile asks (precision, state dtype, dim multiples): as export decides
                 try:
-                    check_state_dims(model.state_tensors(), export_settings(device, name))
+                    settings = export_settings(device, name)
+                    if not getattr(target, "pads_state_dims", False):  # Core ML pads the state instead
+                        check_state_dims(model.state_tensors(), settings)
                 except EdgelinError as exc:
                     reason = f"{exc.why} ({exc.fix})"
             rows.append({"device": device.name, "target": name, "ok": reason is None, "reason": reason})
@@ -101,3 +103,32 @@ def tokenizer_warnings(path: Path, status: str) -> list[str]:
     if status.startswith("corrupt"):
         return [f"{path / TOKENIZER} is {status}: export refuses it; repair it or pass --no-tokenizer"]
     return []
+
+
+@dataclass
+class ExportInspectReport:
+    """`edgelin inspect DIR` on an export folder: what it holds and its bytes on disk (no runtime needed)."""
+
+    path: str
+    target: str
+    precision: dict  # manifest extra["precision"]: the dtype of weights, compute, recurrence, state, logits
+    quantization: dict | None
+    files: dict[str, int]  # every file under the folder -> bytes
+    runtime_bytes: int  # what a runner loads: graphs + weights file
+    total_bytes: int
+    weights: dict | None  # manifest extra["weights"]: the one weights file both graphs read
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def inspect_export(folder: Path) -> ExportInspectReport:
+    from edgelin.bench import disk_usage, runtime_files
+    from edgelin.export.manifest import Manifest
+
+    manifest = Manifest.load(folder)  # checked: a malformed or inconsistent manifest is one line
+    files = disk_usage(folder)
+    precision = manifest.extra.get("precision") or {"graphs": manifest.precision}
+    return ExportInspectReport(str(folder), manifest.target, precision, manifest.extra.get("quantization"), files,
+                               sum(files.get(name, 0) for name in runtime_files(manifest)), sum(files.values()),
+                               manifest.extra.get("weights"))

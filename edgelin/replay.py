@@ -9,6 +9,9 @@ every step and its state tensors at a few checkpoints. Checks, per batch, every 
   rollout           N runner steps fed their own state: logits at every step, and every state
                     tensor at the recorded steps
   prefill-vs-steps  runner steps from the empty state over the prompt vs the runner's prefill
+  quality           top-1 agreement over the reference's greedy rollout and perplexity on held-out
+                    text, artifact vs the recorded fp32 reference (edgelin/quality.py), checked
+                    against bounds for fp16 and quantised exports
 
 Errors are max |runner - reference| / max |reference| per output (as `validate --against`, which
 reloads the checkpoint and runs torch: edgelin/validate.py). The report types live here so that the
@@ -29,9 +32,11 @@ import numpy as np
 
 from edgelin.errors import EdgelinError
 from edgelin.export.manifest import MANIFEST, Manifest
-from edgelin.export.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, batch_key, sha256_of,
-                                              state_key, threshold_for)
+from edgelin.export.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, QUALITY, batch_key,
+                                              sha256_of, state_key, threshold_for)
 from edgelin.export.state import output_name_for
+from edgelin.quality import (QualityCheck, QualityFigures, QualityReference, evaluate, measure, precision_key,
+                             resolve_bounds)
 
 FIX = "re-export, or validate against the checkpoint with --against CKPT"
 
@@ -80,18 +85,37 @@ class ValidationReport:
     threshold: float
     metrics: list[Metric] = field(default_factory=list)
     seconds: float = 0.0
+    quality: QualityFigures | None = None  # None: not measured (quality_note says why)
+    quality_checks: list[QualityCheck] = field(default_factory=list)
+    quality_note: str | None = None
+    runner: str = ""  # which runtime ran it (edgelin.runtime.runner_label)
 
     @property
     def passed(self) -> bool:
-        return all(m.passed for m in self.metrics)
+        return all(m.passed for m in self.metrics) and all(c.passed for c in self.quality_checks)
 
     @property
     def failures(self) -> list[Metric]:
         return [m for m in self.metrics if not m.passed]
 
+    @property
+    def quality_failures(self) -> list[QualityCheck]:
+        return [c for c in self.quality_checks if not c.passed]
+
+    def set_quality(self, figures: QualityFigures, min_top1: float | None, max_ppl_change: float | None) -> None:
+        """Record the figures and check them against the bounds (the precision's defaults, or the options)."""
+        bounds = resolve_bounds(self.precision, min_top1, max_ppl_change)
+        self.quality, self.quality_checks = figures, evaluate(figures, bounds)
+        if figures.perplexity is None:
+            self.quality_note = (f"perplexity: not measured on {figures.source}, whose perplexity says nothing "
+                                 "about a model (held-out text: export from a recipe checkpoint, or validate "
+                                 "--against CKPT --text FILE)")
+
     def to_dict(self) -> dict:
-        data = {k: v for k, v in asdict(self).items() if k != "metrics"}
-        return {**data, "passed": self.passed, "metrics": [m.to_dict() for m in self.metrics]}
+        data = {k: v for k, v in asdict(self).items() if k not in ("metrics", "quality", "quality_checks")}
+        quality = None if self.quality is None else {**self.quality.to_dict(),
+                                                     "checks": [c.to_dict() for c in self.quality_checks]}
+        return {**data, "passed": self.passed, "metrics": [m.to_dict() for m in self.metrics], "quality": quality}
 
 
 class Checks:
@@ -119,6 +143,7 @@ class ReferenceVectors:
     path: Path
     meta: dict[str, Any]
     arrays: dict[str, np.ndarray]
+    quality: QualityReference | None = None  # None: recorded before the quality figures existed
 
     @property
     def prompt_len(self) -> int:
@@ -165,7 +190,9 @@ def load_vectors(folder: Path, manifest: Manifest) -> ReferenceVectors:
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
             raise ValueError(f"format {meta.get('format')!r} version {meta.get('version')!r}, expected {FORMAT!r} "
                              f"version {FORMAT_VERSION}")
-        vectors = ReferenceVectors(path, meta, arrays)
+        quality = (QualityReference.from_arrays(arrays, QUALITY, meta["quality"], manifest.vocab_size)
+                   if "quality" in meta else None)
+        vectors = ReferenceVectors(path, meta, arrays, quality)
         _check_shapes(vectors, manifest)
     except (KeyError, TypeError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
         raise EdgelinError(f"reference vectors {path} are corrupt", f"{type(exc).__name__}: {exc}", FIX) from exc
@@ -200,18 +227,38 @@ def _check_shapes(vectors: ReferenceVectors, manifest: Manifest) -> None:
 
 
 # ---- the replay ------------------------------------------------------------------------------------
+def _runner(folder: Path, threads: int | None):
+    """(runner, what it replays against): the folder's runner; where its target cannot run here but can
+    check its conversion (Core ML off macOS: the package's MIL program in numpy), that check's runner."""
+    from edgelin.export.targets import get_target
+    from edgelin.runtime import load_artifact, open_runner
+
+    artifact = load_artifact(folder)
+    target = get_target(artifact.manifest.target)
+    check = getattr(target, "conversion_runner", None)
+    if check is not None and not target.can_run().ok:
+        return check(artifact), ("reference vectors, through the converted program evaluated in numpy (a check of "
+                                 "the conversion, not of the target's runtime)")
+    return open_runner(folder, threads=threads), "reference vectors"
+
+
 def replay(folder: Path, rtol: float | None = None, threads: int | None = None,
-           on_progress: Callable[[str], None] | None = None) -> ValidationReport:
-    """Replay the recorded prompt and steps at every recorded batch size; never raises for a mismatch
-    (the report says which checks failed), only for a folder or file it cannot use."""
-    from edgelin.runtime import open_runner
+           on_progress: Callable[[str], None] | None = None, min_top1: float | None = None,
+           max_ppl_change: float | None = None) -> ValidationReport:
+    """Replay the recorded prompt and steps at every recorded batch size, then measure the quality
+    figures; never raises for a mismatch (the report says which checks failed), only for a folder or
+    file it cannot use. `min_top1`/`max_ppl_change`: quality bounds (default: the precision's)."""
+    from edgelin.export.targets import get_target
+    from edgelin.runtime import runner_label
 
     started = time.perf_counter()
-    runner = open_runner(folder, threads=threads)
+    runner, against = _runner(folder, threads)
     manifest = runner.manifest
     vectors = load_vectors(folder, manifest)
-    threshold = rtol if rtol is not None else float(vectors.meta.get("threshold", threshold_for(manifest.precision)))
-    report = ValidationReport(str(folder), manifest.target, manifest.precision, "reference vectors", vectors.batches,
+    # By the saved manifest's precision and quantisation (what the folder is), not the recorded meta.
+    key = precision_key(manifest)
+    threshold = rtol if rtol is not None else threshold_for(key)
+    report = ValidationReport(str(folder), manifest.target, key, against, vectors.batches,
                               vectors.prompt_len, vectors.steps, threshold)
     check = Checks(threshold)
     names = [t.name for t in manifest.state_inputs]
@@ -240,5 +287,14 @@ def replay(folder: Path, rtol: float | None = None, threads: int | None = None,
         check("prefill-vs-steps", "logits", logits, prefill_logits, batch=batch)
         check.states("prefill-vs-steps", runner.read_state(state), prefill_state, batch=batch)
     report.metrics = list(check.metrics.values())
+    if vectors.quality is None:
+        report.quality_note = ("quality figures not recorded: this folder was exported before edgelin recorded "
+                               "them; re-export, or validate --against CKPT")
+    elif not get_target(manifest.target).can_run().ok:  # a numpy conversion check: 1,000 steps would crawl
+        report.quality_note = ("quality figures: not measured by the conversion check; validate on the device "
+                               "that runs the target measures them")
+    else:
+        report.set_quality(measure(runner, vectors.quality, on_progress), min_top1, max_ppl_change)
     report.seconds = time.perf_counter() - started
+    report.runner = runner_label(runner)  # after the run: a TensorRT runner's label says how its steps went
     return report

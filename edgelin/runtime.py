@@ -35,6 +35,15 @@ def open_runner(folder: Path, threads: int | None = None, device: "DeviceProfile
     return target.runner(artifact, device, threads or None)
 
 
+def runner_label(runner: Runner) -> str:
+    """Which runtime a runner runs (reports print it as `runner: ...`): its own label (the tensorrt
+    target's: "tensorrt engine (...)" or "onnxruntime (plugin functions); ..."), else its target's runtime."""
+    label = getattr(runner, "label", None)
+    if label:
+        return str(label)
+    return {"onnx": "onnxruntime"}.get(runner.manifest.target, runner.manifest.target)
+
+
 def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, start: int = 0,
             chunk: int = 2048) -> tuple[np.ndarray, StateHandle]:
     """Prefill ids [B, T] in pieces of at most `chunk` tokens (bounded memory for any T), from `state`

@@ -10,6 +10,9 @@ Checks, every one reported (not just the first failure):
                     at every position, state vs the reference step rollout at every step
   final             state after the rollout vs the reference chunked forward over the whole sequence
   prefill-vs-steps  exported steps from the empty state over the prompt vs exported prefill
+  quality           top-1 agreement over the reference's greedy rollout and perplexity on held-out
+                    text (--text FILE, else the checkpoint's recipe validation split, else random
+                    tokens: top-1 only), the reference computed here (edgelin/quality.py)
 
 The rollout streams: the reference's chunked forward runs window by window carrying its state, so
 memory stays flat however many steps are validated.
@@ -27,10 +30,11 @@ import torch
 from edgelin.checkpoint import checkpoint_hash, load_model
 from edgelin.errors import EdgelinError
 from edgelin.export.manifest import Manifest
-from edgelin.export.reference_vectors import flat_state, threshold_for
+from edgelin.export.reference_vectors import flat_state, held_out_text, reference_quality, threshold_for
 from edgelin.model.lm import CausalLM
+from edgelin.quality import TEXT_TOKENS, measure, precision_key
 from edgelin.replay import Checks, ValidationReport
-from edgelin.runtime import open_runner
+from edgelin.runtime import open_runner, runner_label
 
 # The rollout is compared window by window: reference logits for at most this many bytes (and
 # positions) at a time, whatever the step count.
@@ -59,8 +63,14 @@ def validate(
     rtol: float | None = None,
     against: Path | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    text: Path | None = None,
+    text_tokens: int = TEXT_TOKENS,
+    min_top1: float | None = None,
+    max_ppl_change: float | None = None,
 ) -> ValidationReport:
-    """The full check against the checkpoint `against` (None: the one the manifest names)."""
+    """The full check against the checkpoint `against` (None: the one the manifest names). `text`:
+    held-out text for the perplexity (at most `text_tokens` tokens); `min_top1`/`max_ppl_change`:
+    quality bounds (default: the precision's, edgelin.quality.BOUNDS)."""
     if steps < 1 or prompt_len < 1 or batch < 1:
         raise EdgelinError("--steps, --prompt-len and --batch must be >= 1", "nothing to compare otherwise",
                            "pass positive values")
@@ -69,11 +79,13 @@ def validate(
     # worker threads would take the cores torch is about to use (3x slower on 2 cores).
     runner = open_runner(folder, threads=1)
     manifest = runner.manifest
-    model = load_reference(manifest, against)
-    threshold = rtol if rtol is not None else threshold_for(manifest.precision)
     source = str(against) if against else str(manifest.source["path"])
-    report = ValidationReport(str(folder), manifest.target, manifest.precision, source, [batch], prompt_len, steps,
-                              threshold)
+    # --text is read (and refused) before the long part
+    text_ids, text_source = held_out_text(manifest, Path(folder), text, text_tokens, Path(source))
+    model = load_reference(manifest, against)
+    key = precision_key(manifest)
+    threshold = rtol if rtol is not None else threshold_for(key)
+    report = ValidationReport(str(folder), manifest.target, key, source, [batch], prompt_len, steps, threshold)
     check = Checks(threshold)
 
     # Streamed in windows so memory stays flat in the step count: ids are drawn per window, and the
@@ -116,5 +128,9 @@ def validate(
         check("prefill-vs-steps", "logits", logits, prefill_logits, batch=batch)
         check.states("prefill-vs-steps", runner.read_state(handle), prefill_state, batch=batch)
     report.metrics = list(check.metrics.values())
+    reference = reference_quality(model, vocab, text_ids, text_source, seed)
+    report.set_quality(measure(runner, reference), min_top1, max_ppl_change)
     report.seconds = time.perf_counter() - started
+    report.runner = runner_label(runner)
     return report
+

@@ -247,6 +247,7 @@ def test_force_replaces_an_export_with_its_baseline_but_not_a_foreign_folder(exp
     from edgelin.export import onnx_target
 
     monkeypatch.setattr(onnx_target, "export_onnx_graph", lambda *a: Path(a[4]).write_bytes(b"fake graph"))
+    monkeypatch.setattr(onnx_target, "finish_graphs", lambda *a, **k: {})  # no weights to share out of fakes
     ckpt, folder = export
     out = copy_with(folder, tmp_path / "out")
     assert run("export", ckpt, "--out", out, "--force", "--baseline", "kv").exit_code == 0

@@ -54,7 +54,7 @@ def exported(tmp_path_factory):
 def test_export_writes_graphs_manifest_tokenizer(exported):
     _, _, out = exported
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "prefill.onnx", "reference.npz", "step.onnx",
-                                                     "tokenizer.json"]
+                                                     "tokenizer.json", "weights.bin"]
 
 
 def test_validate_json_reports_every_check(exported):

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from conftest import family_layers, tiny_config
 from edgelin.cli import app
-from edgelin.devices import (DEVICES_DIR, FIELDS, ExportSettings, check_state_dims, export_settings, get_device,
-                             load_devices)
+from edgelin.devices import (DEVICES_DIR, FIELDS, TARGET_LIMITS, ExportSettings, check_state_dims, export_settings,
+                             get_device, load_devices)
 from edgelin.errors import EdgelinError
 from edgelin.model.lm import CausalLM
 
@@ -169,14 +169,24 @@ def test_no_profile_keeps_todays_defaults():
     assert export_settings(None, "onnx", "fp32").precision == "fp32"
 
 
-def test_fp16_profile_with_onnx_is_refused_not_exported_as_fp32():
+def test_fp16_profile_with_onnx_exports_fp16_graphs():
+    # ONNX writes fp16 graphs (issue 11): the profile's precision is taken, never silently dropped to fp32
+    orin = export_settings(get_device("jetson-orin"), "onnx")
+    assert (orin.precision, orin.state_dtype, orin.quantize) == ("fp16", "float32", None)
+    assert export_settings(get_device("desktop-gpu"), "onnx").precision == "fp16"
+
+
+def test_a_precision_the_target_cannot_write_is_refused_with_what_it_can(monkeypatch):
+    # a target that writes fp32 only (as onnx did before issue 11): the profile's fp16 is refused, not replaced
+    monkeypatch.setitem(TARGET_LIMITS, "onnx", {"precision": ("fp32",), "state_dtype": ("float32",)})
     with pytest.raises(EdgelinError) as info:
         export_settings(get_device("jetson-orin"), "onnx")
     line = info.value.line()
     assert line.startswith("device jetson-orin asks for precision fp16 (its profile's default), which the onnx "
                            "target cannot export: ")
-    assert "fp16 onnx export lands with the edge-precision work" in line
     assert line.endswith("Fix: pass --precision fp32 to export fp32 graphs for jetson-orin")
+    with pytest.raises(EdgelinError, match="--precision fp16, which the onnx target cannot export"):
+        export_settings(get_device("android"), "onnx", "fp16")  # a flag the target refuses is named as a flag
 
 
 def test_flags_override_the_profile():
@@ -184,16 +194,15 @@ def test_flags_override_the_profile():
     settings = export_settings(orin, "onnx", "fp32")
     assert (settings.precision, settings.state_dtype, settings.device) == ("fp32", "float32", "jetson-orin")
     assert export_settings(orin, "tensorrt", "fp32").precision == "fp32"
-    with pytest.raises(EdgelinError, match="--precision fp16, which the onnx target cannot export"):
-        export_settings(get_device("android"), "onnx", "fp16")  # a flag the target refuses is named as a flag
+    assert export_settings(get_device("android"), "onnx", "fp16").precision == "fp16"  # the flag wins
     with pytest.raises(EdgelinError, match="--precision int8: precision must be one of: fp32, fp16"):
         export_settings(orin, "onnx", "int8")
 
 
 def test_profile_values_reach_the_settings():
-    # jetson-orin asks fp16; the tensorrt target writes fp32 plugin graphs today, so the flag is needed
-    with pytest.raises(EdgelinError, match="device jetson-orin asks for precision fp16"):
-        export_settings(get_device("jetson-orin"), "tensorrt")
+    # jetson-orin asks fp16, which the tensorrt target exports (fp16 graphs, the plugin's state fp32)
+    orin16 = export_settings(get_device("jetson-orin"), "tensorrt")
+    assert (orin16.precision, orin16.state_dtype) == ("fp16", "float32")
     trt = export_settings(get_device("jetson-orin"), "tensorrt", "fp32")
     assert (trt.precision, trt.state_dtype, trt.target_options) == ("fp32", "float32", {"sm": 87})
     assert export_settings(get_device("desktop-gpu"), "tensorrt", "fp32").target_options == {"sm": 90}

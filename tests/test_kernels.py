@@ -298,6 +298,54 @@ def test_cuda_kernel_compiles_for_every_target_arch(cuda_object):
         assert f"sm_{arch}" in listing.stdout, f"no sm_{arch} code in the object"
 
 
+def input_waits_before_state_loads(sass: str) -> dict[str, int]:
+    """Per step-kernel instance with 16-byte state loads: the instructions before its last state load
+    (LDG.E.128) that wait on a scoreboard last set by another global load (q, k, v, g, beta). Each
+    such wait costs every CTA one memory round trip before its state is requested (issue 12). SASS of
+    sm_70 and later: cuobjdump prints each instruction as two 64-bit words, the second holding the
+    control bits (scoreboard set: bits 46-48, 7 = none; scoreboards waited on: mask in bits 52-57)."""
+    import re
+
+    found = {}
+    for block in sass.split("Function : ")[1:]:
+        lines = block.splitlines()
+        code = []
+        for line, nxt in zip(lines, lines[1:]):
+            m = re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?);\s*/\* 0x[0-9a-f]+ \*/", line)
+            hi = re.search(r"/\* (0x[0-9a-f]+) \*/", nxt)
+            if m and hi:
+                bits = int(hi.group(1), 16)
+                code.append((m.group(1), (bits >> 46) & 7, (bits >> 52) & 0x3F))
+        state = [i for i, (text, _, _) in enumerate(code) if "LDG.E.128" in text]
+        if not state:
+            continue  # the unvectorised instances load the state as scalars: nothing to tell apart
+        setter, waits = {}, 0
+        for text, board, mask in code[:state[-1]]:
+            waits += any(mask >> b & 1 and setter.get(b) == "input" for b in range(6))
+            if board != 7:
+                setter[board] = "state" if "LDG.E.128" in text else "input" if "LDG" in text else "other"
+        found[f"{lines[0].strip()} #{len(found)}"] = waits
+    return found
+
+
+def test_cuda_kernel_requests_the_state_before_waiting_on_inputs(cuda_object):
+    """Regression (issue 12): ptxas had hoisted the q/k/g loads, their conversions and exp(g) above the
+    state loads, so each CTA paid two memory round trips (77-88% of copy bandwidth at B=256). The
+    kernel now issues every state load before anything waits on an input load, for every arch."""
+    import triton
+
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = shutil.which("cuobjdump") or (bundled if os.path.exists(bundled) else None)
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found (CUDA toolkit or triton's bundled copy)")
+    dump = subprocess.run([cuobjdump, "-sass", str(cuda_object)], capture_output=True, text=True)
+    assert dump.returncode == 0, dump.stderr[-2000:]
+    waits = input_waits_before_state_loads(dump.stdout)
+    assert len(waits) >= 4 * 50, f"expected the vectorised instances of 4 archs, found {len(waits)}"
+    late = {name: n for name, n in waits.items() if n}
+    assert not late, f"{len(late)} instances wait on an input load before their last state load: {list(late)[:3]}"
+
+
 LAUNCHER_CHECK = r"""
 #include <stdio.h>
 #include "edgelin_step.h"

@@ -55,8 +55,11 @@ def test_export_writes_the_engine_path(exported):
     py_compile.compile(str(trt / "build_engine.py"), cfile=str(folder.parent / "be.pyc"), doraise=True)
     text = (trt / "build_engine.py").read_text()
     assert "load_library" in text and "import torch" not in text and "import edgelin" not in text
-    assert '"input_ids": [[1, 1], [1, 128], [8, 2048]]' in text  # prefill's profile
+    assert '"input_ids": [[1, 1], [1, 128], [8, 2048]]' in text  # prefill's full profile
     assert '"past_key_values.2.recurrent_state": [[1, 2, 8, 8], [1, 2, 8, 8], [8, 2, 8, 8]]' in text
+    assert "INPLACE = False" in text  # exported without --trt-inplace: no aliasing, no preview feature
+    spec = json.loads((trt / "engines.json").read_text())
+    assert spec["inplace"] is False and spec["graphs"]["step"]["aliased"] == {}
 
 
 def test_commands_have_the_shapes_written_out(exported):
@@ -75,6 +78,7 @@ def test_commands_have_the_shapes_written_out(exported):
             "past_key_values.2.recurrent_state:[1,2,8,8]")
     lines = text.splitlines()
     assert step in lines and prefill in lines and poly in lines
+    assert "--preview" not in text
 
 
 @pytest.mark.slow
@@ -132,13 +136,18 @@ def test_engine_builds_and_matches_onnxruntime(exported, tmp_path):
     include = os.environ.get("TENSORRT_INCLUDE_DIR")
     result = build_folder(folder, None, Path(include) if include else None)
     assert result.missing is None and result.files["step"] == "step.engine"
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    trt.get_plugin_registry().load_library(str(folder / f"tensorrt/libedgelin_trt_plugin_trt{major}.so"))
-    assert runtime.deserialize_cuda_engine((folder / "step.engine").read_bytes()) is not None
-    # No TensorRT runner yet: the vectors replay through ONNX Runtime on the same step.onnx
+    # The folder now opens on the TensorRT runner (engines, plugin, device buffers, CUDA graph steps),
+    # and the recorded vectors replay through it at batch 1 and 3.
+    from edgelin.export.tensorrt_runtime import TRT_LABEL, TensorrtRunner
     from edgelin.replay import replay
+    from edgelin.runtime import open_runner
 
-    assert replay(folder, rtol=1e-5).passed
+    runner = open_runner(folder)
+    assert isinstance(runner, TensorrtRunner)
+    report = replay(folder, rtol=1e-4)
+    assert report.passed, [m for m in report.metrics if not m.passed]
+    assert report.runner.startswith(TRT_LABEL), report.runner
+    print(report.runner)  # whether TensorRT took the CUDA graph capture
 
 
 @pytest.mark.slow  # ~35 s: a transformers model through the full export

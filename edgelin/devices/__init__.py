@@ -41,8 +41,10 @@ SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackw
 # What each implemented target can write today. fp16 ONNX graphs land with the edge-precision work;
 # a planned target (tensorrt, coreml) is refused by the target registry before this matters.
 TARGET_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
-    "onnx": {"precision": ("fp32",), "state_dtype": ("float32",)},
-    "tensorrt": {"precision": ("fp32",), "state_dtype": ("float32",)},  # fp32 plugin graphs; fp32 state always
+    "onnx": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",), "quantize": ("int8", "int4")},
+    "tensorrt": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",)},  # the plugin's state: fp32 always
+    # Core ML: fp16 or fp32 compute; float32 state (explicit style) or float16 (explicit, or MLState: fp16 only)
+    "coreml": {"precision": ("fp16", "fp32"), "state_dtype": ("float32", "float16")},
 }
 # The profile fields each target reads as its options (README.md: "what reads it").
 TARGET_OPTIONS: dict[str, tuple[str, ...]] = {"onnx": (), "tensorrt": ("sm",), "coreml": ("compute",)}
@@ -298,7 +300,7 @@ def export_settings(profile: DeviceProfile | None, target_name: str, precision_f
 def check_state_dims(layers: Sequence[Sequence["StateTensor"]], settings: ExportSettings) -> None:
     """A profile's state_dim_multiple is met (the innermost dim of every state tensor, the width the
     Neural Engine tiles: coremltools#2631) or the export is refused with the dims that miss it.
-    Padding the state up to the multiple is later work of the Core ML target."""
+    Targets that pad the state up to the multiple instead (Core ML: `pads_state_dims`) skip this check."""
     m = settings.state_dim_multiple
     if m <= 1:
         return
@@ -309,4 +311,4 @@ def check_state_dims(layers: Sequence[Sequence["StateTensor"]], settings: Export
         raise EdgelinError(f"device {settings.device} needs state widths that are multiples of {m}",
                            f"these are not: {shown} (the innermost dim of each state tensor)",
                            f"export a model whose head and conv widths are multiples of {m}, or pick another "
-                           "--device (padding the state is planned with the Core ML target)")
+                           "--device, or --target coreml (which pads the state with zeros)")

@@ -328,11 +328,19 @@ class Target(ABC):
         """None when the target can take this model on this device; otherwise the reason."""
         if device is not None and self.name not in device.targets:
             return f"device {device.name} does not list target {self.name} (it lists: {', '.join(device.targets)})"
+        from edgelin.families import SOFTMAX
+
+        for layer, name in enumerate(model.config.layer_types):  # refused by name, before anything is traced
+            reason = None if name == SOFTMAX else self.family_support(model.config.spec(layer))
+            if reason:
+                return f"layer {layer} ({name}): {reason}"
         return None
 
     def family_support(self, spec: "FamilySpec") -> str | None:
         """None when every layer of this family can be exported; otherwise why not."""
-        return None
+        from edgelin.families.spec import erase_gate_refusal
+
+        return erase_gate_refusal(spec, self.name)
 
     def default_options(self) -> Any:
         return self.options_type()

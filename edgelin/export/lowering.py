@@ -9,8 +9,9 @@ linear mixer (`edgelin.model.mixer.use_engine`), in the spirit of optimum's mode
   unrolled for the example's chunk count and pin the sequence length).
 - "tensorrt": an engine whose `step` emits one `edgelin::EdgelinStep` node the IPluginV3 step
   plugin implements (S's update and readout; the normaliser stays in standard ops), prefill as for ONNX.
-- "coreml" (hook, a later issue): coremltools cannot convert torch's scan; its engine will run a
-  static chunk loop (a fixed maximum prompt length per graph, or a per-chunk graph).
+- "coreml": coremltools cannot convert torch's scan and Core ML takes tensors of rank <= 5, so
+  its prefill functions are traced per enumerated prompt length with a static chunk loop (unrolled
+  in Python) of rank <= 5 tensors per chunk (edgelin.export.coreml_lowering); step as for ONNX.
 
 Register those with `register_lowering(Lowering(...))`; asking for a target with no lowering is an
 error, never a silent fall back to some other form.
@@ -79,6 +80,16 @@ class PluginStepEngine(TorchEngine):
 
 register_lowering(Lowering("tensorrt", PluginStepEngine(name="tensorrt-plugin", loop=scan_loop),
                            "step: one edgelin::EdgelinStep plugin node per linear layer; prefill as for ONNX"))
+
+
+def _coreml_lowering() -> Lowering:
+    from edgelin.export.coreml_lowering import StaticChunkEngine
+
+    return Lowering("coreml", StaticChunkEngine(), "static chunk loop per enumerated prompt length, rank <= 5 "
+                    "tensors per chunk (coremltools cannot convert torch's scan)")
+
+
+register_lowering(_coreml_lowering())
 
 
 def get_lowering(target_name: str) -> Lowering:

@@ -63,6 +63,14 @@ class OnnxRunner(Runner):
         options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
+        if manifest.extra.get("weights"):  # step and prefill read one weights file (edgelin.export.weights)
+            _check_weights(Path(folder), manifest.extra["weights"])
+            if not manifest.extra.get("quantization"):
+                # ONNX Runtime maps the file: one copy, shared by both sessions. Prepacking would give each
+                # session a private copy of every float matmul weight, and measures no faster at batch 1
+                # (docs/benchmarks.md, "Precision and size"). MatMulNBits (int8/int4) is another matter:
+                # unpacked it runs ~100x slower, so quantised exports keep it (a packed copy per session).
+                options.add_session_config_entry("session.disable_prepacking", "1")
         self.sessions: dict[str, ort.InferenceSession] = {}
         for kind, entry in manifest.graphs.items():
             path = Path(folder) / entry.file
@@ -169,6 +177,23 @@ class OnnxRunner(Runner):
                 binding.bind_ortvalue_output(name, value)
             bindings.append(binding)
         buffers.bindings = bindings
+
+
+def _check_weights(folder: Path, entry: dict) -> None:
+    """The weights file the manifest lists is there, at its recorded size (a cheap stat, no hash: ONNX
+    Runtime reads it by offsets, so a truncated or swapped file must be caught before it does)."""
+    name, size = entry.get("file"), entry.get("bytes")
+    if not isinstance(name, str) or Path(name).name != name or name in (".", "..") or not isinstance(size, int):
+        raise EdgelinError(f"{folder}/manifest.json has a malformed weights entry", f"{entry!r}",
+                           "re-run `edgelin export`")
+    path = folder / name
+    if not path.is_file():
+        raise EdgelinError(f"{path} is missing", "the manifest lists it: the step and prefill graphs read their "
+                           "weights from it", "copy the whole export folder, or re-run `edgelin export`")
+    actual = path.stat().st_size
+    if actual != size:
+        raise EdgelinError(f"{path} has {actual} bytes, the manifest says {size}",
+                           "the file is truncated or belongs to another export", "re-run `edgelin export`")
 
 
 def _ort_errors() -> tuple[type[BaseException], ...]:

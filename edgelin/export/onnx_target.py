@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from edgelin.export.onnx_runtime import OnnxRunner
     from edgelin.model.lm import CausalLM
 
+PRECISIONS = ("fp32", "fp16")  # graph precisions this target writes (devices.TARGET_LIMITS["onnx"])
+
 # Example sizes for tracing: none is 0 or 1 (the exporter would specialise them) and the sequence
 # spans several chunks and attention blocks with a remainder.
 EXAMPLE_SIZES = {"batch": 2, "sequence": 67, "past_sequence": 5}
@@ -108,8 +110,83 @@ def name_dynamic_axes(path: Path, inputs: list[TensorIO], outputs: list[TensorIO
         for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param in renames:
                 dim.dim_param = renames[dim.dim_param]
+    strip_trace_metadata(proto.graph)
     onnx.checker.check_model(proto, full_check=True)
     onnx.save(proto, str(path))
+
+
+# Node metadata the exporter writes that only debugs the trace: the Python stack, FX node and class
+# path of every node (~0.6 MB per graph for the shipped model, and this machine's source paths). The
+# module path (`pkg.torch.onnx.name_scopes`) stays: it names the matrix behind each MatMul.
+TRACE_METADATA = ("pkg.torch.onnx.stack_trace", "pkg.torch.onnx.fx_node", "pkg.torch.onnx.class_hierarchy",
+                  "namespace")
+
+
+def strip_trace_metadata(graph) -> None:
+    import onnx
+
+    for node in graph.node:
+        kept = [p for p in node.metadata_props if p.key not in TRACE_METADATA]
+        del node.metadata_props[:]
+        node.metadata_props.extend(kept)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                strip_trace_metadata(attribute.g)
+            for sub in attribute.graphs:
+                strip_trace_metadata(sub)
+
+
+def graph_modules(model: "CausalLM", precision: str) -> dict[str, "torch.nn.Module"]:
+    """The modules traced for each graph at `precision`. fp32: the graphs as they are. fp16: the graphs
+    of a float16 copy of the model (edgelin.model.lm.with_compute_dtype: weights and matmuls fp16; the
+    recurrence, its state, decay and gates float32, cast inside LinearMixer) behind a float32 I/O
+    boundary: state inputs are cast to the dtype the model keeps them in (accumulators float32, conv
+    and KV caches fp16, which hold fp16 projections anyway, so the cast loses nothing) and every
+    output back to float32, so the state I/O and logits stay float32 whatever the precision."""
+    import torch
+
+    from edgelin.export.graphs import GRAPHS
+    from edgelin.model.lm import with_compute_dtype
+
+    if precision == "fp32":
+        return {kind: graph(model).eval() for kind, graph in GRAPHS.items()}
+    dtype = {"fp16": torch.float16}[precision]
+    low = with_compute_dtype(model, dtype).eval()
+    kept = [torch.float32 if t.accumulates else dtype for layer in model.state_tensors() for t in layer]
+
+    class Float32IO(torch.nn.Module):
+        def __init__(self, graph: torch.nn.Module):
+            super().__init__()
+            self.inner = graph  # not "graph": an fx GraphModule has that attribute
+
+        def forward(self, input_ids: torch.Tensor, *args: torch.Tensor):
+            lead = 1 if model.needs_position else 0  # position_ids come before the state
+            states = [s.to(d) for s, d in zip(args[lead:], kept)]
+            return tuple(t.float() for t in self.inner(input_ids, *args[:lead], *states))
+
+    return {kind: Float32IO(graph(low)).eval() for kind, graph in GRAPHS.items()}
+
+
+# Targets built on this export whose graphs share one weights file. The tensorrt target rewrites step.onnx
+# after this export and checks the in-memory model with onnx.checker, which cannot resolve a relative
+# external-data path: its graphs keep their weights inside until that step reads external data.
+SHARED_WEIGHTS = ("onnx",)
+
+
+def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings",
+                  share: bool = True) -> dict[str, str]:
+    """After tracing: --quantize (both graphs alike, so their quantised weights still match), then (with
+    `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data). Returns
+    the files it adds ({"weights": "weights.bin"} or nothing)."""
+    from edgelin.export.weights import WEIGHTS_KEY, share_weights
+
+    graphs = [files[kind] for kind in ("step", "prefill")]
+    if settings.quantize is not None:
+        from edgelin.export.quantize import quantize_graph
+
+        for file in graphs:
+            quantize_graph(folder / file, settings.quantize, settings.block_size)
+    return {WEIGHTS_KEY: share_weights(folder, graphs)} if share else {}
 
 
 @dataclass(frozen=True)
@@ -162,22 +239,23 @@ class OnnxTarget(Target):
         if not isinstance(options, OnnxOptions):
             raise EdgelinError(f"ONNX export options of type {type(options).__name__}",
                                "the onnx target takes OnnxOptions", "pass OnnxOptions(opset=...) or nothing")
-        if settings.precision != "fp32":
-            raise EdgelinError(f"ONNX precision {settings.precision!r}", "this target exports fp32 graphs",
-                               "use --precision fp32")
+        if settings.precision not in PRECISIONS:
+            raise EdgelinError(f"ONNX precision {settings.precision!r}",
+                               f"this target exports {'/'.join(PRECISIONS)} graphs", "use --precision fp32 or fp16")
         if settings.state_dtype != "float32":  # float16 state: issue 11
             raise EdgelinError(f"ONNX state dtype {settings.state_dtype!r}", "this target stores the state as float32",
                                "export with state dtype float32 (pick a device profile whose state_dtype is float32)")
-        from edgelin.export.graphs import GRAPHS, graph_io
+        from edgelin.export.graphs import graph_io
         from edgelin.export.lowering import lowering
 
         files = {}
+        modules = graph_modules(model, settings.precision)
         with lowering(self.name):  # the ONNX forms of the recurrences (chunk loop -> one Scan)
-            for kind, graph in GRAPHS.items():
+            for kind, module in modules.items():
                 inputs, outputs = graph_io(model, kind, settings.state_dtype)
                 files[kind] = f"{kind}.onnx"
-                export_onnx_graph(graph(model).eval(), model, inputs, outputs, Path(folder) / files[kind],
-                                  options.opset)
+                export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)
+        files.update(finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS))
         return files
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,

@@ -34,10 +34,10 @@ def prepare_output(out: Path, force: bool, protected: Sequence[Path] = ()) -> Pa
 
 
 def build_manifest(model: CausalLM, target: str, precision: str, files: dict[str, str], source: dict,
-                   tokenizer: str | None) -> Manifest:
+                   tokenizer: str | None, state_dtype: str = "float32") -> Manifest:
     graphs = {}
     for kind in GRAPHS:
-        inputs, outputs = graph_io(model, kind)
+        inputs, outputs = graph_io(model, kind, state_dtype)
         graphs[kind] = GraphEntry(files[kind], tuple(inputs), tuple(outputs))
     layers = tuple(
         {"index": i, "type": t, "state": [s.name for s in model.state_tensors()[i]]}
@@ -51,6 +51,29 @@ def build_manifest(model: CausalLM, target: str, precision: str, files: dict[str
     )
 
 
+def precision_entry(settings: ExportSettings) -> dict[str, str | int | None]:
+    """manifest extra["precision"]: the dtype of each kind of tensor in the graphs. The state I/O, the
+    recurrence (its state, decay and gates) and the logits are float32 at every precision; `weights`
+    is the float dtype of the weights that are not quantised (embeddings, LM head, norms)."""
+    low = {"fp32": "float32", "fp16": "float16"}[settings.precision]
+    return {"graphs": settings.precision, "weights": low, "quantized_weights": settings.quantize,
+            "block_size": settings.block_size if settings.quantize else None, "compute": low,
+            "recurrence": "float32", "state": settings.state_dtype, "logits": "float32"}
+
+
+def weights_entries(folder: Path, files: dict[str, str], settings: ExportSettings) -> dict[str, Any]:
+    """The manifest's account of a target's weights file (ONNX: one weights.bin both graphs read), read
+    off the written files: extra["weights"], ["precision"] and, when quantised, ["quantization"]."""
+    from edgelin.export import quantize, weights
+
+    if weights.WEIGHTS_KEY not in files:  # a target that keeps weights its own way
+        return {}
+    graph_files = {kind: files[kind] for kind in GRAPHS}
+    quantized = quantize.describe(folder, graph_files)
+    return {weights.WEIGHTS_KEY: weights.describe(folder, list(graph_files.values()), files[weights.WEIGHTS_KEY]),
+            "precision": precision_entry(settings), **({"quantization": quantized} if quantized else {})}
+
+
 def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tokenizer: Path | None = None,
                  force: bool = False, device: DeviceProfile | None = None, options: Any = None,
                  protected: Sequence[Path] = (), settings: ExportSettings | None = None,
@@ -61,6 +84,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     edgelin.devices.export_settings, the one place that reads a device profile (default: `device`'s).
     `baselines`: names of edgelin.export.baselines.BASELINES to export inside the folder (--baseline kv)."""
     from edgelin.export import baselines as baseline_exports, reference_vectors
+    from edgelin.quality import check_export_quality
 
     baseline_exports.check_names(baselines)
     out = Path(out)
@@ -78,7 +102,13 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                            f"the {target.name} target takes {target.options_type.__name__}",
                            f"pass {target.options_type.__name__}(...) or no options")
     settings = settings or export_settings(device, target.name)
-    check_state_dims(model.state_tensors(), settings)
+    if not getattr(target, "pads_state_dims", False):  # Core ML pads the state instead of refusing
+        check_state_dims(model.state_tensors(), settings)
+    from edgelin.precision import check_state_dtype
+
+    # A state below float32 only for families whose measured drift meets the bound (or --force).
+    state_precision = check_state_dtype(model.config.layer_types, settings.state_dtype, settings.force,
+                                        f"{target.name} export")
     # The source checkpoint is protected: --out may not be it, sit inside it, or contain it.
     protected = tuple(protected) + ((Path(source["path"]),) if Path(str(source.get("path"))).is_dir() else ())
     with claim_output(out, force, EXPORT, protected) as tmp:
@@ -86,13 +116,21 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
         manifest = build_manifest(model, target.name, settings.precision, files, source,
-                                  TOKENIZER if tokenizer is not None else None)
+                                  TOKENIZER if tokenizer is not None else None, settings.state_dtype)
+        finish = getattr(target, "finish_export", None)  # e.g. Core ML: source hash into the package, checks
+        if finish is not None:
+            finish(tmp, manifest)
         # What `validate DIR` and `bench DIR --baseline kv` run on a device, without torch or the checkpoint.
         reference = reference_vectors.record(model, tmp, manifest)
+        # fp16/quantised exports: the artifact's top-1 and perplexity vs fp32, refused unless --force
+        check_export_quality(model, tmp, manifest, settings)
         written = baseline_exports.export_baselines(model, tmp, baselines, lambda m, o: export_model(
             m, o, target.name, baseline_exports.BASELINE_SOURCE, device=device, options=options, settings=settings))
         recorded = {reference_vectors.MANIFEST_KEY: reference_vectors.manifest_entry(tmp, reference),
-                    **({baseline_exports.MANIFEST_KEY: written} if written else {})}
+                    **({baseline_exports.MANIFEST_KEY: written} if written else {}),
+                    **weights_entries(tmp, files, settings)}
+        if state_precision:  # the verdicts the state dtype was checked against (failing ones too under --force)
+            recorded["state_precision"] = [v.to_dict() for v in state_precision]
         # Record every file written, so a later --force knows the whole folder is ours.
         device_entry = {"device": settings.manifest_entry()} if settings.device else {}
         manifest = dataclasses.replace(manifest, files=tuple(sorted({p.name for p in tmp.iterdir()} | {MANIFEST})),

@@ -12,7 +12,8 @@ from edgelin.errors import EdgelinError
 from edgelin.export.base import Target
 
 _TARGETS = {"onnx": ("edgelin.export.onnx_target", "OnnxTarget"),
-            "tensorrt": ("edgelin.export.tensorrt_target", "TensorrtTarget")}
+            "tensorrt": ("edgelin.export.tensorrt_target", "TensorrtTarget"),
+            "coreml": ("edgelin.export.coreml_target", "CoremlTarget")}
 
 
 def target_names() -> list[str]:

@@ -4,7 +4,10 @@ a standalone `build_engine.py`, `COMMANDS.md` with the trtexec and polygraphy li
 
 Layout of `tensorrt/` (the plugin's CMakeLists.txt finds the launcher at ../../kernels/cuda):
   plugins/tensorrt/CMakeLists.txt, plugins/tensorrt/src/*.cpp, kernels/cuda/*  the plugin sources
-  build_engine.py   tensorrt + numpy only: one optimisation profile per graph, writes *.engine
+  build_engine.py   tensorrt + numpy only: the optimisation profiles of engines.json, writes *.engine
+  engines.json      per graph: its file, its engine, its profiles (narrowest first: a batch-1 step, short
+                    prompts; the last is the full range), and with --trt-inplace the state pairs the
+                    step engine aliases (what the TensorRT runner binds to one buffer)
   COMMANDS.md       the equivalent trtexec lines and a polygraphy TensorRT-vs-ONNX-Runtime line
   build.json        written by `edgelin build` (the manifest is never rewritten: the folder still validates)
 
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 
 TRT_DIR = "tensorrt"
 BUILD_RECORD = "build.json"
+ENGINE_SPEC = "engines.json"
 GRAPHS = ("step", "prefill")
 BATCH = (1, 1, 8)  # min / opt / max batch of the optimisation profiles
 PROMPT = (1, 128, 2048)  # min / opt / max prompt length (prefill's `sequence`)
@@ -81,15 +85,31 @@ def profile_shapes(inputs: list[tuple[str, tuple[str | int, ...]]], ranges: Rang
             for name, dims in inputs}
 
 
+def graph_profiles(graph: str, inputs: list[tuple[str, tuple[str | int, ...]]], ranges: Ranges) -> list[Shapes]:
+    """The optimisation profiles of one graph, narrowest first; the last is the full range (the one the
+    trtexec line builds). The runner picks the first that holds a call's shapes: a batch-1 decode step
+    gets an engine tuned for exactly batch 1 (and a fixed shape for its CUDA graph), a short prompt one
+    tuned for short prompts."""
+    full = profile_shapes(inputs, ranges)
+    b_lo, _, b_hi = ranges.batch
+    p_lo, p_opt, p_hi = ranges.prompt
+    if graph == "step":
+        narrow = Ranges((b_lo, b_lo, b_lo), ranges.prompt) if b_hi > b_lo else None
+    else:
+        narrow = Ranges(ranges.batch, (p_lo, max(p_lo, min(16, p_opt)), p_opt)) if p_opt < p_hi else None
+    return ([profile_shapes(inputs, narrow)] if narrow is not None else []) + [full]
+
+
 def shape_arg(shapes: Shapes, which: int) -> str:
     """trtexec / polygraphy form: name:1x2x8x8,name2:1 (a scalar input is name:)."""
     return ",".join(f"{name}:{'x'.join(str(d) for d in dims[which])}" for name, dims in shapes.items())
 
 
-def trtexec_line(graph: str, shapes: Shapes, plugin: str, fp16: bool = False) -> str:
+def trtexec_line(graph: str, shapes: Shapes, plugin: str, fp16: bool = False, inplace: bool = False) -> str:
     return (f"trtexec --onnx={graph}.onnx --dynamicPlugins={plugin} --minShapes={shape_arg(shapes, 0)} "
             f"--optShapes={shape_arg(shapes, 1)} --maxShapes={shape_arg(shapes, 2)} "
-            f"--saveEngine={graph}.engine" + (" --fp16" if fp16 else ""))
+            f"--saveEngine={graph}.engine" + (" --fp16" if fp16 else "")
+            + (" --preview=+aliasedPluginIO1003" if inplace and graph == "step" else ""))
 
 
 def polygraphy_line(graph: str, shapes: Shapes, plugin: str) -> str:
@@ -102,13 +122,17 @@ def plugin_file(trt_major: int | str) -> str:
     return f"libedgelin_trt_plugin_trt{trt_major}.so"
 
 
-def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | None") -> None:
-    """Write `tensorrt/` into the export's temp folder (the pipeline renames the whole folder)."""
+def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | None", inplace: bool = False,
+                 aliased: dict[str, str] | None = None) -> None:
+    """Write `tensorrt/` into the export's temp folder (the pipeline renames the whole folder).
+    `inplace`/`aliased`: --trt-inplace and the step's {state input: state output} pairs its plugin
+    nodes alias (edgelin.export.tensorrt_target.add_step_functions)."""
     from edgelin.plugins.tensorrt import CUDA_DIR, PLUGIN_DIR
 
     root = Path(folder) / TRT_DIR
     ranges = Ranges.for_device(device)
-    shapes = {g: profile_shapes(graph_inputs(Path(folder) / files[g]), ranges) for g in GRAPHS if g in files}
+    inputs = {g: graph_inputs(Path(folder) / files[g]) for g in GRAPHS if g in files}
+    shapes = {g: profile_shapes(inputs[g], ranges) for g in inputs}
     plugins = root / "plugins" / "tensorrt"
     (plugins / "src").mkdir(parents=True)
     shutil.copy2(PLUGIN_DIR / "CMakeLists.txt", plugins / "CMakeLists.txt")
@@ -118,18 +142,23 @@ def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | N
     for src in sorted(CUDA_DIR.iterdir()):
         if src.suffix in (".h", ".cuh", ".cu"):  # the launcher; torch_ext.cpp is the torch extension's
             shutil.copy2(src, root / "kernels" / "cuda" / src.name)
-    spec = {g: {"file": files[g], "shapes": {n: [list(s) for s in v] for n, v in shapes[g].items()}} for g in shapes}
-    script = (PLUGIN_DIR / "build_engine.py").read_text()  # the template; GRAPHS filled in below
-    (root / "build_engine.py").write_text(script.replace("GRAPHS = {}  # filled in by edgelin export",
-                                                         f"GRAPHS = {json.dumps(spec)}"))
-    (root / "COMMANDS.md").write_text(commands_text(shapes))
+    profiles = {g: [{n: [list(s) for s in v] for n, v in p.items()} for p in graph_profiles(g, inputs[g], ranges)]
+                for g in inputs}
+    spec = {g: {"file": files[g], "engine": f"{g}.engine", "profiles": profiles[g],
+                "aliased": dict(aliased or {}) if g == "step" else {}} for g in inputs}
+    (root / ENGINE_SPEC).write_text(json.dumps({"inplace": inplace, "graphs": spec}, indent=2) + "\n")
+    script = (PLUGIN_DIR / "build_engine.py").read_text()  # the template; GRAPHS and INPLACE filled in below
+    script = script.replace("GRAPHS = {}  # filled in by edgelin export", f"GRAPHS = {json.dumps(spec)}")
+    (root / "build_engine.py").write_text(script.replace("INPLACE = False  # filled in by edgelin export",
+                                                         f"INPLACE = {inplace}"))
+    (root / "COMMANDS.md").write_text(commands_text(shapes, inplace))
     from edgelin.outputs import record_written
 
     # every file of tensorrt/ is edgelin's: a later `export --force` may replace the folder
     record_written(root, [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()])
 
 
-def commands_text(shapes: dict[str, Shapes]) -> str:
+def commands_text(shapes: dict[str, Shapes], inplace: bool = False) -> str:
     lib = "tensorrt/" + plugin_file("10")
     lines = ["# Building and checking the TensorRT engines by hand", "",
              "Run from the export folder. `edgelin build .` builds the plugin library (`" + lib + "`; `trt11` for "
@@ -138,8 +167,12 @@ def commands_text(shapes: dict[str, Shapes]) -> str:
              "cmake -S tensorrt/plugins/tensorrt -B tensorrt/build -DTENSORRT_INCLUDE_DIR=/usr/include/aarch64-linux-gnu "
              "-DEDGELIN_TRT_MAJOR=10 -DCMAKE_CUDA_ARCHITECTURES=87 && cmake --build tensorrt/build", "```", "",
              "## Engines (the same as build_engine.py)", "", "```sh"]
-    lines += [trtexec_line(g, s, lib) for g, s in shapes.items()]
-    lines += ["```", "", "Add `--fp16` (build_engine.py: `--fp16`) to allow half precision.", "",
+    lines += [trtexec_line(g, s, lib, inplace=inplace) for g, s in shapes.items()]
+    lines += ["```", "", "Add `--fp16` (build_engine.py: `--fp16`) to allow half precision. The trtexec lines build "
+              "one optimisation profile, the full range; build_engine.py also builds the narrower ones of "
+              "engines.json (a batch-1 step, short prompts) that the TensorRT runner prefers."
+              + (" `--preview=+aliasedPluginIO1003`: the step's plugin nodes update the state in place "
+                 "(exported with --trt-inplace)." if inplace else ""), "",
               "## Compare TensorRT with ONNX Runtime", "", "```sh"]
     lines += [polygraphy_line(g, s, lib) for g, s in shapes.items()]
     lines += ["```", ""]
@@ -166,13 +199,18 @@ def find_headers(trt_include: Path | None) -> Path:
                        HEADERS_FIX.replace("pass the folder", "pass --trt-include with the folder"))
 
 
+def gpu_visible() -> bool:
+    """An NVIDIA GPU's device node (desktop: /dev/nvidia0; Jetson: /dev/nvhost-*)."""
+    return Path("/dev/nvidia0").exists() or any(Path("/dev").glob("nvhost-*"))
+
+
 def engine_possible() -> str | None:
     """None when `tensorrt` imports and a GPU is visible; otherwise why not (one line)."""
     try:
         import tensorrt  # noqa: F401
     except ImportError:
         return "the tensorrt Python package is not installed here"
-    if not (Path("/dev/nvidia0").exists() or any(Path("/dev").glob("nvhost-*"))):
+    if not gpu_visible():
         return "no NVIDIA GPU is visible here"
     return None
 
@@ -192,8 +230,8 @@ def build_folder(folder: Path, device: "DeviceProfile | None" = None, trt_includ
     if not archs:
         archs = [str(device.sm)] if device is not None and device.sm else list(DEFAULT_ARCHS)
     library = build_plugin(root, headers, archs, major)
-    files = {"plugin": f"{TRT_DIR}/{library.name}"}
     missing = engine_possible()
+    engines: dict[str, str] = {}
     if missing is None:
         done = subprocess.run([sys.executable, str(root / "build_engine.py"), "--plugin", str(library)],
                               cwd=folder, capture_output=True, text=True)
@@ -201,15 +239,41 @@ def build_folder(folder: Path, device: "DeviceProfile | None" = None, trt_includ
             tail = " | ".join(ln.strip() for ln in (done.stdout + done.stderr).splitlines()[-3:])
             raise EdgelinError("building the TensorRT engines failed", tail or "no output",
                                "run tensorrt/build_engine.py by hand for the full log (tensorrt/COMMANDS.md)")
-        files.update({g: f"{g}.engine" for g in GRAPHS if (folder / f"{g}.engine").is_file()})
+        engines = {g: f"{g}.engine" for g in GRAPHS if (folder / f"{g}.engine").is_file()}
+    record_build(folder, library.name, major, [str(a) for a in archs], engines, missing,
+                 exported_aliases(folder) if engines else {})
+    return BuildResult({"plugin": f"{TRT_DIR}/{library.name}", **engines},
+                       None if missing is None else f"the engines need TensorRT: {missing}; build them on "
+                       f"{WHERE_ENGINE} (edgelin build again, or tensorrt/build_engine.py)")
+
+
+def exported_aliases(folder: Path) -> dict[str, str]:
+    """The step's {state input: state output} pairs its plugin nodes alias, when the export asked for it
+    (--trt-inplace: build_engine.py then builds the step engine with aliasing); else none."""
+    try:
+        spec = json.loads((Path(folder) / TRT_DIR / ENGINE_SPEC).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(spec, dict) or not spec.get("inplace"):
+        return {}
+    pairs = ((spec.get("graphs") or {}).get("step") or {}).get("aliased") or {}
+    return {str(k): str(v) for k, v in pairs.items()} if isinstance(pairs, dict) else {}
+
+
+def record_build(folder: Path, plugin: str, trt_major: int, archs: list[str], engines: dict[str, str],
+                 missing: str | None, aliased: dict[str, str] | None = None) -> dict:
+    """Write tensorrt/build.json: what the build phase made (the TensorRT runner reads it: which engines,
+    which plugin library, which state pairs the step engine was built to alias). Files are recorded as
+    edgelin's before they are written (--force)."""
     from edgelin.outputs import record_written
 
-    record_written(root, [library.name, BUILD_RECORD])  # before writing them: never an unrecorded file of ours
-    engines = [f for g, f in files.items() if g != "plugin"]
+    folder = Path(folder)
+    root = folder / TRT_DIR
+    record_written(root, [plugin, BUILD_RECORD])  # before writing them: never an unrecorded file of ours
     if engines:
-        record_written(folder, engines)
-    record = {"plugin": library.name, "trt_major": major, "archs": [str(a) for a in archs],
-              "engines": {g: f for g, f in files.items() if g != "plugin"}, "engine_missing": missing}
+        record_written(folder, list(engines.values()))
+    record = {"plugin": plugin, "trt_major": trt_major, "archs": archs, "engines": dict(engines),
+              "engine_missing": missing, "aliased": dict(aliased or {})}
     try:
         staged = root / f".{BUILD_RECORD}.tmp"
         staged.write_text(json.dumps(record, indent=2) + "\n")
@@ -217,5 +281,4 @@ def build_folder(folder: Path, device: "DeviceProfile | None" = None, trt_includ
     except OSError as exc:
         raise EdgelinError(f"cannot write {root / BUILD_RECORD}", exc.strerror or str(exc),
                            "free some space or make the folder writable") from None
-    return BuildResult(files, None if missing is None else f"the engines need TensorRT: {missing}; build them on "
-                       f"{WHERE_ENGINE} (edgelin build again, or tensorrt/build_engine.py)")
+    return record

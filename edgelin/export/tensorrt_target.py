@@ -14,12 +14,14 @@ function of that (domain, op_type). Each distinct layer kind (gate, delta) gets 
 is `edgelin.reference.recurrence.recurrent_step` in standard ops. So the very file TensorRT parses
 also runs, with the same math, on ONNX Runtime.
 
-Decision (run phase): this target's `runner` is the ONNX Runtime runner on that file (CPU, through
-the functions). It is the *validation* runner: `edgelin validate`/replay check the exported math on
-any machine. It does not run TensorRT (no TensorRT runner yet): the plugin library comes from the
-build phase (nvcc, cmake, TensorRT headers), the engines from tensorrt/build_engine.py, which
-`edgelin build` runs where TensorRT 10.3+ and an NVIDIA GPU are (edgelin/export/tensorrt_build.py). The prefill graph stays in
-standard ops (the plugin is a decode-step plugin).
+Run phase: where `edgelin build` built the engines (tensorrt/build.json) and tensorrt, cuda-python
+and an NVIDIA GPU are present, `runner` is the TensorRT runner (edgelin/export/tensorrt_runtime.py:
+device buffers, state on the GPU, CUDA graph steps). Everywhere else it is the ONNX Runtime runner on
+the same file (CPU, through the functions): the *validation* runner, labelled with why the engines
+were not used, so `edgelin validate`/replay check the exported math on any machine. The plugin
+library comes from the build phase (nvcc, cmake, TensorRT headers), the engines from
+tensorrt/build_engine.py (edgelin/export/tensorrt_build.py). The prefill graph stays in standard ops
+(the plugin is a decode-step plugin).
 
 No torch at module level (the registry imports this module on a runtime-only install).
 """
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from edgelin.devices import DeviceProfile, ExportSettings
-    from edgelin.export.onnx_runtime import OnnxRunner
+    from edgelin.export.base import Runner
     from edgelin.model.lm import CausalLM
 
 PLUGIN_DOMAIN = "edgelin"
@@ -48,32 +50,45 @@ PLUGIN_NAMESPACE = ""
 # The creator's fields, all INT (the parser narrows them to int32), in the plugin's order.
 PLUGIN_FIELDS = ("gate", "delta", "heads", "d_k", "d_v", "dtype", "aux_dtype", "inplace")
 GATE_NONE, GATE_SCALAR, GATE_PER_KEY = 0, 1, 2  # EdgelinGate (edgelin_step.h)
-DTYPE_F32 = 0  # EdgelinDtype
+DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2  # EdgelinDtype
+_DTYPE_CODES = {"torch.float32": DTYPE_F32, "torch.float16": DTYPE_F16, "torch.bfloat16": DTYPE_BF16}
+_ONNX_TYPES = {DTYPE_F32: 1, DTYPE_F16: 10, DTYPE_BF16: 16}  # onnx.TensorProto FLOAT, FLOAT16, BFLOAT16
+_SUFFIX = {DTYPE_F32: "", DTYPE_F16: "_f16", DTYPE_BF16: "_bf16"}
 _WHERE_TRT = "a machine with TensorRT 10.3+ and an NVIDIA GPU (Jetson Orin: JetPack 6)"
 
 
-def overload_name(gate: int, delta: int) -> str:
-    """The ONNX function overload for one layer kind (one function body per kind)."""
-    return f"gate{gate}_delta{delta}"
+def overload_name(gate: int, delta: int, dtype: int = DTYPE_F32) -> str:
+    """The ONNX function overload for one layer kind and q/k/v dtype (one function body per kind)."""
+    return f"gate{gate}_delta{delta}{_SUFFIX[dtype]}"
 
 
 def plugin_step(state: "torch.Tensor", q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
                 g: "torch.Tensor | None", beta: "torch.Tensor | None") -> tuple["torch.Tensor", "torch.Tensor"]:
-    """While exporting: one EdgelinStep node (o, state_out); otherwise the reference step."""
+    """While exporting: one EdgelinStep node (o, state_out); otherwise the reference step.
+
+    q, k, v (and o) may be fp32, fp16 or bf16 (the plugin's `dtype`); g and beta always enter the node
+    in fp32 (`aux_dtype` 0: a half-precision engine still decays in fp32) and the state is fp32."""
     import torch
 
     from edgelin.reference.recurrence import recurrent_step
 
-    if not torch.onnx.is_in_onnx_export():
-        return recurrent_step(state, q, k, v, g, beta)
-    if q.dtype != torch.float32 or state.dtype != torch.float32:  # fp16 plugin graphs: edge-precision work
-        raise EdgelinError(f"TensorRT step in {q.dtype} with a {state.dtype} state", "this export writes float32 "
-                           "plugin nodes today", "export with --precision fp32")
+    code = _DTYPE_CODES.get(str(q.dtype))
+    if code is None or not (k.dtype == v.dtype == q.dtype):
+        raise EdgelinError(f"TensorRT step with q/k/v in {q.dtype}/{k.dtype}/{v.dtype}", "the plugin takes q, k "
+                           "and v in one of float32, float16, bfloat16", "export with --precision fp32 or fp16")
+    if state.dtype != torch.float32:
+        raise EdgelinError(f"TensorRT step with a {state.dtype} state", "the plugin keeps the state in float32",
+                           "export with state dtype float32 (a profile with state_dtype = \"float32\")")
+    g = None if g is None else g.float()  # one Cast in the graph when the model computed them in half
+    beta = None if beta is None else beta.float()
+    if not torch.onnx.is_in_onnx_export():  # the reference: computed in fp32, o back in q's dtype
+        o, new_state = recurrent_step(state, q.float(), k.float(), v.float(), g, beta)
+        return o.to(q.dtype), new_state
     _, heads, d_k = q.shape
     gate = GATE_NONE if g is None else (GATE_SCALAR if g.shape[-1] == 1 else GATE_PER_KEY)
     delta = int(beta is not None)
     fields = dict(gate=gate, delta=delta, heads=int(heads), d_k=int(d_k), d_v=int(v.shape[-1]),
-                  dtype=DTYPE_F32, aux_dtype=DTYPE_F32, inplace=0)
+                  dtype=code, aux_dtype=DTYPE_F32, inplace=0)  # inplace: set by add_step_functions
     attrs = {**fields, "plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
     inputs = [q, k, v, *(t for t in (g, beta) if t is not None), state]
     o, new_state = torch.onnx.ops.symbolic_multi_out(
@@ -82,8 +97,10 @@ def plugin_step(state: "torch.Tensor", q: "torch.Tensor", k: "torch.Tensor", v: 
     return o, new_state
 
 
-def step_function(gate: int, delta: int, opset: int):
-    """The ONNX function (an onnx_ir.Function) of one EdgelinStep overload: recurrent_step's math."""
+def step_function(gate: int, delta: int, opset: int, dtype: int = DTYPE_F32):
+    """The ONNX function (an onnx_ir.Function) of one EdgelinStep overload: recurrent_step's math. With
+    half-precision q/k/v (`dtype`) the body casts them to fp32, computes in fp32 (g, beta and the state
+    are fp32 already: aux_dtype 0) and casts o back, as the plugin's kernel does."""
     import numpy as np
     import onnx_ir as ir
 
@@ -102,10 +119,12 @@ def step_function(gate: int, delta: int, opset: int):
         out.name = name
         return out
 
-    q, k, v, state = value("q"), value("k"), value("v"), value("state")
+    q_arg, k_arg, v_arg, state = value("q"), value("k"), value("v"), value("state")
     g = value("g") if gate != GATE_NONE else None
     beta = value("beta") if delta else None
     last, before_last = const("axis_last", [-1]), const("axis_before_last", [-2])
+    q, k, v = ((op("Cast", t, to=_ONNX_TYPES[DTYPE_F32]) for t in (q_arg, k_arg, v_arg)) if dtype != DTYPE_F32
+               else (q_arg, k_arg, v_arg))
     s = state
     if g is not None:  # S *= exp(g) over the value axis
         s = op("Mul", s, op("Unsqueeze", op("Exp", g), last))
@@ -115,44 +134,63 @@ def step_function(gate: int, delta: int, opset: int):
         v_in = op("Mul", op("Unsqueeze", beta, last), op("Sub", v, k_s))
     s = op("Add", s, op("Mul", op("Unsqueeze", k, last), op("Unsqueeze", v_in, before_last)))
     o = op("Squeeze", op("MatMul", op("Unsqueeze", q, before_last), s), before_last)
-    o_out = op("Identity", o)
+    o_out = op("Identity", o) if dtype == DTYPE_F32 else op("Cast", o, to=_ONNX_TYPES[dtype])
     s_out = op("Identity", s)
     o_out.name, s_out.name = "o", "state_out"
-    inputs = [q, k, v, *(t for t in (g, beta) if t is not None), state]
+    inputs = [q_arg, k_arg, v_arg, *(t for t in (g, beta) if t is not None), state]
     graph = ir.Graph(inputs, [o_out, s_out], nodes=nodes, opset_imports={"": opset}, name=PLUGIN_NAME)
     attributes = [ir.Attr(name, ir.AttributeType.INT, 0) for name in PLUGIN_FIELDS]
     attributes += [ir.Attr("plugin_version", ir.AttributeType.STRING, PLUGIN_VERSION),
                    ir.Attr("plugin_namespace", ir.AttributeType.STRING, PLUGIN_NAMESPACE)]
-    return ir.Function(PLUGIN_DOMAIN, PLUGIN_NAME, overload_name(gate, delta), graph=graph, attributes=attributes)
+    return ir.Function(PLUGIN_DOMAIN, PLUGIN_NAME, overload_name(gate, delta, dtype), graph=graph,
+                       attributes=attributes)
 
 
-def add_step_functions(path: Path, opset: int) -> int:
+def add_step_functions(path: Path, opset: int, inplace: bool = False) -> dict[str, str]:
     """Give every EdgelinStep node of the graph at `path` its overload and the model that overload's
-    function; returns the number of plugin nodes. Checked and saved in place (the pipeline's temp folder)."""
+    function; with `inplace`, set each node's `inplace` attribute (state_out aliases the state input in
+    the engine; the function still computes out of place, as ONNX Runtime needs). Checked and saved in
+    place (the pipeline's temp folder). Returns {state input: state output} per plugin node, graph
+    input and output names where the node reads and writes them directly (else the node's own names):
+    the pairs a TensorRT runner binds to one buffer when the engine aliases them."""
     import onnx
     import onnx_ir as ir
 
     model = ir.load(str(path))
-    count = 0
+    graph_inputs = {v.name for v in model.graph.inputs}
+    graph_outputs = {v.name for v in model.graph.outputs}
+    pairs: dict[str, str] = {}
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.domain != PLUGIN_DOMAIN or node.op_type != PLUGIN_NAME:
             continue
         gate, delta = node.attributes["gate"].as_int(), node.attributes["delta"].as_int()
-        node.overload = overload_name(gate, delta)
+        dtype = node.attributes["dtype"].as_int()
+        node.overload = overload_name(gate, delta, dtype)
         if node.op_identifier() not in model.functions:
-            function = step_function(gate, delta, opset)
+            function = step_function(gate, delta, opset, dtype)
             model.functions[function.identifier()] = function
-        count += 1
+        if inplace:
+            node.attributes["inplace"] = ir.Attr("inplace", ir.AttributeType.INT, 1)
+        state_in, state_out = node.inputs[-1].name, node.outputs[1].name
+        if state_in in graph_inputs and state_out in graph_outputs:
+            pairs[state_in] = state_out
+        else:  # the engine still aliases them (TensorRT inserts a copy); no buffer of the runner's is shared
+            pairs[f"{node.name}:state"] = f"{node.name}:state_out"
     model.opset_imports[PLUGIN_DOMAIN] = 1
-    proto = ir.serde.serialize_model(model)
-    onnx.checker.check_model(proto)
+    proto = ir.serde.serialize_model(model)  # large weights stay references into the shared weights file
     onnx.save(proto, str(path))
-    return count
+    onnx.checker.check_model(str(path))  # by path: external data resolves next to the file
+    return pairs
 
 
 @dataclass(frozen=True)
 class TensorrtOptions(OnnxOptions):
-    """The TensorRT target's export options (its ONNX opset, as for the ONNX target)."""
+    """The TensorRT target's export options: its ONNX opset (as for the ONNX target) and `inplace`
+    (--trt-inplace): each plugin node's state_out aliases its state input in the engine
+    (IPluginV3OneBuildV2::getAliasedInput, TensorRT's preview feature ALIASED_PLUGIN_IO_10_03, which
+    build_engine.py then enables), so a step updates the recurrent state in one buffer."""
+
+    inplace: bool = False
 
 
 class TensorrtTarget(OnnxTarget):
@@ -186,7 +224,8 @@ class TensorrtTarget(OnnxTarget):
         return Artifact(artifact.folder, artifact.manifest, result.files)
 
     def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
-        # The validation runner: step.onnx through its ONNX functions on ONNX Runtime (module docstring).
+        # Every folder runs on ONNX Runtime through its plugin functions (the validation runner); a folder
+        # whose engines are built runs on TensorRT where tensorrt, cuda-python and a GPU are (runner()).
         if device is not None and self.name not in device.targets:
             return Phase(False, f"device {device.name} does not list target {self.name} (it lists: "
                                 f"{', '.join(device.targets)})", "a device whose profile lists tensorrt")
@@ -194,21 +233,32 @@ class TensorrtTarget(OnnxTarget):
 
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
                options: OnnxOptions, folder: Path) -> dict[str, str]:
-        # options, precision and state dtype are checked by the ONNX target's export (fp32 plugin graphs)
+        # options, precision and state dtype are checked by the ONNX target's export
         files = super().export(model, device, settings, options, folder)  # under lowering(self.name)
         from edgelin.families import SOFTMAX
 
         linear = sum(1 for layer in model.config.layer_types if layer != SOFTMAX)
-        found = add_step_functions(Path(folder) / files["step"], options.opset)
-        if found != linear:
-            raise EdgelinError(f"step.onnx has {found} {PLUGIN_NAME} nodes for {linear} linear layers",
+        inplace = bool(getattr(options, "inplace", False))
+        aliased = add_step_functions(Path(folder) / files["step"], options.opset, inplace)
+        if len(aliased) != linear:
+            raise EdgelinError(f"step.onnx has {len(aliased)} {PLUGIN_NAME} nodes for {linear} linear layers",
                                "every linear layer's step must be one plugin node", "report this as an edgelin bug")
         from edgelin.export.tensorrt_build import write_folder
 
-        write_folder(Path(folder), files, device)  # tensorrt/: plugin sources, build_engine.py, COMMANDS.md
+        # tensorrt/: plugin sources, build_engine.py, engines.json, COMMANDS.md
+        write_folder(Path(folder), files, device, inplace=inplace, aliased=aliased if inplace else {})
         return files
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
-               threads: int | None = None) -> "OnnxRunner":
-        """ONNX Runtime on the exported files (the plugin nodes run through their functions)."""
-        return super().runner(artifact, device, threads)
+               threads: int | None = None) -> "Runner":
+        """The TensorRT runner when the folder's engines are built and tensorrt, cuda-python and a GPU are
+        here; otherwise ONNX Runtime on the exported files (the plugin nodes through their functions),
+        labelled with why the engines were not used."""
+        from edgelin.export.tensorrt_runtime import ORT_LABEL, TensorrtRunner, engines_unavailable
+
+        why = engines_unavailable(artifact.folder)
+        if why is None:
+            return TensorrtRunner(artifact.folder, artifact.manifest)
+        runner = super().runner(artifact, device, threads)
+        runner.label = f"{ORT_LABEL}; TensorRT engines not used: {why}"  # type: ignore[attr-defined]
+        return runner

@@ -8,7 +8,8 @@ from importlib import import_module
 from edgelin.errors import EdgelinError
 from edgelin.families.spec import Decay, FamilySpec, Gate, LayerDims, OutputGate, StateTensor
 
-_MODULES = ("linear_attn", "performer", "retnet", "gla", "deltanet", "gated_deltanet", "kda", "mamba2")
+_MODULES = ("linear_attn", "performer", "retnet", "gla", "deltanet", "gated_deltanet", "gated_deltanet2", "kda",
+            "mamba2")
 FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec for spec in (import_module(f"edgelin.families.{m}").SPEC for m in _MODULES)
 }

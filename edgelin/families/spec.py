@@ -10,6 +10,9 @@ Shared math per head (state S is d_k x d_v):
     S_t = decay_t * S_{t-1}                                 (Decay: none, fixed, scalar, per_key)
     S_t = S_t + k_t v_t^T                                   (additive rule), or
     S_t = S_t + beta_t k_t (v_t - S_t^T k_t)^T              (delta rule)
+    S_t = S_t - beta_t (e_t * k_t)(k_t^T S_t) + beta_t k_t (w_t * v_t)^T
+                                          (delta rule with erase gate e over key channels and
+                                           write gate w over value channels: Gated DeltaNet-2)
     o_t = S_t^T q_t   [ / (q_t^T z_t + eps) with normaliser z_t = decay z_{t-1} + k_t ]
 
 A family is its identity (decay kind, gate, update rule, Mamba2's dt-scaled values and D skip,
@@ -77,6 +80,12 @@ class FamilySpec:
     rotary: bool = False  # rotary position on q and k after the feature map (RetNet)
     value_dt: bool = False  # v is scaled by the step size dt (Mamba2's x * dt)
     skip_d: bool = False  # o += D * v (Mamba2's skip)
+    # Delta rule only (Gated DeltaNet-2): e = sigmoid(W_e x + b_e) per key channel says which key
+    # channels the delta rule erases (it erases along e * k); w = sigmoid(W_w x + b_w) per value
+    # channel says which value channels it writes (k (w * v)^T). W zero at init, b = 3: a fresh
+    # layer is its family without the gates, with beta scaled by sigmoid(3) ~ 0.95.
+    erase_gate: bool = False
+    write_gate: bool = False
     fixed_decay_offset: float = 5.0  # Decay.FIXED: gamma_h = 1 - 2^-(offset + h)
     # ---- knobs ----
     feature_map: str = "identity"
@@ -119,6 +128,8 @@ class FamilySpec:
             problems.append("chunk_size must be >= 1")
         if self.normalizer and self.delta_rule:  # z_t = decay z_{t-1} + k_t is the additive rule's
             problems.append("the normaliser needs the additive rule (delta_rule=False)")
+        if (self.erase_gate or self.write_gate) and not self.delta_rule:  # they split the delta rule's update
+            problems.append("erase and write gates need the delta rule (delta_rule=True)")
         if problems:
             raise ValueError(f"{self.name}: " + "; ".join(problems))
 
@@ -171,6 +182,22 @@ def _dt_clamp(value: object, name: str, where: str) -> tuple[float, float]:
             or value[0] > value[1] or value[0] == float("inf"):
         raise invalid(name, value, allowed, where)
     return (float(value[0]), float(value[1]))
+
+
+# Targets whose lowering runs the erase gate (Gated DeltaNet-2). Elsewhere a layer with one is refused
+# by name before anything is traced (edgelin.export.base.Target.family_support): TensorRT's EdgelinStep
+# plugin and edgelin's CUDA/Triton kernels have no erase/write gate flags yet (planned). Kept in step
+# with each lowering's engine by tests/test_gdn2_clvr.py.
+ERASE_GATE_TARGETS = ("onnx",)
+
+
+def erase_gate_refusal(spec: FamilySpec, target: str) -> str | None:
+    """Why `target` cannot take a layer of `spec` for its erase gate, or None."""
+    if not spec.erase_gate or target in ERASE_GATE_TARGETS:
+        return None
+    if target == "tensorrt":
+        return "the EdgelinStep kernel has no erase/write gate flags yet; they are planned"
+    return f"the {target} lowering has no erase gate yet; it is planned"
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,20 @@ TRITON_INTERPRET=1, which the CPU tests use).
 
 This module imports no kernel: Triton and the CUDA extension load only when a kernel engine
 actually runs, so the model can consult it on CPU for free.
+
+Gated DeltaNet-2 (an erase gate on the delta rule) has no kernel yet: the Triton step, the CUDA step
+kernel's flags and the chunked Triton prefill for it are planned. Its layers run on the torch
+reference under "auto" (on CUDA tensors too, with a one-time warning), and a forced "triton" or
+"cuda" backend refuses them in one line rather than run them as plain Gated DeltaNet.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -112,7 +119,21 @@ KERNEL_ENGINES = {path: KernelEngine(name=f"kernels-{path}", path=path) for path
 
 
 def engine_for(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
-               beta: Tensor | None = None) -> Engine:
-    """The engine the backend picks for these inputs: a kernel engine or the torch reference."""
+               beta: Tensor | None = None, erase: Tensor | None = None) -> Engine:
+    """The engine the backend picks for these inputs: a kernel engine or the torch reference.
+    An erase gate (Gated DeltaNet-2) has no kernel yet: the reference under "auto", refused when forced."""
     path = kernel_path(q, k, v, state, g, beta)
+    if path is not None and erase is not None:
+        if get_backend() != "auto":
+            raise EdgelinError(f"backend {path!r} asked for with an erase-gated delta rule (gated_deltanet2)",
+                               "edgelin's kernels have no erase/write gate flags yet (planned)",
+                               "use EDGELIN_KERNELS=auto (these layers then run on the torch reference) or torch")
+        _warn_reference_once()
+        return TORCH
     return TORCH if path is None else KERNEL_ENGINES[path]
+
+
+@functools.cache
+def _warn_reference_once() -> None:
+    warnings.warn("gated_deltanet2 layers run on the torch reference: edgelin's kernels have no erase/write gate "
+                  "flags yet (planned)", RuntimeWarning, stacklevel=3)

@@ -82,6 +82,9 @@ class ModelConfig:
     attention: AttentionConfig | None = None
     family_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
     feature_seed: int = 0  # seeds fixed random features (Performer)
+    # CLVR (cross-layer value routing): every linear layer adds W_r u_t to the residual stream, u_t the
+    # value it writes into its memory, W_r zero-initialised (edgelin.model.mixer). No new state.
+    clvr: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
@@ -169,6 +172,7 @@ MODEL_RULES: dict[str, Rule] = {
     "rms_norm_eps": POSITIVE, "tie_word_embeddings": FLAG, "rope_theta": POSITIVE, "chunk_size": OPT_SIZE,
     "feature_seed": Rule("int", low=0, high=2**63 - 1),  # torch.Generator's seed range
     "bos_token_id": Rule("int", low=0, optional=True), "eos_token_id": Rule("int", low=0, optional=True),
+    "clvr": FLAG,
 }
 
 
@@ -224,6 +228,9 @@ def _check_relations(values: dict[str, Any], types: list[str] | tuple[str, ...],
                                                   for k, v in overrides.items()):
         raise invalid("family_overrides", overrides, "an object mapping family names to {knob: value}", where)
     specs = {fam: get_family(fam).with_overrides(knobs, where) for fam, knobs in overrides.items()}
+    if values.get("clvr") and all(t == SOFTMAX for t in types):  # it routes linear layers' written values
+        raise invalid("clvr", True, "false for a model without linear-attention layers (CLVR routes the value "
+                      "each linear layer writes)", where)
     for name in sorted(set(types) - {SOFTMAX}):
         spec = specs.get(name, FAMILIES[name])
         if spec.rotary and spec.feature.out_dim(values["head_k_dim"]) % 2:  # RetNet rotates channel pairs

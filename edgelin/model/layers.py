@@ -16,7 +16,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # The mean of squares in float32 (fp16 graphs: x^2 overflows fp16 from |x| = 256); a no-op for fp32.
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 class GroupRMSNorm(nn.Module):
@@ -28,9 +30,9 @@ class GroupRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        grouped = x.reshape(*x.shape[:-1], self.groups, -1)
+        grouped = x.reshape(*x.shape[:-1], self.groups, -1).float()  # float32 statistics, as RMSNorm
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return grouped.reshape(x.shape) * self.weight
+        return grouped.reshape(x.shape).to(x.dtype) * self.weight
 
 
 class Rotary(nn.Module):
@@ -46,8 +48,8 @@ class Rotary(nn.Module):
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x [B, T, H, D]; positions [B, T] (int64)."""
         angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq  # [B, T, dim/2]
-        cos = torch.cat([angles.cos()] * 2, -1).unsqueeze(2)
-        sin = torch.cat([angles.sin()] * 2, -1).unsqueeze(2)
+        cos = torch.cat([angles.cos()] * 2, -1).unsqueeze(2).to(x.dtype)  # angles in float32, applied in x's
+        sin = torch.cat([angles.sin()] * 2, -1).unsqueeze(2).to(x.dtype)
         rot, rest = x[..., : self.dim], x[..., self.dim:]
         half = self.dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)

@@ -36,7 +36,8 @@ class Block(nn.Module):
             self.mixer: nn.Module = SoftmaxAttention(config.hidden_size, config.attention, config.rms_norm_eps)
         else:
             self.mixer = LinearMixer(
-                config.spec(layer), config.dims(), config.rms_norm_eps, config.rope_theta, config.feature_seed + layer
+                config.spec(layer), config.dims(), config.rms_norm_eps, config.rope_theta, config.feature_seed + layer,
+                clvr=config.clvr,
             )
         if config.intermediate_size:
             self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -118,6 +119,30 @@ class CausalLM(nn.Module):
 
 def _init_weights(module: nn.Module) -> None:
     if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "zero_init", False):  # starts as a no-op (CLVR's route, GDN-2's gates: mixer.py)
+            nn.init.zeros_(module.weight)
+        else:
+            nn.init.normal_(module.weight, std=0.02)
         if getattr(module, "bias", None) is not None:
             nn.init.zeros_(module.bias)
+
+
+# What stays float32 in a half-precision copy: decay rates and rotary frequencies. Rounded to fp16 they
+# would shift every decay (exp(A) by up to 0.1 %, compounding over the steps) and, at long positions,
+# every rotary angle; they are a few numbers per layer.
+FLOAT32_TENSORS = ("A_log", "dt_bias", "log_gamma", "inv_freq")
+
+
+def with_compute_dtype(model: CausalLM, dtype: torch.dtype) -> CausalLM:
+    """A copy of `model` whose weights are `dtype` (fp16 graphs) except FLOAT32_TENSORS, which keep
+    the original's float32 values. The recurrence casts its inputs to float32 itself (LinearMixer)."""
+    import copy
+
+    if dtype == torch.float32:
+        return model
+    originals = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    low = copy.deepcopy(model).to(dtype)  # deepcopy keeps tied weights tied
+    for name, tensor in [*low.named_parameters(), *low.named_buffers()]:
+        if name.rsplit(".", 1)[-1] in FLOAT32_TENSORS:
+            tensor.data = originals[name].detach().clone().float()
+    return low

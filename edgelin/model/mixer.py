@@ -2,8 +2,13 @@
 layer's `FamilySpec`; no family is named here.
 
 x -> q, k, v projections -> [short conv + SiLU] -> heads -> [rotary] -> feature map -> [L2 norm]
-  -> [scale q] -> decay g, beta from x -> recurrence engine -> [normaliser] -> [D skip]
-  -> [norm / gate] -> o_proj
+  -> [scale q] -> decay g, beta [, erase gate e, write gate w] from x -> recurrence engine
+  -> [normaliser] -> [D skip] -> [norm / gate] -> o_proj [+ CLVR route]
+
+CLVR (cross-layer value routing, a model option: ModelConfig.clvr): the value the layer writes into
+its memory (the delta rule's target before the subtraction: v after the conv, the write gate and
+Mamba2's dt) is projected into the shared hidden stream through a zero-initialised projection and
+added to the layer's output, i.e. to the residual, where every later layer reads it. No state.
 
 The recurrence runs through an engine (edgelin.reference.engine): the one a target's lowering
 installed with `use_engine` (edgelin.export.lowering), else the kernel dispatch's choice for the
@@ -24,9 +29,10 @@ from torch import nn
 from edgelin.families import Decay, FamilySpec, Gate, LayerDims, OutputGate, StateTensor
 from edgelin.families.feature_maps import orthogonal_random_features
 from edgelin.families.spec import linear_state_tensors
-from edgelin.kernels.dispatch import engine_for
+from edgelin.kernels.dispatch import KernelEngine, engine_for
 from edgelin.model.layers import GroupRMSNorm, RMSNorm, Rotary, positions_from, short_conv
-from edgelin.reference.engine import Engine
+from edgelin.errors import EdgelinError
+from edgelin.reference.engine import Engine, takes_erase
 
 Tensor = torch.Tensor
 # An engine installed for this context (a target's lowering while its graphs are traced, see
@@ -44,9 +50,10 @@ def use_engine(engine: Engine | None) -> Iterator[Engine | None]:
         _ENGINE.reset(token)
 
 
-def select_engine(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None) -> Engine:
+def select_engine(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None,
+                  erase: Tensor | None = None) -> Engine:
     installed = _ENGINE.get()
-    return installed if installed is not None else engine_for(state, q, k, v, g, beta)
+    return installed if installed is not None else engine_for(state, q, k, v, g, beta, erase)
 
 
 def _projection(hidden: int, out: int, low_rank: int, low_rank_bias: bool = True) -> nn.Module:
@@ -55,8 +62,22 @@ def _projection(hidden: int, out: int, low_rank: int, low_rank_bias: bool = True
     return nn.Linear(hidden, out, bias=False)
 
 
+# Gated DeltaNet-2's gates start at sigmoid(3) ~ 0.95 for every token (zero weights): the layer
+# starts as Gated DeltaNet with beta * 0.95, a gate still far enough from saturation to learn.
+GATE_BIAS_INIT = 3.0
+
+
+def _zero_linear(hidden: int, out: int) -> nn.Linear:
+    """A Linear whose weight CausalLM's init leaves at zero (`zero_init`): it starts as a no-op."""
+    layer = nn.Linear(hidden, out, bias=False)
+    nn.init.zeros_(layer.weight)
+    layer.zero_init = True
+    return layer
+
+
 class LinearMixer(nn.Module):
-    def __init__(self, spec: FamilySpec, dims: LayerDims, eps: float, rope_theta: float, feature_seed: int):
+    def __init__(self, spec: FamilySpec, dims: LayerDims, eps: float, rope_theta: float, feature_seed: int,
+                 clvr: bool = False):
         super().__init__()
         self.spec, self.dims = spec, dims
         h, d_k, d_v = dims.num_heads, dims.head_k_dim, dims.head_v_dim
@@ -84,6 +105,15 @@ class LinearMixer(nn.Module):
             self.dt_bias = nn.Parameter(torch.log(torch.expm1(torch.empty(gate_width).uniform_(1e-3, 1e-1))))
         if spec.delta_rule and spec.use_beta:
             self.b_proj = nn.Linear(dims.hidden_size, h, bias=False)
+        if spec.erase_gate:  # over the key channels of each value head's state
+            self.erase_proj = _zero_linear(dims.hidden_size, h * self.d_state)
+            self.erase_bias = nn.Parameter(torch.full((h * self.d_state,), GATE_BIAS_INIT))
+        if spec.write_gate:  # over the value channels
+            self.write_proj = _zero_linear(dims.hidden_size, dims.value_width)
+            self.write_bias = nn.Parameter(torch.full((dims.value_width,), GATE_BIAS_INIT))
+        self.clvr = clvr
+        if clvr:
+            self.clvr_proj = _zero_linear(dims.value_width, dims.hidden_size)
         if spec.skip_d:
             self.D = nn.Parameter(torch.ones(h))
         if spec.output_norm:  # per head (weights shared by heads), or per group of heads sharing a key head
@@ -129,31 +159,58 @@ class LinearMixer(nn.Module):
         if hk != h:  # grouped value heads share a key head
             q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
 
-        g, dt = self._log_decay(x, batch, length)
+        g, dt = self._log_decay(x, batch, length)  # float32 whatever x's dtype (see there)
         beta = None
         if spec.delta_rule:
-            beta = torch.sigmoid(self.b_proj(x)) if spec.use_beta else x.new_ones(batch, length, h)
+            beta = torch.sigmoid(self.b_proj(x).float()) if spec.use_beta else x.new_ones(batch, length, h)
             beta = beta * spec.beta_scale if spec.beta_scale != 1.0 else beta
-        values = v * dt.unsqueeze(-1) if spec.value_dt else v
+        values = v * dt.unsqueeze(-1).to(v.dtype) if spec.value_dt else v
+        erase = None
+        if spec.erase_gate:
+            erase = torch.sigmoid(self.erase_proj(x).float() + self.erase_bias).reshape(batch, length, h, -1)
+        if spec.write_gate:  # it writes k (w * v)^T: folded into v, the engines never see it
+            gate = torch.sigmoid(self.write_proj(x).float() + self.write_bias).reshape(v.shape)
+            values = values * gate.to(values.dtype)
 
-        engine = select_engine(state["recurrent_state"], q, k, values, g, beta)
+        # The precision boundary (fp16 graphs, issue 11): the recurrence, its state, the decay and the
+        # gates run in float32; only its output returns to the weights' dtype. The one place it is cast
+        # (a no-op, and no graph node, for float32 models), so every target's lowering sees the same cut.
+        # The GPU kernels take q, k, v, g, beta in one low-precision dtype and accumulate in float32 inside.
+        compute = x.dtype
+        engine = select_engine(state["recurrent_state"], q, k, values, g, beta, erase)
+        if isinstance(engine, KernelEngine):
+            g, beta = (None if t is None else t.to(q.dtype) for t in (g, beta))
+        else:
+            q, k, values, g, beta = (None if t is None else t.float() for t in (q, k, values, g, beta))
         o, new_state["recurrent_state"] = self._recurrence(engine, mode, state["recurrent_state"], q, k, values, g,
-                                                           beta)
+                                                           beta, erase)
         if spec.normalizer:  # its own state z: o = q^T S / (q^T z + eps), S and z updated apart
             den, new_state["normalizer"] = self._normalizer(engine, mode, state["normalizer"], q, k, g)
             o = (o / (den.unsqueeze(-1) + spec.normalizer_eps)).to(o.dtype)  # fp32 z, o in v's dtype
+        o = o.to(compute)
         ordered = {t.name: new_state[t.name] for t in self.state_tensors()}  # the spec's order
-        return self._readout(o, v, x), ordered
+        out = self._readout(o, v, x)
+        if self.clvr:  # the written value, routed into the residual stream
+            out = out + self.clvr_proj(values.to(compute).flatten(-2))
+        return out, ordered
 
     def _recurrence(self, engine: Engine, mode: str, s: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
-                    beta: Tensor | None) -> tuple[Tensor, Tensor]:
+                    beta: Tensor | None, erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """S through the engine's form for `mode`: chunked, one step (T = 1: the step graph) or a loop."""
-        if mode == "chunked":
-            return engine.chunked(s, q, k, v, g, beta, self.spec.chunk_size)
-        if q.shape[1] == 1:
-            o, s = engine.step(s, *(None if t is None else t[:, 0] for t in (q, k, v, g, beta)))
+        form = "chunked" if mode == "chunked" else "step" if q.shape[1] == 1 else "recurrent"
+        extra = {} if erase is None else {"erase": erase if form != "step" else erase[:, 0]}
+        if erase is not None and not takes_erase(engine, form):  # never run a GDN-2 layer as plain GDN
+            raise EdgelinError(
+                f"the {engine.name} engine cannot run a {self.spec.name} layer",
+                f"its {form} form has no erase-gate input (edgelin's step kernels and plugins have no "
+                "erase/write gate flags yet; they are planned)",
+                "use the onnx target, or the torch reference (EDGELIN_KERNELS=torch)")
+        if form == "chunked":
+            return engine.chunked(s, q, k, v, g, beta, self.spec.chunk_size, **extra)
+        if form == "step":
+            o, s = engine.step(s, *(None if t is None else t[:, 0] for t in (q, k, v, g, beta)), **extra)
             return o.unsqueeze(1), s
-        return engine.recurrent(s, q, k, v, g, beta)
+        return engine.recurrent(s, q, k, v, g, beta, **extra)
 
     def _normalizer(self, engine: Engine, mode: str, z: Tensor, q: Tensor, k: Tensor,
                     g: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -172,7 +229,7 @@ class LinearMixer(nn.Module):
             return None, None
         if spec.decay is Decay.FIXED:
             return self.log_gamma.view(1, 1, h, 1).expand(batch, length, h, 1), None
-        raw = self.gate_proj(x).reshape(batch, length, h, -1)
+        raw = self.gate_proj(x).reshape(batch, length, h, -1).float()  # decay arithmetic in float32 (fp16 graphs)
         if spec.gate is Gate.LOGSIGMOID:
             g = F.logsigmoid(raw) / spec.gate_normalizer
             return (g if spec.gate_clamp_min is None else g.clamp_min(spec.gate_clamp_min)), None

@@ -8,10 +8,19 @@ engine (`edgelin.reference.engine`). The chunked form takes its chunk loop as an
 (`loop`, a plain Python loop by default) so a lowering can swap the loop without copying math.
 
 The engines never see a family name. A family is expressed by which tensors exist:
-    g     log-decay, None (no decay) or [..., 1] (scalar per head) or [..., d_k] (per key)
-    beta  None (additive rule) or [...] (delta rule)
+    g      log-decay, None (no decay) or [..., 1] (scalar per head) or [..., d_k] (per key)
+    beta   None (additive rule) or [...] (delta rule)
+    erase  None (the delta rule erases along k) or [..., d_k]: a per-key-channel erase gate e, the
+           delta rule then erases along e * k (Gated DeltaNet-2; needs beta)
 Layouts: q, k [B, T, H, d_k]; v [B, T, H, d_v]; g [B, T, H, 1 | d_k]; beta [B, T, H];
-state S [B, H, d_k, d_v]; normaliser z [B, H, d_k]. Everything is fp32 reference math.
+erase [B, T, H, d_k]; state S [B, H, d_k, d_v]; normaliser z [B, H, d_k]. Everything is fp32
+reference math.
+
+The erase-gated delta rule (one token, after the decay S' = e^g S):
+    S_t = S' - beta_t (e_t * k_t) (k_t^T S') + beta_t k_t v_t^T
+The transition I - beta (e * k) k^T is an asymmetric rank-one update (a diagonal-plus-low-rank
+transition, fla's generalized_delta_rule); e = 1 is the plain delta rule. A write gate over value
+channels needs no engine support: the mixer folds it into v (it writes k (w * v)^T).
 
 The normaliser (linear transformer, Performer) is its own state: z_t = decay_t z_{t-1} + k_t and
 the readout divides by q_t^T z_t. It is updated by its own small functions (`normalizer_*`), never
@@ -42,11 +51,20 @@ def python_loop(body: ChunkBody, init: Tensor, xs: tuple[Tensor, ...]) -> tuple[
 
 
 def recurrent_step(
-    state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None
+    state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None,
+    erase: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One token: q, k [B, H, d_k], v [B, H, d_v], g [B, H, 1|d_k], beta [B, H] -> (o, state)."""
+    """One token: q, k [B, H, d_k], v [B, H, d_v], g [B, H, 1|d_k], beta [B, H], erase [B, H, d_k]
+    -> (o, state)."""
     if g is not None:
         state = state * g.exp().unsqueeze(-1)
+    if erase is not None:  # S' - beta (e * k)(k^T S') + beta k v^T: erase and write directions differ
+        if beta is None:
+            raise ValueError("an erase gate needs the delta rule (beta)")
+        read = (k.unsqueeze(-2) @ state).squeeze(-2)  # k^T S' [B, H, d_v]
+        b = beta.unsqueeze(-1)
+        state = state - (b * erase * k).unsqueeze(-1) * read.unsqueeze(-2) + k.unsqueeze(-1) * (b * v).unsqueeze(-2)
+        return (q.unsqueeze(-2) @ state).squeeze(-2), state
     if beta is not None:  # (k^T S) as a batched matmul: runtimes run MatMul far faster than Einsum
         v = beta.unsqueeze(-1) * (v - (k.unsqueeze(-2) @ state).squeeze(-2))
     state = state + k.unsqueeze(-1) * v.unsqueeze(-2)
@@ -54,14 +72,14 @@ def recurrent_step(
 
 
 def recurrent(
-    state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None
+    state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None, beta: Tensor | None = None,
+    erase: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The naive token loop: the ground truth the chunked form and every kernel are tested against."""
     outputs = []
     for t in range(q.shape[1]):
         o, state = recurrent_step(
-            state, q[:, t], k[:, t], v[:, t],
-            None if g is None else g[:, t], None if beta is None else beta[:, t],
+            state, q[:, t], k[:, t], v[:, t], *(None if x is None else x[:, t] for x in (g, beta, erase)),
         )
         outputs.append(o)
     return torch.stack(outputs, dim=1), state
@@ -168,6 +186,13 @@ def _decays(g: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
     return b, torch.where(causal.unsqueeze(-1), diff, float("-inf")).exp()
 
 
+def _pairs(a: Tensor, b: Tensor, decay: Tensor) -> Tensor:
+    """[.., C, C]: a_i^T R[i, j] b_j (R from `_decays`, or the causal mask when nothing decays)."""
+    if decay.dim() > a.dim():  # per key: the channel axis stays inside R
+        return torch.einsum("...id,...jd,...ijd->...ij", a, b, decay)
+    return (a @ b.transpose(-1, -2)) * decay
+
+
 def chunked(
     state: Tensor,
     q: Tensor,
@@ -177,6 +202,7 @@ def chunked(
     beta: Tensor | None = None,
     chunk_size: int = 64,
     loop: ChunkLoop = python_loop,
+    erase: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The chunked parallel form: intra-chunk work is batched matmuls over all chunks at once; the
     inter-chunk recurrence is `loop` over chunks carrying S (a Python loop here; the ONNX lowering
@@ -189,6 +215,20 @@ def chunked(
                  U = T diag(beta) V - T diag(beta) (K * e^b) S0 ;   additive: U = V
         O  = (Q * e^b) S0 + P U
         S1 = e^{b_C} S0 + (K * e^{b_C - b})^T U
+
+    With an erase gate the erase direction f_j = e_j * k_j differs from the write direction k_j, so
+    the WY/UT form keeps two sets of rows. Let r_j = beta_j k_j^T S'_j (S'_j: the decayed state
+    just before token j's update: what token j reads, then erases along f_j). Unrolling the chunk,
+        S_i = e^{b_i} S0 + sum_{j<=i} R[i, j] (k_j beta_j v_j^T - f_j r_j^T)
+    and reading it with k_j gives a unit lower-triangular system for the rows r:
+        (I + diag(beta) A_kf) r = diag(beta) ((K * e^b) S0 + A_kk diag(beta) V)
+        A_kf[i, j] = k_i^T R[i, j] f_j,  A_kk[i, j] = k_i^T R[i, j] k_j   (j < i)
+    so with T = (I + diag(beta) A_kf)^-1: r = r_V + M S0, r_V = T diag(beta) A_kk diag(beta) V and
+    M = T diag(beta) (K * e^b), both free of S0 (batched over all chunks). The loop then runs
+        r  = r_V + M S0
+        O  = (Q * e^b) S0 + P diag(beta) V - P_qf r,     P_qf[i, j] = q_i^T R[i, j] f_j (j <= i)
+        S1 = e^{b_C} S0 + (K * e^{b_C - b})^T diag(beta) V - (F * e^{b_C - b})^T r
+    With f = k, U = diag(beta) V - r recovers the delta rule's form above.
     """
     batch, length, heads, d_k = q.shape
     num_chunks = (length + chunk_size - 1) // chunk_size
@@ -198,35 +238,51 @@ def chunked(
 
     if g is None:
         decay = causal.to(q.dtype)
-        qk, kk = (q @ k.transpose(-1, -2)) * decay, (k @ k.transpose(-1, -2)) * decay
-        q_hat, k_hat, k_end, decay_end = q, k, k, None
+        q_hat, k_hat, to_end, decay_end = q, k, None, None
     else:
         b, decay = _decays(_chunk(g, chunk_size, num_chunks), chunk_size)  # b [N, B, H, C, 1|d_k]
         b_end = b[..., -1:, :]
-        if g.shape[-1] == 1:
-            qk, kk = (q @ k.transpose(-1, -2)) * decay, (k @ k.transpose(-1, -2)) * decay
-        else:
-            qk = torch.einsum("...id,...jd,...ijd->...ij", q, k, decay)
-            kk = torch.einsum("...id,...jd,...ijd->...ij", k, k, decay)
         q_hat, k_hat = q * b.exp(), k * b.exp()
-        k_end = k * (b_end - b).exp()
+        to_end = (b_end - b).exp()
         decay_end = b_end.squeeze(-2).exp().unsqueeze(-1)  # [N, B, H, 1|d_k, 1]
+    qk, kk = _pairs(q, k, decay), _pairs(k, k, decay)
+    k_end = k if to_end is None else k * to_end
 
-    if beta is None:
-        w_v, w_k = v, None
-    else:
+    if erase is not None:
+        if beta is None:
+            raise ValueError("an erase gate needs the delta rule (beta)")
         beta_c = _chunk(beta.unsqueeze(-1), chunk_size, num_chunks)  # [N, B, H, C, 1]
-        t_inv = invert_unit_lower(beta_c * torch.where(strict, kk, 0.0))
-        w_v, w_k = t_inv @ (beta_c * v), t_inv @ (beta_c * k_hat)
+        f = _chunk(erase, chunk_size, num_chunks) * k  # the erase directions
+        t_inv = invert_unit_lower(beta_c * torch.where(strict, _pairs(k, f, decay), 0.0))
+        bv = beta_c * v
+        r_v = t_inv @ (beta_c * (torch.where(strict, kk, 0.0) @ bv))
+        m = t_inv @ (beta_c * k_hat)
 
-    def body(s: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        qh, p, wv, ke = xs[:4]
-        u = wv if w_k is None else wv - xs[4] @ s
-        out = qh @ s + p @ u
-        carried = s if decay_end is None else s * xs[-1]
-        return carried + ke.transpose(-1, -2) @ u, out
+        def body(s: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+            qh, p, bvv, ke, rv, mm, pf, fe = xs[:8]
+            r = rv + mm @ s
+            out = qh @ s + p @ bvv - pf @ r
+            carried = s if decay_end is None else s * xs[-1]
+            return carried + ke.transpose(-1, -2) @ bvv - fe.transpose(-1, -2) @ r, out
 
-    xs = (q_hat, qk, w_v, k_end) + (() if w_k is None else (w_k,)) + (() if decay_end is None else (decay_end,))
+        xs = (q_hat, qk, bv, k_end, r_v, m, _pairs(q, f, decay), f if to_end is None else f * to_end)
+    else:
+        if beta is None:
+            w_v, w_k = v, None
+        else:
+            beta_c = _chunk(beta.unsqueeze(-1), chunk_size, num_chunks)  # [N, B, H, C, 1]
+            t_inv = invert_unit_lower(beta_c * torch.where(strict, kk, 0.0))
+            w_v, w_k = t_inv @ (beta_c * v), t_inv @ (beta_c * k_hat)
+
+        def body(s: Tensor, xs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+            qh, p, wv, ke = xs[:4]
+            u = wv if w_k is None else wv - xs[4] @ s
+            out = qh @ s + p @ u
+            carried = s if decay_end is None else s * xs[-1]
+            return carried + ke.transpose(-1, -2) @ u, out
+
+        xs = (q_hat, qk, w_v, k_end) + (() if w_k is None else (w_k,))
+    xs = xs + (() if decay_end is None else (decay_end,))
     state, out = loop(body, state, tuple(x.contiguous() for x in xs))
     out = out.permute(1, 0, 3, 2, 4).reshape(batch, num_chunks * chunk_size, heads, v.shape[-1])
     return out[:, :length], state

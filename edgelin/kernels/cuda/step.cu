@@ -1,5 +1,5 @@
 // The plain-C launcher: validates EdgelinStepArgs, picks the template instance for the flags
-// (dtype x aux dtype x gate x delta x vectorised), and enqueues it on the caller's stream. No
+// (dtype x aux dtype x gate x delta x vectorised x CTA tile), and enqueues it on the caller's stream. No
 // allocation, no synchronisation: safe inside CUDA-graph capture and from a TensorRT plugin's enqueue().
 #include <stdint.h>
 
@@ -8,8 +8,17 @@
 
 namespace {
 
-using edgelin::kThreads;
-using edgelin::kTileV;
+using edgelin::Tile;
+// The CTA shapes, [d_k rows, value columns] (edgelin/kernels/cuda/step.cuh). Chosen on an H200 at
+// H=16, K=V=128 (docs/benchmarks.md): the small tile was fastest at B=1 and B=8, the large one at
+// B=64 and B=256 (96.5-97.6% of copy bandwidth at B=256; a [128, 32] tile gave 93-94%).
+using SmallTile = Tile<128, 4, 4>;    // [128, 16]: many small CTAs when few heads cannot fill the GPU
+using LargeTile = Tile<128, 16, 16>;  // [128, 64]: 32 KB of state per CTA when there are many heads
+using WideTile = Tile<128, 8, 16>;    // [256, 32]: d_k up to 256, and the unvectorised fallback
+// Below this many 32-column tiles (B * H * ceil(d_v / 32)) the small tile is used: between the
+// measured points (B*H = 128: small faster; B*H = 1024: large faster).
+constexpr int64_t kLargeGrid = 1024;
+constexpr int kTileV = 32;  // the ABI's grid check counts 32-column tiles (EDGELIN_ERR_GRID)
 
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
@@ -20,21 +29,22 @@ bool can_vectorise(const EdgelinStepArgs& a) {
   return a.d_v % 4 == 0 && strides && aligned(a.state_in, 16) && aligned(a.state_out, 16);
 }
 
+template <class TL, typename T, typename TG, int GATE, bool DELTA, bool VEC>
+int launch_tile(const EdgelinStepArgs& a, cudaStream_t stream) {
+  // 1-D grid, column tiles fastest: neighbouring CTAs stream one head's contiguous state together
+  const unsigned tiles = static_cast<unsigned>((a.d_v + TL::kTileV - 1) / TL::kTileV);
+  const dim3 grid(static_cast<unsigned>(a.batch) * static_cast<unsigned>(a.heads) * tiles);
+  edgelin::step_kernel<T, TG, GATE, DELTA, VEC, TL><<<grid, TL::kThreads, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
 template <typename T, typename TG, int GATE, bool DELTA>
 int launch_vec(const EdgelinStepArgs& a, cudaStream_t stream) {
-  // 1-D grid, column tiles fastest: neighbouring CTAs stream one head's contiguous state together
-  const unsigned tiles = static_cast<unsigned>((a.d_v + kTileV - 1) / kTileV);
-  const dim3 grid(static_cast<unsigned>(a.batch) * static_cast<unsigned>(a.heads) * tiles);
-  const bool vec = can_vectorise(a), wide = a.d_k > 8 * edgelin::kRowGroups;
-  if (vec && !wide)
-    edgelin::step_kernel<T, TG, GATE, DELTA, true, 8><<<grid, kThreads, 0, stream>>>(a);
-  else if (vec)
-    edgelin::step_kernel<T, TG, GATE, DELTA, true, 16><<<grid, kThreads, 0, stream>>>(a);
-  else if (!wide)
-    edgelin::step_kernel<T, TG, GATE, DELTA, false, 8><<<grid, kThreads, 0, stream>>>(a);
-  else
-    edgelin::step_kernel<T, TG, GATE, DELTA, false, 16><<<grid, kThreads, 0, stream>>>(a);
-  return static_cast<int>(cudaGetLastError());
+  if (!can_vectorise(a)) return launch_tile<WideTile, T, TG, GATE, DELTA, false>(a, stream);
+  if (a.d_k > LargeTile::kMaxK) return launch_tile<WideTile, T, TG, GATE, DELTA, true>(a, stream);
+  const int64_t tiles32 = static_cast<int64_t>(a.batch) * a.heads * ((a.d_v + kTileV - 1) / kTileV);
+  if (tiles32 < kLargeGrid) return launch_tile<SmallTile, T, TG, GATE, DELTA, true>(a, stream);
+  return launch_tile<LargeTile, T, TG, GATE, DELTA, true>(a, stream);
 }
 
 template <typename T, typename TG, int GATE>

@@ -5,8 +5,11 @@ the export folder (or pass --folder):
 
     python tensorrt/build_engine.py --plugin tensorrt/libedgelin_trt_plugin_trt10.so [--fp16]
 
-One optimisation profile per graph, min/opt/max shapes as below (batch, prompt length); fp32 unless
---fp16. Writes step.engine and prefill.engine beside the ONNX files (temp file, then rename).
+The optimisation profiles below (tensorrt/engines.json holds the same), narrowest first: the edgelin
+TensorRT runner picks the first that holds a call's shapes. fp32 unless --fp16. With INPLACE (export
+--trt-inplace) the step's plugin nodes alias their state input and output, a TensorRT preview feature
+(ALIASED_PLUGIN_IO_10_03) this script turns on. Writes step.engine and prefill.engine beside the ONNX
+files (temp file, then rename).
 """
 
 import argparse
@@ -14,9 +17,10 @@ import os
 import sys
 
 GRAPHS = {}  # filled in by edgelin export
+INPLACE = False  # filled in by edgelin export
 
 
-def build(folder: str, graph: str, spec: dict, plugin: str, fp16: bool) -> str:
+def build(folder: str, graph: str, spec: dict, plugin: str, fp16: bool, inplace: bool = INPLACE) -> str:
     import tensorrt as trt
 
     logger = trt.Logger(trt.Logger.WARNING)
@@ -29,16 +33,23 @@ def build(folder: str, graph: str, spec: dict, plugin: str, fp16: bool) -> str:
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise SystemExit(f"error: parsing {spec['file']} failed: {errors}")
     config = builder.create_builder_config()
-    profile = builder.create_optimization_profile()
-    for name, (lo, opt, hi) in spec["shapes"].items():
-        profile.set_shape(name, lo, opt, hi)
-    config.add_optimization_profile(profile)
+    for shapes in spec["profiles"]:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
     if fp16:
         config.set_flag(trt.BuilderFlag.FP16)
+    if inplace and spec.get("aliased"):  # the plugin's getAliasedInput is read only with this on
+        feature = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)
+        if feature is None:
+            raise SystemExit("error: this TensorRT has no ALIASED_PLUGIN_IO_10_03 preview feature (it needs 10.3+); "
+                             "export again without --trt-inplace")
+        config.set_preview_feature(feature, True)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise SystemExit(f"error: TensorRT could not build {spec['file']} (see the log above)")
-    target = os.path.join(folder, f"{graph}.engine")
+    target = os.path.join(folder, spec.get("engine", f"{graph}.engine"))
     staged = target + ".tmp"
     with open(staged, "wb") as f:
         f.write(serialized)
@@ -52,13 +63,16 @@ def main() -> None:
     parser.add_argument("--folder", default=".", help="the export folder (default: the current folder)")
     parser.add_argument("--fp16", action="store_true", help="allow fp16 kernels")
     parser.add_argument("--graphs", nargs="*", default=list(GRAPHS), help="which graphs (default: all)")
+    parser.add_argument("--no-inplace", action="store_true", help="build the step without state aliasing even "
+                        "though the export asked for it (the plugin then writes its state to a separate buffer)")
     args = parser.parse_args()
     try:
         import tensorrt  # noqa: F401
     except ImportError:
         sys.exit("error: the tensorrt Python package is not installed: pip install tensorrt (or use JetPack 6)")
     for graph in args.graphs:
-        print(build(args.folder, graph, GRAPHS[graph], os.path.abspath(args.plugin), args.fp16))
+        print(build(args.folder, graph, GRAPHS[graph], os.path.abspath(args.plugin), args.fp16,
+                    INPLACE and not args.no_inplace))
 
 
 if __name__ == "__main__":
