@@ -1,30 +1,19 @@
-"""The `edgelin` command line. Commands parse, call the library, print; nothing else."""
+"""The `edgelin` command line. Commands parse, call the library, print; nothing else. The machinery they
+share (the app, one-line errors, option checks) is edgelin.cli_support."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import functools
-import math
-import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Optional
+from typing import Any, Literal, Optional
 
 import typer
 from rich.text import Text
-from typer.core import TyperCommand, TyperGroup
 
 from edgelin import __version__
+from edgelin.cli_support import JSON, POSITIVE, _debug, _finite, app, command
 from edgelin.errors import EdgelinError
 from edgelin.export.targets import target_names
 from edgelin.output import Output, human_bytes, styled
-
-try:  # typer >= 0.20 vendors click
-    from typer._click.exceptions import NoArgsIsHelpError, UsageError
-except ImportError:  # pragma: no cover - older typer on the real click
-    from click.exceptions import NoArgsIsHelpError, UsageError
-
-_debug = {"on": bool(os.environ.get("EDGELIN_DEBUG"))}
 
 # Choices typer shows in --help and checks at parse time.
 TargetName = Literal[tuple(target_names())]  # type: ignore[valid-type]  # the registry, not a hand-kept list
@@ -32,136 +21,6 @@ Precision = Literal["fp32", "fp16"]
 Quantize = Literal["int8", "int4"]
 Baseline = Literal["kv"]
 CoremlStyle = Literal["explicit", "mlstate"]
-
-
-class _Clean:
-    """Help and usage errors for people: flags render as flags, and a usage error is one line."""
-
-    def get_params(self, ctx: Any) -> list:
-        params = super().get_params(ctx)  # type: ignore[misc]
-        for param in params:  # typer 0.29's rich help prints every flag (--force, --help) as "<bool>"
-            if getattr(param, "is_flag", False) and param.metavar is None:
-                param.metavar = ""
-        return params
-
-    def make_context(self, *args: Any, **kwargs: Any) -> Any:
-        with _one_line_usage_errors():
-            return super().make_context(*args, **kwargs)  # type: ignore[misc]
-
-
-class EdgelinCommand(_Clean, TyperCommand):
-    pass
-
-
-class EdgelinGroup(_Clean, TyperGroup):
-    def invoke(self, ctx: Any) -> Any:  # "Missing command", "No such command", a command's own parse errors
-        with _one_line_usage_errors():
-            return super().invoke(ctx)
-
-
-@contextlib.contextmanager
-def _one_line_usage_errors() -> Iterator[None]:
-    """typer's usage error is a multi-line box; edgelin's errors are one line: `error: WHAT: WHY. Fix: FIX`."""
-    try:
-        yield
-    except NoArgsIsHelpError:  # bare `edgelin` prints the help, as intended
-        raise
-    except UsageError as exc:
-        where = exc.ctx.command_path if exc.ctx is not None else "edgelin"
-        message = exc.format_message().strip().rstrip(".").replace("Value error, ", "")  # typer 0.29's wording
-        Output().error(f"{message}. Fix: see `{where} --help`")
-        raise typer.Exit(exc.exit_code) from None
-
-
-app = typer.Typer(cls=EdgelinGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Ship trained linear-attention models to edge devices.")
-JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
-
-
-# ---- parse-time range checks: a bad number is a one-line usage error (exit 2) before any work ----
-def _finite(above: float, at_most: float | None = None) -> Callable[[Optional[float]], Optional[float]]:
-    """A callback accepting finite values in (above, at_most]: typer's min= is a closed bound and lets inf through."""
-    bound = f"> {above:g}" + (f" and <= {at_most:g}" if at_most is not None else "")
-
-    def check(value: Optional[float]) -> Optional[float]:
-        if value is not None and not (math.isfinite(value) and value > above
-                                      and (at_most is None or value <= at_most)):
-            raise typer.BadParameter(f"{value:g} is out of range: it must be finite and {bound}")
-        return value
-
-    return check
-
-
-POSITIVE = _finite(0.0)
-
-
-# ---- environment faults: the user's machine, not a bug in edgelin ----------------------------------
-_OS_FAULTS: dict[int, tuple[str, str]] = {
-    errno.EACCES: ("permission denied", "check the path's permissions, or use a location you own"),
-    errno.EPERM: ("operation not permitted", "check the path's permissions, or use a location you own"),
-    errno.EROFS: ("the file system is read-only", "write to a folder on a writable file system"),
-    errno.ENOSPC: ("no space left on the device", "free disk space, or write to another disk"),
-    errno.EDQUOT: ("the disk quota is exhausted", "free disk space, or write to another disk"),
-    errno.ENOTDIR: ("a part of the path is a file, not a folder", "pick a path whose parents are folders"),
-    errno.EISDIR: ("it is a folder where a file was expected", "pass a file, or pick another path"),
-    errno.ENOENT: ("no such file or folder", "check the path"),
-    errno.EEXIST: ("it already exists", "pick another path"),
-    errno.EMFILE: ("too many open files", "raise the open-file limit (ulimit -n) and re-run"),
-    errno.ENFILE: ("too many open files in the system", "close other programs and re-run"),
-    errno.ENAMETOOLONG: ("the path is too long", "use a shorter path"),
-    errno.EIO: ("input/output error", "check the disk (it may be failing or disconnected)"),
-}
-
-
-def environment_error(exc: BaseException) -> EdgelinError:
-    """An OSError or MemoryError as one actionable line (exit 2): the machine, not edgelin, failed."""
-    if isinstance(exc, MemoryError):
-        return EdgelinError("out of memory", "the machine could not allocate what this command needs",
-                            "close other programs, or use smaller sizes (--batch, --positions, --steps, -n)")
-    assert isinstance(exc, OSError)
-    why, fix = _OS_FAULTS.get(exc.errno or -1, (exc.strerror or str(exc) or type(exc).__name__,
-                                                "check the path and the file system, then re-run"))
-    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
-    return EdgelinError(f"cannot use {paths}" if paths else "a file operation failed", why, fix)
-
-
-def command(fn: Callable) -> Callable:
-    """Register a command whose EdgelinErrors become one line on stderr and a non-zero exit."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        out = Output(kwargs.get("as_json", False))
-        try:
-            return fn(out, *args, **kwargs)
-        except EdgelinError as exc:
-            if _debug["on"]:
-                raise
-            out.error(exc.line())
-            raise typer.Exit(exc.exit_code)
-        except KeyboardInterrupt:
-            out.error("interrupted")
-            raise typer.Exit(130)
-        except BrokenPipeError:  # `edgelin ... | head`: the reader left; nothing to report
-            raise typer.Exit(0)
-        except (typer.Exit, typer.Abort):
-            raise
-        except (OSError, MemoryError) as exc:  # the safety net: the library names the common ones itself
-            if _debug["on"]:
-                raise
-            error = environment_error(exc)
-            out.error(error.line())
-            raise typer.Exit(error.exit_code)
-        except Exception as exc:  # a bug in edgelin: still one line unless --debug
-            if _debug["on"]:
-                raise
-            out.error(f"internal error: {type(exc).__name__}: {exc}. Fix: re-run with --debug and report it")
-            raise typer.Exit(3)
-
-    import inspect
-
-    sig = inspect.signature(fn)
-    wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
-    return app.command(cls=EdgelinCommand)(wrapper)
 
 
 def _print_version(value: bool) -> None:
@@ -262,8 +121,15 @@ def export(
     precision: Optional[Precision] = typer.Option(None, "--precision",
                                                   help="Compute precision of the graphs (default: the device's, else fp32)."),
     quantize: Optional[Quantize] = typer.Option(
-        None, "--quantize", help="Weight-only quantisation of the matmul weights (block-wise, ONNX Runtime's "
-                                 "MatMulNBits); embeddings, LM head, state and recurrence stay float."),
+        None, "--quantize", help="Weight-only quantisation of the matmul weights, embedding table and LM head "
+                                 "(block-wise, ONNX Runtime's MatMulNBits and GatherBlockQuantized); state and "
+                                 "recurrence stay float."),
+    keep_embeddings_float: bool = typer.Option(
+        False, "--keep-embeddings-float", help="With --quantize: leave the embedding table and LM head float "
+                                               "(quantise the other matmuls only)."),
+    text: Optional[Path] = typer.Option(
+        None, "--text", help="Held-out UTF-8 text for the recorded quality figures (perplexity; default: the "
+                             "recipe's validation split)."),
     block_size: Optional[int] = typer.Option(None, "--block-size",
                                              help="Weights per quantisation block with --quantize (a power of "
                                                   "two >= 16) [32]."),
@@ -301,9 +167,20 @@ def export(
         raise EdgelinError(f"--block-size {block_size} without --quantize", "the block size is a quantisation "
                            "setting; unquantised weights have no blocks", "add --quantize int4 (or int8), or drop "
                            "--block-size")
+    if keep_embeddings_float and quantize is None:
+        raise EdgelinError("--keep-embeddings-float without --quantize", "unquantised exports keep every weight "
+                           "float already", "add --quantize int4 (or int8), or drop --keep-embeddings-float")
     # Refused here, before the checkpoint loads.
     settings = export_settings(profile, target, precision, quantize, block_size, force)
+    if text is not None:
+        from edgelin.quality import read_text
+
+        read_text(text)  # empty, binary or not UTF-8: one line, before the checkpoint loads
     options = None
+    if keep_embeddings_float:  # --quantize is onnx-only (export_settings refused it for other targets)
+        from edgelin.export.onnx_target import OnnxOptions
+
+        options = OnnxOptions(quantize_embeddings=False)
     if trt_inplace:
         if target != "tensorrt":
             raise EdgelinError(f"--trt-inplace applies to --target tensorrt only, not {target}",
@@ -323,7 +200,7 @@ def export(
     with out.progress(f"exporting {checkpoint} to {target}"):
         result = export_checkpoint(checkpoint, out_dir, target, force, profile, options=options,
                                    include_tokenizer=not no_tokenizer, settings=settings,
-                                   baselines=(baseline,) if baseline else ())
+                                   baselines=(baseline,) if baseline else (), text=text)
     for warning in result.warnings:
         out.warning(warning)
     m = result.manifest
@@ -346,6 +223,12 @@ def export(
     baselines = m.extra.get("baselines", {})
     out.line(f"reference vectors: {recorded} (`edgelin validate {result.folder}` replays them)"
              + "".join(f"; {name} baseline: {sub}/" for name, sub in baselines.items()))
+    gate = m.extra.get("quality")
+    if isinstance(gate, dict):  # fp16/quantised exports: the quality check the export ran
+        figures, change = gate.get("figures", {}), gate.get("figures", {}).get("perplexity_change")
+        out.line(f"quality ({gate.get('precision')} vs fp32, {figures.get('source')}): top-1 {figures.get('top1', 0):.2%}"
+                 + (f", perplexity {figures.get('perplexity'):.2f} ({change:+.2%})" if change is not None else "")
+                 + f"; check {'passed' if gate.get('passed') else 'FAILED (exported with --force)'}")
     if result.inert_fields:
         out.line(f"ignored (inert upstream fields): {', '.join(result.inert_fields)}")
 
@@ -478,6 +361,9 @@ def bench(
     threads: Optional[int] = typer.Option(None, min=0, help="Runtime threads (0 or unset: the device's, "
                                                             "else the runtime's default)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
+    prepack: Optional[bool] = typer.Option(
+        None, "--prepack/--no-prepack", help="onnx: let ONNX Runtime prepack the weights (a private copy per "
+                                             "session; default: off for float exports, on for quantised)."),
     as_json: bool = JSON,
 ) -> None:
     """Per-token latency at each context position, prefill throughput and memory."""
@@ -491,6 +377,16 @@ def bench(
                            "e.g. --positions 1,1024,8192") from None
     profile = get_device(device) if device else None
     threads = threads or (profile.threads if profile and profile.threads else None)
+    if prepack is not None:
+        import os
+
+        from edgelin.export.onnx_runtime import PREPACK_ENV
+        from edgelin.runtime import load_artifact
+
+        if load_artifact(folder).manifest.target != "onnx":
+            raise EdgelinError(f"--{'' if prepack else 'no-'}prepack on a {load_artifact(folder).manifest.target} "
+                               "export", "it sets ONNX Runtime's weight prepacking", "drop it, or bench an onnx export")
+        os.environ[PREPACK_ENV] = "1" if prepack else "0"  # read by the ONNX runner this process opens
     with out.progress("benchmarking") as update:
         report = run_bench(folder, points, batch, warmup, iters, prefill_tokens, baseline=baseline, threads=threads,
                            on_progress=lambda msg: update(description=msg), device=profile)
@@ -603,14 +499,16 @@ def train(
     force: bool = typer.Option(False, "--force", help="Write into an existing --out: replaces a checkpoint edgelin "
                                                       "trained (config, weights, tokenizer, log), keeps other files."),
     steps: Optional[int] = typer.Option(None, help="Override the recipe's step count (smoke runs)."),
+    seed: Optional[int] = typer.Option(None, help="Override the recipe's [train] seed (seed studies)."),
+    device: str = typer.Option("cpu", help="Where to train: cpu, cuda or cuda:N (an NVIDIA GPU)."),
     as_json: bool = JSON,
 ) -> None:
-    """Train a recipe on CPU into a checkpoint folder (config.json + safetensors + tokenizer.json)."""
+    """Train a recipe (on CPU, or --device cuda) into a checkpoint folder (config.json + safetensors + tokenizer.json)."""
     from edgelin.train import train as run_train
 
     with out.progress(f"training {recipe}", total=steps) as update:
         result = run_train(recipe, out_dir, steps, progress=lambda step, total, loss: update(
-            step, description=f"step {step}/{total} loss {loss:.3f}"), force=force)
+            step, description=f"step {step}/{total} loss {loss:.3f}"), force=force, seed=seed, device=device)
     out.result({"out_dir": str(result.out_dir), "final_val_loss": result.final_val_loss, "val_bpb": result.val_bpb,
                 "wall_time_s": result.wall_time_s, "sample": result.sample})
     out.line(f"trained {recipe}: val loss {result.final_val_loss:.3f} nats/token, {result.val_bpb:.3f} bits/byte "

@@ -254,30 +254,41 @@ def measure(runner: "Runner", reference: QualityReference,
 
 
 # ---- held-out text -----------------------------------------------------------------------------------
-def read_text_tokens(path: Path, tokenizer: Path | None, vocab: int, tokens: int = TEXT_TOKENS) -> np.ndarray:
-    """The first `tokens` tokens of a UTF-8 text file, or one line saying why not: a missing or
-    unreadable file, an empty one, a binary or non-UTF-8 one, one that tokenises to fewer than
-    MIN_TEXT_TOKENS tokens, or no tokenizer (or one whose ids do not fit the model's `vocab`)."""
-    from edgelin.tokenizer import TextTokenizer
+TEXT_FIX = "pass --text with a UTF-8 text file of at least a few hundred words (e.g. held-out source code or prose)"
 
+
+def read_text(path: Path, tokens: int = TEXT_TOKENS) -> str:
+    """The start of a UTF-8 text file (enough bytes for `tokens` tokens), or one line saying why not:
+    a missing or unreadable file, an empty one, a binary or non-UTF-8 one. Needs no tokenizer and no
+    model, so `export --text` checks the file before the checkpoint loads."""
     path = Path(path)
-    fix = "pass --text with a UTF-8 text file of at least a few hundred words (e.g. held-out source code or prose)"
-    if tokenizer is None:
-        raise EdgelinError(f"--text {path} cannot be tokenised", "the export has no tokenizer.json (exported with "
-                           "--no-tokenizer, or the checkpoint had none)", "re-export with the checkpoint's tokenizer")
     if not path.is_file():
-        raise EdgelinError(f"--text {path}", "no such file" if not path.exists() else "it is not a regular file", fix)
+        raise EdgelinError(f"--text {path}", "no such file" if not path.exists() else "it is not a regular file",
+                           TEXT_FIX)
     try:
         with open(path, "rb") as fh:
             raw = fh.read(max(1 << 16, tokens * TEXT_READ_BYTES))
             truncated = bool(fh.read(1))
     except OSError as exc:
-        raise EdgelinError(f"cannot read --text {path}", exc.strerror or str(exc), fix) from exc
+        raise EdgelinError(f"cannot read --text {path}", exc.strerror or str(exc), TEXT_FIX) from exc
     if not raw.strip():
-        raise EdgelinError(f"--text {path} is empty", "perplexity needs held-out text", fix)
+        raise EdgelinError(f"--text {path} is empty", "perplexity needs held-out text", TEXT_FIX)
     if b"\0" in raw:
-        raise EdgelinError(f"--text {path} is not text", "it holds NUL bytes (a binary file)", fix)
-    text = _decode(path, raw, truncated, fix)
+        raise EdgelinError(f"--text {path} is not text", "it holds NUL bytes (a binary file)", TEXT_FIX)
+    return _decode(path, raw, truncated, TEXT_FIX)
+
+
+def read_text_tokens(path: Path, tokenizer: Path | None, vocab: int, tokens: int = TEXT_TOKENS) -> np.ndarray:
+    """The first `tokens` tokens of a UTF-8 text file, or one line saying why not: what read_text
+    refuses, a file that tokenises to fewer than MIN_TEXT_TOKENS tokens, or no tokenizer (or one whose
+    ids do not fit the model's `vocab`)."""
+    from edgelin.tokenizer import TextTokenizer
+
+    path = Path(path)
+    if tokenizer is None:
+        raise EdgelinError(f"--text {path} cannot be tokenised", "the export has no tokenizer.json (exported with "
+                           "--no-tokenizer, or the checkpoint had none)", "re-export with the checkpoint's tokenizer")
+    text = read_text(path, tokens)
     ids = np.asarray(TextTokenizer(tokenizer).encode(text)[:tokens], np.int64)
     if ids.size and ids.max() >= vocab:
         raise EdgelinError(f"tokenizer {tokenizer} does not fit the model", f"--text {path} tokenises to id "
@@ -285,7 +296,7 @@ def read_text_tokens(path: Path, tokenizer: Path | None, vocab: int, tokens: int
                            "checkpoint's own tokenizer")
     if len(ids) < MIN_TEXT_TOKENS:
         raise EdgelinError(f"--text {path} is too short", f"it tokenises to {len(ids)} tokens; perplexity needs at "
-                           f"least {MIN_TEXT_TOKENS}", fix)
+                           f"least {MIN_TEXT_TOKENS}", TEXT_FIX)
     return ids
 
 
@@ -337,6 +348,21 @@ class GateResult:
     @property
     def passed(self) -> bool:
         return all(c.passed for c in self.checks)
+
+    def to_dict(self, forced: bool = False) -> dict[str, Any]:
+        """manifest extra["quality"]: the figures, the bounds they were held to, each check, whether all
+        passed, and whether --force exported past a failure."""
+        bounds = {c.name: {"bound": c.bound, "kind": c.kind} for c in self.checks}
+        return {"precision": self.key, "figures": self.figures.to_dict(), "bounds": bounds,
+                "checks": [c.to_dict() for c in self.checks], "passed": self.passed,
+                "forced": bool(forced and not self.passed)}
+
+    def warning(self) -> str:
+        """The line `export --force` prints for a failed check."""
+        failed = "; ".join(c.describe() for c in self.checks if not c.passed)
+        return (f"the {self.key} export fails its quality check ({failed}, measured against the fp32 reference on "
+                f"{self.figures.source}); exported anyway because of --force (recorded in manifest.json "
+                f"extra.quality)")
 
 
 def check_export_quality(model: "CausalLM", folder: Path, manifest: "Manifest",

@@ -1,7 +1,8 @@
 """Recipes as data, one generic trainer: a TOML recipe ([model], [data], [tokenizer], [train]) ->
-byte-level BPE tokenizer + token stream -> CausalLM trained on CPU in fp32 -> a checkpoint directory
-(config.json, model.safetensors, tokenizer.json) + training_log.json. See recipes/README.md.
+byte-level BPE tokenizer + token stream -> CausalLM trained in fp32 (CPU, or a CUDA GPU) -> a checkpoint
+directory (config.json, model.safetensors, tokenizer.json) + training_log.json. See recipes/README.md.
     python -m edgelin.train recipes/tiny-gdn-hybrid/recipe.toml [--steps N] [--out DIR [--force]]
+                            [--seed S] [--device cpu|cuda|cuda:N]
 """
 
 from __future__ import annotations
@@ -265,7 +266,12 @@ def _windows(stream: np.ndarray, starts: np.ndarray, length: int) -> torch.Tenso
     return torch.from_numpy(np.stack([stream[s:s + length + 1] for s in starts]).astype(np.int64))
 
 
+def _device_of(model: CausalLM) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _loss(model: CausalLM, batch: torch.Tensor) -> torch.Tensor:
+    batch = batch.to(_device_of(model))  # windows are cut on the CPU; a no-op there
     logits, _ = model(batch[:, :-1], mode="chunked")
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
@@ -290,11 +296,13 @@ def evaluate(model: CausalLM, stream: np.ndarray, seq_len: int, batch_size: int,
 def generate(model: CausalLM, ids: list[int], new_tokens: int) -> list[int]:
     """Greedy decoding: chunked prefill, then one recurrent step per token (the edge runtime's path)."""
     model.eval()
-    logits, state = model(torch.tensor([ids]), mode="chunked", last_only=True)
+    device = _device_of(model)
+    logits, state = model(torch.tensor([ids], device=device), mode="chunked", last_only=True)
     out: list[int] = []
     for position in range(len(ids), len(ids) + new_tokens):
         out.append(int(logits[0].argmax()))
-        logits, state = model(torch.tensor([out[-1:]]), state, torch.tensor([position]), "recurrent", True)
+        logits, state = model(torch.tensor([out[-1:]], device=device), state,
+                              torch.tensor([position], device=device), "recurrent", True)
     return out
 
 
@@ -305,21 +313,45 @@ def default_out_dir(recipe: Recipe) -> Path:
 
 
 def train(recipe_path: Path | str, out_dir: Path | str | None = None, steps: int | None = None,
-          progress: Callable[[int, int, float], None] | None = None, force: bool = False) -> TrainResult:
+          progress: Callable[[int, int, float], None] | None = None, force: bool = False,
+          seed: int | None = None, device: str | None = None) -> TrainResult:
     """Train a recipe into `out_dir` (default: default_out_dir). An existing folder needs `force`,
-    and then only a checkpoint edgelin trained is replaced: the files training writes, others kept."""
+    and then only a checkpoint edgelin trained is replaced: the files training writes, others kept.
+    `seed` overrides [train] seed (seed studies without copying recipes; the log records it);
+    `device` ("cpu", "cuda", "cuda:N"; default cpu) is where the model trains, evaluates and samples:
+    the weights are initialised on the CPU first (the same init on every device) and saved from it."""
     recipe = Recipe.load(recipe_path)
+    if seed is not None:
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, seed=seed))
+    target = training_device(device)
     out = Path(out_dir) if out_dir is not None else default_out_dir(recipe)
     copy_recipe = resolve_output(out) != recipe.path.parent  # keep the recipe next to what it made
     writes = CHECKPOINT_FILES + ((RECIPE_COPY,) if copy_recipe else ())
     # Claimed before training, so a refused --out costs nothing and two runs cannot race for it.
     with claim_output(out, force, CHECKPOINT, writes=writes) as tmp:
-        result = _train_into(recipe, tmp, steps, progress, copy_recipe)
+        result = _train_into(recipe, tmp, steps, progress, copy_recipe, target)
     return dataclasses.replace(result, out_dir=out)
 
 
+def training_device(name: str | None) -> torch.device:
+    """The torch device for `name` (None: cpu), refused in one line when it is unknown or absent."""
+    try:
+        device = torch.device(name or "cpu")
+    except RuntimeError as exc:
+        raise EdgelinError(f"unknown training device {name!r}", "torch knows no such device",
+                           "use cpu, cuda or cuda:N") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise EdgelinError(f"training device {name!r}", "edgelin trains on cpu or cuda only", "use cpu or cuda")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise EdgelinError(f"training device {name!r}", f"this machine has {count} CUDA device(s)",
+                               "train on cpu (the default), or on a machine with an NVIDIA GPU")
+    return device
+
+
 def _train_into(recipe: Recipe, out: Path, steps: int | None, progress: Callable[[int, int, float], None] | None,
-                copy_recipe: bool) -> TrainResult:
+                copy_recipe: bool, device: torch.device = torch.device("cpu")) -> TrainResult:
     """Train and write the checkpoint, recipe copy and training_log.json into `out` (a temp folder)."""
     cfg = recipe.train
     total = steps if steps is not None else cfg.steps
@@ -331,7 +363,7 @@ def _train_into(recipe: Recipe, out: Path, steps: int | None, progress: Callable
     corpus_time = time.perf_counter() - started
     tok = Tokenizer.from_file(str(corpus.tokenizer_path))
     extra = {} if "eos_token_id" in recipe.model else {"eos_token_id": tok.token_to_id(SEPARATOR)}
-    model = CausalLM(recipe.model_config(tok.get_vocab_size(), **extra)).train()
+    model = CausalLM(recipe.model_config(tok.get_vocab_size(), **extra)).train().to(device)  # init on the CPU
     optimizer = _optimizer(model, cfg)
     rng = np.random.default_rng(cfg.seed)  # batches depend on the seed only, not on torch's RNG use
     if len(corpus.train) <= cfg.seq_len + 1 or total < 1:
@@ -371,6 +403,7 @@ def _train_into(recipe: Recipe, out: Path, steps: int | None, progress: Callable
     bpb = val_loss / math.log(2) * len(corpus.val) / corpus.val_bytes
     sample = tok.decode(generate(model, tok.encode(SAMPLE_PROMPT, add_special_tokens=False).ids, SAMPLE_TOKENS),
                         skip_special_tokens=False)
+    model.cpu()  # saved, and returned, from the CPU
     wall = time.perf_counter() - started
 
     written = write_checkpoint_files(model, out, corpus.tokenizer_path, dtype=dtype)
@@ -382,11 +415,13 @@ def _train_into(recipe: Recipe, out: Path, steps: int | None, progress: Callable
         "corpus_time_s": round(corpus_time, 1), "train_loop_time_s": round(train_time, 1),
         "tokens_seen": total * cfg.batch_size * cfg.seq_len, "parameters": model.num_parameters(),
         "train_tokens": len(corpus.train), "val_tokens": len(corpus.val), "val_bytes": corpus.val_bytes,
-        "save_dtype": cfg.save_dtype, "curve": curve, "final_val_loss": val_loss, "val_bits_per_byte": bpb,
+        "seed": cfg.seed, "device": str(device), "save_dtype": cfg.save_dtype, "curve": curve,
+        "final_val_loss": val_loss, "val_bits_per_byte": bpb,
         "sample_prompt": SAMPLE_PROMPT, "sample": SAMPLE_PROMPT + sample,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
         "files": sorted(written + [TRAINING_LOG]),  # what --force may replace in this folder later
     }
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
@@ -401,6 +436,8 @@ def _main() -> None:
                         help="output folder (default: a fresh runs/<recipe folder name>[-N] under the current folder)")
     parser.add_argument("--force", action="store_true",
                         help="write into an existing --out: replaces a checkpoint edgelin trained, keeps other files")
+    parser.add_argument("--seed", type=int, default=None, help="override [train] seed")
+    parser.add_argument("--device", default=None, help="cpu (default), cuda or cuda:N")
     args = parser.parse_args()
     marks: list[float] = []  # step end times, for the s/step shown
 
@@ -411,7 +448,8 @@ def _main() -> None:
             print(f"step {step}/{total}  loss {loss:.3f}  {rate:.2f} s/step", file=sys.stderr, flush=True)
 
     try:
-        result = train(args.recipe, args.out, args.steps, report, force=args.force)
+        result = train(args.recipe, args.out, args.steps, report, force=args.force, seed=args.seed,
+                       device=args.device)
     except EdgelinError as exc:
         print(f"error: {exc.line()}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None

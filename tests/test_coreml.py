@@ -8,6 +8,7 @@ second partial), and MLState at fp16 with the state padded to multiples of 32.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import platform
@@ -85,20 +86,24 @@ FLOAT32, FLOAT16, INT32 = 65568, 65552, 131104  # ArrayFeatureType.ArrayDataType
 
 # ---- the static chunk loop (lowering("coreml")) --------------------------------------------------
 @pytest.mark.parametrize("gate", [None, 1, 8], ids=["no-decay", "scalar-decay", "per-key-decay"])
-@pytest.mark.parametrize("delta", [False, True], ids=["additive", "delta"])
-def test_static_chunk_engine_matches_the_token_loop(gate, delta):
+@pytest.mark.parametrize("rule", ["additive", "delta", "erase"])
+def test_static_chunk_engine_matches_the_token_loop(gate, rule):
     gen = torch.Generator().manual_seed(0)
     b, t, h, dk, dv = 2, 37, 3, 8, 5  # 37 = two full chunks of 16 and a partial one
     q, k, v = torch.randn(b, t, h, dk, generator=gen), torch.randn(b, t, h, dk, generator=gen) * 0.3, \
         torch.randn(b, t, h, dv, generator=gen)
     g = None if gate is None else -torch.rand(b, t, h, gate, generator=gen) * 0.5
-    beta = torch.rand(b, t, h, generator=gen) if delta else None
+    beta = torch.rand(b, t, h, generator=gen) if rule != "additive" else None
+    erase = torch.rand(b, t, h, dk, generator=gen) if rule == "erase" else None  # Gated DeltaNet-2's gate
     s0 = torch.randn(b, h, dk, dv, generator=gen)
     engine = StaticChunkEngine()
-    out, state = engine.chunked(s0, q, k, v, g, beta, 16)
-    want_out, want_state = recurrence.recurrent(s0, q, k, v, g, beta)
+    out, state = engine.chunked(s0, q, k, v, g, beta, 16, erase=erase)
+    want_out, want_state = recurrence.recurrent(s0, q, k, v, g, beta, erase)
     assert_close(out, want_out, 1e-6, "o")
     assert_close(state, want_state, 1e-6, "state")
+    if erase is not None:  # the gate matters here: the plain delta rule is far off
+        plain, _ = recurrence.recurrent(s0, q, k, v, g, beta)
+        assert (plain - want_out).abs().max() > 0.05 * want_out.abs().max()
     z0 = torch.rand(b, h, dk, generator=gen)
     den, z = engine.normalizer_chunked(z0, q.abs(), k.abs(), g, 16)
     want_den, want_z = recurrence.normalizer_recurrent(z0, q.abs(), k.abs(), g)
@@ -228,6 +233,130 @@ def test_mlstate_fp16_conversion_tracks_the_reference(mlstate, ckpt):
         assert_close(runner.step(np.array([token]), state, np.array([9 + t])), want_rollout[t], 2e-2, f"step {t}")
     padded = runner._row_arrays(state._value[0])["past_key_values_0_recurrent_state"]
     assert padded.shape == (1, 2, 8, 32) and not padded[..., 8:].any()  # the padding stays zero
+
+
+# ---- families beyond the hybrid (every family: bench/coreml_families.py, docs/coreml.md) -------------
+def _family_checkpoint(folder: Path, family: str) -> Path:
+    """Tiny random checkpoint, chunk size 8: prefill_12 is a full chunk and a partial one, and the
+    replay's 15-token prompt is prefill_12 + 3 steps. Gated DeltaNet-2's zero-initialised erase/write
+    gates are moved off their constant start (test_gdn2_clvr.jitter), so the gate varies per channel."""
+    from conftest import tiny_config
+    from edgelin.checkpoint import save_checkpoint
+    from edgelin.model.lm import CausalLM
+    from test_gdn2_clvr import jitter
+
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config((family, family), chunk_size=8)).eval()
+    return save_checkpoint(jitter(model) if family == "gated_deltanet2" else model, folder)
+
+
+@pytest.mark.parametrize("family", ["gated_deltanet2", "linear_attn"])
+def test_family_explicit_fp32_replays_through_the_mil_program(family, tmp_path):
+    """Gated DeltaNet-2 (the erase gate in the static chunk loop) and the linear transformer (the
+    normaliser's chunk loop; the hybrid fixture has none): the recorded reference (prefill, 24 steps,
+    batch 1 and 3, states) through the converted MIL program."""
+    from edgelin.replay import replay
+
+    ckpt = _family_checkpoint(tmp_path / "ckpt", family)
+    folder = export_checkpoint(ckpt, tmp_path / "out", "coreml", options=CoremlOptions("explicit", (12,)),
+                               settings=ExportSettings(precision="fp32", state_dtype="float32")).folder
+    report = replay(folder)
+    assert report.passed, [m.to_dict() for m in report.failures]
+    assert {m.check for m in report.metrics} >= {"prefill", "rollout", "prefill-vs-steps"}
+    assert max(m.max_rel for m in report.metrics) < 1e-5  # fp32 rounding (figures: docs/coreml.md)
+
+
+def test_mlstate_refused_for_a_family_whose_measured_fp16_drift_fails(tmp_path):
+    """The real verdict table (edgelin/precision/state_precision.toml): linear_attn's fp16 state drifts
+    0.106 (> its bound), so MLState is refused with the figure before anything is converted."""
+    ckpt = _family_checkpoint(tmp_path / "ckpt", "linear_attn")
+    with pytest.raises(EdgelinError, match="fp16 state for linear_attn layers") as err:
+        export_checkpoint(ckpt, tmp_path / "x", "coreml", options=CoremlOptions("mlstate", (12,)),
+                          settings=ExportSettings(precision="fp16", state_dtype="float16"))
+    assert "0.11" in err.value.why and "explicit" in err.value.fix and not (tmp_path / "x").exists()
+
+
+# ---- upstream checkpoints (fla, transformers) -------------------------------------------------------
+UPSTREAM_STYLES = {"explicit": ("fp32", "float32", 1e-5), "mlstate": ("fp16", "float16", 2e-2)}
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory):
+    """Tiny upstream checkpoints built by the upstream libraries (no hub): fla's GLA (its forward under
+    the Triton interpreter, tests/upstream_fla.py) and transformers' Qwen3.5 text model with linear
+    layers only (its full-attention layers are refused: test below). Each with 13 ids and the upstream
+    library's own logits for them."""
+    root = tmp_path_factory.mktemp("upstream")
+    ids = np.random.default_rng(0).integers(0, 100, (1, 13))
+    built = {}
+
+    def build(source: str):
+        if source in built:
+            return built[source]
+        folder = root / source
+        if source == "fla-gla":
+            if importlib.util.find_spec("fla") is None:
+                pytest.skip("flash-linear-attention is not installed (pip install 'edgelin[dev]')")
+            from test_convert_fla import jitter
+            from upstream_fla import tiny_fla_model
+
+            model, _ = tiny_fla_model("gla")
+            jitter(model)
+            kwargs = {}
+        else:
+            from upstream_hf import tiny_qwen35
+
+            model = tiny_qwen35(folder, num_hidden_layers=2, layer_types=["linear_attention"] * 2)
+            kwargs = {"use_cache": False}  # transformers' cache needs an attention layer
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # interpreted kernels between tiny matmuls: threads only add stalls
+        try:
+            if source == "fla-gla":
+                model.save_pretrained(folder, safe_serialization=True)
+            with torch.no_grad():
+                want = model(torch.from_numpy(ids), **kwargs).logits.numpy()
+        finally:
+            torch.set_num_threads(threads)
+        built[source] = (folder, ids, want)
+        return built[source]
+
+    return build
+
+
+@pytest.mark.slow  # ~45 s CPU for the four exports and fla's interpreted forward (2-core machine)
+@pytest.mark.parametrize("style", list(UPSTREAM_STYLES))
+@pytest.mark.parametrize("source", ["fla-gla", "hf-qwen3_5_text"])
+def test_upstream_checkpoint_exports_and_matches_the_upstream_forward(upstream, source, style, tmp_path):
+    """fla GLA and transformers Qwen3.5 (linear layers) -> Core ML (explicit fp32; MLState fp16, which
+    the measured fp16-state verdicts of gla and gated_deltanet allow) -> contract check -> MIL program
+    against the upstream library's own logits (prefill_8, then 5 steps), and the recorded replay."""
+    from edgelin.replay import replay
+
+    folder, ids, want = upstream(source)
+    precision, state_dtype, tol = UPSTREAM_STYLES[style]
+    out = export_checkpoint(folder, tmp_path / "out", "coreml", options=CoremlOptions(style, (8,)),
+                            settings=ExportSettings(precision=precision, state_dtype=state_dtype)).folder
+    manifest = Manifest.load(out)
+    check_folder(out, manifest)
+    assert manifest.source["format"] in ("fla", "transformers")
+    runner = MilRunner(out, manifest)
+    state = runner.new_state(1)
+    got = [runner.prefill(ids[:, :8], state, np.zeros(1, np.int64))]
+    got += [runner.step(ids[:, t], state, np.array([t])) for t in range(8, 13)]
+    assert_close(np.stack(got, 1), want[:, 7:], tol, f"{source} {style} vs the upstream forward")
+    report = replay(out)
+    assert report.passed, [m.to_dict() for m in report.failures]
+
+
+def test_qwen35_full_attention_is_refused_by_name(tmp_path):
+    """Qwen3.5's full_attention layers keep a growing KV cache: refused before tracing, one line, no folder."""
+    from upstream_hf import tiny_qwen35
+
+    tiny_qwen35(tmp_path / "qwen", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(EdgelinError, match=r"layer 1 \(softmax, full attention\): its KV cache grows") as err:
+        export_checkpoint(tmp_path / "qwen", tmp_path / "x", "coreml", options=CoremlOptions("explicit", (8,)),
+                          settings=ExportSettings(precision="fp32", state_dtype="float32"))
+    assert "\n" not in str(err.value) and not (tmp_path / "x").exists()
 
 
 # ---- refusals ---------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from edgelin.checkpoint import load_model
 from edgelin.cli import app
 from edgelin.devices import export_settings
 from edgelin.errors import EdgelinError
+from edgelin.export import quantize
 from edgelin.export.manifest import Manifest
 from edgelin.export.pipeline import export_checkpoint, prepare_output
 from edgelin.runtime import open_runner
@@ -77,8 +78,10 @@ def test_step_and_prefill_read_one_weights_file_at_the_same_offsets(exports, nam
     folder = exports[name]
     step, prefill = external(folder / "step.onnx"), external(folder / "prefill.onnx")
     assert {loc for loc, _, _ in [*step.values(), *prefill.values()]} == {"weights.bin"}
-    # The embedding table (tied LM head) has one name in both graphs: the same bytes.
-    (table,) = [name for name in step if name.endswith("lm_head.weight")]
+    # The embedding table (tied LM head) has one name in both graphs: the same bytes (int4: its
+    # quantised bytes, read by the lookup and the head alike; see test_int4_quantises_the_embeddings_...).
+    suffix = "lm_head.weight" if name == "fp16" else "lm_head.weight_Q"
+    (table,) = [tensor for tensor in step if tensor.endswith(suffix)]
     assert step[table] == prefill[table]
     # Every weight the step reads, prefill reads at the same place (the exporter names the folded
     # transposes differently in each graph: deduplicated by content, not by name).
@@ -91,7 +94,9 @@ def test_step_and_prefill_read_one_weights_file_at_the_same_offsets(exports, nam
     padding = sum(64 << 10 if length >= 1 << 20 else 64 for _, _, length in regions)
     assert payload <= (folder / "weights.bin").stat().st_size < payload + padding
     entry = Manifest.load(folder).extra["weights"]
-    assert (entry["file"], entry["tensors"], entry["shared_tensors"]) == ("weights.bin", len(regions), len(step))
+    # (int4: the lookup's and the head's names for the tied table's bytes are one region)
+    assert (entry["file"], entry["tensors"], entry["shared_tensors"]) == ("weights.bin", len(regions),
+                                                                          len(set(step.values())))
     assert entry["bytes"] == (folder / "weights.bin").stat().st_size
     assert "weights.bin" in Manifest.load(folder).files
 
@@ -136,8 +141,64 @@ def test_int4_uses_matmulnbits_with_the_block_size_asked(exports):
     assert (entry["bits"], entry["block_size"]) == (4, 64)
     assert {f"model.layers.{i}.mlp.{m}" for i in range(3) for m in ("gate_proj", "up_proj", "down_proj")} <= \
         set(entry["matrices"])
-    assert {"lm_head", "model.embed_tokens"} <= set(entry["kept_float"])  # embeddings and tied head stay float
+    assert {"lm_head", "model.embed_tokens"} <= set(entry["matrices"])  # the default: embeddings and head too
+    assert not {"lm_head", "model.embed_tokens"} & set(entry["kept_float"])
     assert runtime_bytes(folder) <= 0.25 * fp32_floor(exports["ckpt"])
+
+
+@pytest.mark.parametrize("name", ["fp16", "int4"])
+def test_the_passing_quality_gate_is_recorded_and_the_reference_meta_names_the_precision(exports, name):
+    import json
+
+    recorded = Manifest.load(exports[name]).extra["quality"]
+    assert (recorded["precision"], recorded["passed"], recorded["forced"]) == (name, True, False)
+    assert {c["name"] for c in recorded["checks"]} == {"top-1 agreement"}  # no recipe text: random tokens
+    assert recorded["figures"]["source"] == "random tokens" and 0.9 <= recorded["figures"]["top1"] <= 1
+    with np.load(exports[name] / "reference.npz") as npz:
+        meta = json.loads(str(npz["meta"]))
+    assert (meta["precision"], meta["threshold"]) == (name, {"fp16": 2e-2, "int4": 0.25}[name])
+
+
+def _lookup_model(folder: Path, kind: str) -> tuple[onnx.ModelProto, dict]:
+    """The graph's GatherBlockQuantized node alone, with its initializers (weights read in), as a model."""
+    from onnx import helper
+
+    graph = onnx.load(str(folder / f"{kind}.onnx")).graph  # external data resolved next to the file
+    (node,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+    inits = [t for t in graph.initializer if t.name in node.input]
+    ids = helper.make_tensor_value_info(node.input[1], onnx.TensorProto.INT64, [None])
+    out = helper.make_tensor_value_info(node.output[0], onnx.TensorProto.FLOAT, None)
+    model = helper.make_model(helper.make_graph([node], "lookup", [ids], [out], inits),
+                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    return model, {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def test_int4_quantises_the_embeddings_and_head_on_one_copy_of_the_bytes(exports):
+    import onnxruntime as ort
+
+    folder = exports["int4"]
+    model, _ = load_model(exports["ckpt"])
+    table = next(p for n, p in model.named_parameters() if n.endswith("embed_tokens.weight")).detach().numpy()
+    for kind in ("step", "prefill"):
+        lookup, attrs = _lookup_model(folder, kind)
+        assert (attrs["bits"], attrs["block_size"], attrs["quantize_axis"], attrs["gather_axis"]) == (4, 64, 1, 0)
+        session = ort.InferenceSession(lookup.SerializeToString(), providers=["CPUExecutionProvider"])
+        rows = session.run(None, {lookup.graph.input[0].name: np.arange(table.shape[0])})[0]
+        # Every row within one int4 step of the checkpoint's: a block's range over 15 levels (asymmetric RTN).
+        blocks = table.reshape(table.shape[0], -1, 64)
+        step = np.repeat((blocks.max(-1) - blocks.min(-1)) / 15, 64, axis=1)
+        error = np.abs(rows - table)
+        assert (error <= 0.5 * step + 1e-6).all(), float((error / step).max())
+        assert error.max() > 0  # quantised, not a float copy
+        # The head and the lookup read the same quantised bytes: one region of weights.bin.
+        graph = onnx.load(str(folder / f"{kind}.onnx"), load_external_data=False).graph
+        (gather,) = [n for n in graph.node if n.op_type == "GatherBlockQuantized"]
+        (head,) = [n for n in graph.node if n.op_type == "MatMulNBits" and quantize._module_of(n) == "lm_head"]
+        where = external(folder / f"{kind}.onnx")
+        assert where[gather.input[0]][1:] == where[head.input[1]][1:]  # (offset, length)
+        # and no float copy of the table is left in the graph or the weights file
+        floats = [t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and np.prod(t.dims) >= table.size]
+        assert not floats, [t.name for t in floats]
 
 
 # ---- parity with the float32 torch reference -------------------------------------------------------
@@ -216,3 +277,94 @@ def test_bench_and_inspect_report_bytes_on_disk_and_in_memory(exports):
     data = json.loads(result.stdout)
     assert data["files"] == on_disk and data["runtime_bytes"] == runtime_bytes(folder)
     assert data["quantization"]["bits"] == 4 and data["precision"]["state"] == "float32"
+
+
+# ---- the embedding table and head: quantised by default, float on request ----------------------------
+def _tied_graph(path: Path, vocab: int = 64, dim: int = 32) -> dict[str, np.ndarray]:
+    """ids -> Gather(table) -> MatMul(w) -> Gemm(table^T) -> logits: a tied LM in four nodes."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {"table": rng.normal(0, 0.5, (vocab, dim)).astype(np.float32),
+               "w": rng.normal(0, 0.2, (dim, dim)).astype(np.float32)}
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"], name="embed", axis=0),
+             helper.make_node("MatMul", ["x", "w"], ["h"], name="mix"),
+             helper.make_node("Gemm", ["h", "table"], ["logits"], name="head", transB=1)]
+    graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["n"])],
+                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["n", vocab])],
+                              [numpy_helper.from_array(a, k) for k, a in weights.items()])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    return weights
+
+
+@pytest.mark.parametrize("scheme, levels", [("int8", 255), ("int4", 15)])
+@pytest.mark.parametrize("embeddings", [True, False])
+def test_quantize_graph_takes_the_table_and_head_unless_kept_float(tmp_path, scheme, levels, embeddings):
+    import onnxruntime as ort
+
+    path = tmp_path / "tied.onnx"
+    weights = _tied_graph(path)
+    names = quantize.quantize_graph(path, scheme, 16, embeddings=embeddings)
+    ops = sorted(n.op_type for n in onnx.load(str(path)).graph.node)
+    if embeddings:
+        assert ops == ["GatherBlockQuantized", "MatMulNBits", "MatMulNBits"] and len(names) == 3
+    else:
+        assert ops == ["Gather", "Gemm", "MatMulNBits"] and len(names) == 1
+    ids = np.arange(64)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    table, w = weights["table"], weights["w"]
+    want = table @ w @ table.T  # the float model's logits, computed here
+    # The logits' max error relative to their largest, against the widest block's quantisation step
+    # (range / levels per block of 16): measured 0.49-0.74 steps at int4, 0.63-1.01 at int8 (whose
+    # activations are also int8 blocks at accuracy_level 4); a wrong packing or axis is off by > 10x.
+    step = float(np.ptp(table.reshape(64, -1, 16), -1).max()) / levels
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert 0 < error < 2 * step, (error, step)
+
+
+def test_keep_embeddings_float_reaches_the_onnx_options_and_needs_quantize(tmp_path, monkeypatch):
+    from edgelin.export import pipeline
+
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen.update(kwargs)
+        raise EdgelinError("captured", "test", "none")
+
+    monkeypatch.setattr(pipeline, "export_checkpoint", capture)
+    base = ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(app, [*base, "--quantize", "int4", "--keep-embeddings-float"])
+    assert result.exit_code == 2 and "captured" in result.stderr, result.output
+    assert seen["options"].quantize_embeddings is False and seen["settings"].quantize == "int4"
+    seen.clear()
+    assert CliRunner().invoke(app, [*base, "--quantize", "int8"]).exit_code == 2
+    assert seen["options"] is None  # the target's defaults: OnnxOptions().quantize_embeddings is True
+    refused = CliRunner().invoke(app, [*base, "--keep-embeddings-float"])
+    assert refused.exit_code == 2 and "--keep-embeddings-float without --quantize" in refused.stderr
+
+
+# ---- prepacking: a runner option ------------------------------------------------------------------------
+def test_prepacking_is_off_for_float_on_for_quantised_and_can_be_turned_on(exports, monkeypatch):
+    from edgelin.export.onnx_runtime import PREPACK_ENV, OnnxRunner
+
+    monkeypatch.delenv(PREPACK_ENV, raising=False)
+    fp16, int4 = (Manifest.load(exports[k]) for k in ("fp16", "int4"))
+
+    def disabled(runner: OnnxRunner) -> set[str]:  # what each session was given ("" when nothing)
+        def entry(session) -> str:
+            try:
+                return session.get_session_options().get_session_config_entry("session.disable_prepacking")
+            except RuntimeError:  # ORT raises for a key never set
+                return ""
+        return {entry(s) for s in runner.sessions.values()}
+
+    default, packed = OnnxRunner(exports["fp16"], fp16), OnnxRunner(exports["fp16"], fp16, prepack=True)
+    assert (default.prepack, packed.prepack, OnnxRunner(exports["int4"], int4).prepack) == (False, True, True)
+    assert disabled(default) == {"1"} and disabled(packed) == {""}
+    monkeypatch.setenv(PREPACK_ENV, "1")  # what `bench --prepack` sets
+    assert OnnxRunner(exports["fp16"], fp16).prepack is True
+    assert OnnxRunner(exports["fp16"], fp16, prepack=False).prepack is False  # the argument wins
+    ids, pos = np.array([3]), np.array([0])
+    unpacked, prepacked = default.step(ids, default.new_state(1), pos), packed.step(ids, packed.new_state(1), pos)
+    # the same graph through MLAS's packed and unpacked kernels: float32 rounding apart, not bit-identical
+    np.testing.assert_allclose(prepacked, unpacked, rtol=0, atol=1e-5 * np.abs(unpacked).max())

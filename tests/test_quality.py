@@ -224,6 +224,21 @@ def test_export_gate_refuses_below_the_bound_unless_forced(export, swapped, monk
     assert not forced.passed and forced.figures.top1 == (GREEDY - 1) / GREEDY
 
 
+@pytest.mark.parametrize("make, needles", [
+    (lambda p: p.write_text(" \n"), ("is empty",)),
+    (_binary, ("is not text", "NUL")),
+    (lambda p: p.write_bytes("caf\xe9 ".encode("latin-1") * 200), ("is not UTF-8 text",)),
+])
+def test_export_text_is_checked_before_the_checkpoint_loads(tmp_path, make, needles):
+    path = tmp_path / "held-out.txt"
+    make(path)
+    # the checkpoint does not exist: the refusal is the text's, so it came first
+    line = one_error_line(run("export", tmp_path / "no-such-ckpt", "--out", tmp_path / "out", "--quantize", "int4",
+                              "--text", path), 2)
+    assert f"--text {path}" in line and all(n in line for n in needles), line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow  # its own int4 export: ~25 s
 def test_an_int4_export_is_gated_at_export_and_validate_checks_its_figures(export, tmp_path, monkeypatch):
     ckpt, _ = export
@@ -236,11 +251,27 @@ def test_an_int4_export_is_gated_at_export_and_validate_checks_its_figures(expor
 
     monkeypatch.setattr(quality, "check_export_quality", spy)  # the pipeline imports it at each export
     monkeypatch.setitem(quality.BOUNDS, "int4", quality.Bounds(min_top1=1.0, max_ppl_change=-1.0))  # unreachable
-    out = tmp_path / "int4"
-    result = run("export", ckpt, "--out", out, "--quantize", "int4", "--force")  # --force: export anyway
+    out, text = tmp_path / "int4", tmp_path / "held-out.py"
+    text.write_text(Path(json.__file__).read_text())  # --text: any UTF-8 text (the json package's source)
+    result = run("export", ckpt, "--out", out, "--quantize", "int4", "--force", "--text", text)  # --force: anyway
     assert result.exit_code == 0, result.output
     (gate,) = gates
     assert gate.key == "int4" and not gate.passed and gate.figures.text_tokens == TEXT - 1
+    assert gate.figures.source == "text held-out.py"
+    # the failed check is a warning line and is recorded in the manifest, figures, bounds and all
+    (warning,) = [ln for ln in result.stderr.splitlines() if ln.startswith("warning:")]
+    assert "the int4 export fails its quality check" in warning and "perplexity change" in warning
+    assert "> -100.00%" in warning and "--force" in warning  # the failed check, with its bound
+    recorded = Manifest.load(out).extra["quality"]
+    assert (recorded["precision"], recorded["passed"], recorded["forced"]) == ("int4", False, True)
+    assert recorded["bounds"] == {"top-1 agreement": {"bound": 1.0, "kind": "min"},
+                                  "perplexity change": {"bound": -1.0, "kind": "max"}}
+    assert recorded["figures"]["top1"] == gate.figures.top1 and recorded["figures"]["source"] == "text held-out.py"
+    # reference.npz: the --text tokens, and meta says int4 (the quantisation is known before recording)
+    with np.load(out / "reference.npz") as npz:
+        meta, recorded_text = json.loads(str(npz["meta"])), npz["quality/text_ids"]
+    assert (meta["precision"], meta["threshold"], meta["quality"]["source"]) == ("int4", 0.25, "text held-out.py")
+    assert TextTokenizer(ckpt / "tokenizer.json").decode(recorded_text[:50].tolist()) in text.read_text()
     monkeypatch.undo()  # validate with the real int4 bounds
 
     report = run("validate", out, "--json")

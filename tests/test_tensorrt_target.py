@@ -113,14 +113,32 @@ def test_cli_export_for_jetson_orin_takes_its_fp16(exported, tmp_path):
     assert result.exit_code == 0, result.output
     nodes = plugin_nodes(out / "step.onnx")
     assert len(nodes) == 2
-    for node in nodes:  # without --trt-inplace: out of place; g and beta enter in fp32
+    step = onnx.load(str(out / "step.onnx"), load_external_data=False)
+    producers = {o: n.op_type for n in step.graph.node for o in n.output}
+    types = {v.name: v.type.tensor_type.elem_type for v in [*step.graph.value_info, *step.graph.input]}
+    for node in nodes:  # without --trt-inplace: out of place; q/k/v enter in fp16, g and beta in fp32
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert (attrs["inplace"], attrs["aux_dtype"]) == (0, 0)
+        assert (attrs["dtype"], attrs["aux_dtype"], attrs["inplace"]) == (1, 0, 0)
+        assert node.overload.endswith("_f16")
+        for name in node.input[:3]:  # the plugin reads the fp16 tensors themselves, no Cast to fp32 before it
+            assert producers.get(name) != "Cast" and types[name] == onnx.TensorProto.FLOAT16
+        assert [types[name] for name in node.input[3:]] == [onnx.TensorProto.FLOAT] * (len(node.input) - 3)  # g, beta, state
+    assert not plugin_nodes(out / "prefill.onnx")  # prefill: standard ops, the fp32 recurrence of the onnx target
     assert json.loads((out / "manifest.json").read_text())["precision"] == "fp16"
     checked = cli.invoke(app, ["validate", str(out)])
     assert checked.exit_code == 0, checked.output
     assert ("runner: onnxruntime (plugin functions); TensorRT engines not used: no engines are built"
             in checked.output.replace("\n", " "))
+    from edgelin.replay import replay
+
+    report = replay(out)  # the fp16 precision's bounds, at both recorded batch sizes
+    assert report.passed and report.batches == [1, 3], [m for m in report.metrics if not m.passed]
+    # The engine keeps the graph's own fp16/fp32 types: built strongly typed, never with a blanket --fp16.
+    assert "STRONGLY_TYPED = True" in (out / "tensorrt" / "build_engine.py").read_text()
+    commands = (out / "tensorrt" / "COMMANDS.md").read_text()
+    trtexec = [line for line in commands.splitlines() if line.startswith("trtexec ")]
+    assert len(trtexec) == 2 and all(line.endswith("--stronglyTyped") for line in trtexec), trtexec
+    assert " --fp16" not in commands
     quantized = cli.invoke(app, ["export", str(ckpt), "--target", "tensorrt", "--quantize", "int8",
                                  "--out", str(tmp_path / "q")])
     assert quantized.exit_code == 2 and "--quantize int8 for the tensorrt target" in quantized.output
@@ -159,6 +177,41 @@ def test_inplace_export_marks_aliasing_for_the_builder(exported):
     step = [ln for ln in lines if ln.startswith("trtexec --onnx=step.onnx")]
     prefill = [ln for ln in lines if ln.startswith("trtexec --onnx=prefill.onnx")]
     assert step[0].endswith(" --preview=+aliasedPluginIO1003") and "--preview" not in prefill[0]
+
+
+def test_both_graphs_share_one_weights_file_the_engine_path_finds(exported, tmp_path, monkeypatch):
+    """step.onnx (rewritten with the plugin functions after the weights moved out) and prefill.onnx read
+    the same weights.bin; every reference is a bare file name beside the graphs, which is where
+    TensorRT's parser (build_engine.py parses from the path), trtexec and polygraphy look for it."""
+    import shutil
+
+    _, folder = exported
+    sizes = {}
+    for graph in ("step.onnx", "prefill.onnx"):
+        proto = onnx.load(str(folder / graph), load_external_data=False)
+        external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        inside = [t for t in proto.graph.initializer if len(t.raw_data) >= 1024]
+        assert external and not inside, graph  # the matrices live in weights.bin only
+        assert {e.value for t in external for e in t.external_data if e.key == "location"} == {"weights.bin"}
+        sizes[graph] = sum(int(next(e.value for e in t.external_data if e.key == "length")) for t in external)
+    weights = json.loads((folder / "manifest.json").read_text())["extra"]["weights"]
+    assert weights["file"] == "weights.bin" and weights["bytes"] == (folder / "weights.bin").stat().st_size
+    assert weights["read_by"]["step.onnx"] == weights["read_by"]["prefill.onnx"] == weights["shared_tensors"] > 0
+    assert sizes["step.onnx"] == sizes["prefill.onnx"] <= weights["bytes"]
+    spec = json.loads((folder / "tensorrt" / "engines.json").read_text())
+    assert {g["weights"] for g in spec["graphs"].values()} == {"weights.bin"}
+    commands = (folder / "tensorrt" / "COMMANDS.md").read_text()
+    assert "read their weights from `weights.bin` beside them" in commands and "trtexec --onnx=step.onnx" in commands
+    script = (folder / "tensorrt" / "build_engine.py").read_text()
+    assert "parser.parse_from_file(os.path.join(folder, spec[\"file\"]))" in script
+    # a folder copied without its weights: build_engine.py says so before TensorRT parses anything
+    trt_standin.install(monkeypatch)
+    broken = tmp_path / "no-weights"
+    shutil.copytree(folder, broken)
+    (broken / "weights.bin").unlink()
+    with pytest.raises(SystemExit, match="weights.bin is missing from .*step.onnx reads its weights from it"):
+        trt_standin.build_with_standin(broken)
+    assert not (broken / "step.engine").exists()
 
 
 # ---- fp16 plugin nodes ---------------------------------------------------------------------------

@@ -115,3 +115,43 @@ def test_wrong_type_is_refused(tmp_path: Path) -> None:
     path.write_text(TINY.replace("steps = 30", 'steps = "30"'))
     with pytest.raises(EdgelinError, match="expected int"):
         Recipe.load(path)
+
+
+def test_seed_override_is_the_recipe_seed(trained: TrainResult, tmp_path: Path) -> None:
+    # --seed 5 trains exactly what a copy of the recipe with `seed = 5` trains, and not seed 0's run.
+    (tmp_path / "seed5").mkdir()
+    (tmp_path / "seed5" / "recipe.toml").write_text(TINY.replace("seed = 0", "seed = 5"))
+    written = train(tmp_path / "seed5" / "recipe.toml", out_dir=tmp_path / "written", steps=2)
+    override = train(trained.out_dir / "recipe.toml", out_dir=tmp_path / "override", steps=2, seed=5)
+    assert override.train_losses == written.train_losses
+    assert override.train_losses[0] != trained.train_losses[0]  # another init and other batches than seed 0
+    log = json.loads((tmp_path / "override" / "training_log.json").read_text())
+    assert (log["seed"], log["device"]) == (5, "cpu")
+
+
+@pytest.mark.parametrize("device, needle", [("meta", "cpu or cuda only"), ("gpu0", "unknown training device"),
+                                            ("cuda:7", "CUDA device")])
+def test_unusable_device_is_refused_before_anything_is_written(tmp_path: Path, device: str, needle: str) -> None:
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has 8 GPUs")
+    (tmp_path / "recipe.toml").write_text(TINY)
+    with pytest.raises(EdgelinError, match=needle) as err:
+        train(tmp_path / "recipe.toml", out_dir=tmp_path / "out", device=device)
+    assert "\n" not in err.value.line()
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".edgelin-cache").exists()
+
+
+def test_cli_train_takes_seed_and_device(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from edgelin.cli import app
+
+    (tmp_path / "recipe.toml").write_text(TINY)
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "recipe.toml"), "--out", str(tmp_path / "out"),
+                                      "--seed", "3", "--device", "cuda:7"])
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has 8 GPUs")
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip() and not ln.startswith("progress:")]
+    assert len(lines) == 1 and lines[0].startswith("error: training device 'cuda:7'") and "Fix:" in lines[0], lines
+    assert not (tmp_path / "out").exists()

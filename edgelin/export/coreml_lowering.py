@@ -9,8 +9,10 @@ at trace time: this engine unrolls the loop over chunks in Python and runs each 
 be shorter than C: the math holds for any chunk length, so nothing is padded.
 
 The per-chunk math is `edgelin.reference.recurrence.chunked`'s (same `_decays`, same blocked
-`invert_unit_lower`), applied to one chunk at a time; the step and token-loop forms are the
-reference's own. Tests compare this engine with the reference (tests/test_coreml.py).
+`invert_unit_lower`), applied to one chunk at a time, Gated DeltaNet-2's erase gate included (the
+two-row WY form derived in `chunked`'s docstring: erase directions f = e * k, rows r = r_V + M S0);
+the step and token-loop forms are the reference's own. Tests compare this engine with the reference
+(tests/test_coreml.py).
 """
 
 from __future__ import annotations
@@ -32,35 +34,51 @@ def _heads_first(x: Tensor | None) -> Tensor | None:
     return x.unsqueeze(-1).transpose(1, 2) if x.dim() == 3 else x.transpose(1, 2)
 
 
-def chunk_step(s: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None
-               ) -> tuple[Tensor, Tensor]:
+def _pairs(a: Tensor, b: Tensor, decay: Tensor) -> Tensor:
+    """[B, H, C, C]: a_i^T R[i, j] b_j. R is [C, C] (the causal mask), [B, H, C, C] (a scalar decay)
+    or [B, H, C, C, d_k] (per key: the channel axis stays inside the sum; rank 5, no einsum: Core ML's
+    einsum is limited)."""
+    if decay.dim() > a.dim():
+        return (a.unsqueeze(-2) * b.unsqueeze(-3) * decay).sum(-1)
+    return (a @ b.transpose(-1, -2)) * decay
+
+
+def chunk_step(s: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None,
+               erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One chunk: q, k [B, H, C, d_k], v [B, H, C, d_v], g [B, H, C, 1|d_k], beta [B, H, C, 1],
-    s [B, H, d_k, d_v] -> (o [B, H, C, d_v], s after the chunk). The formulas of `chunked`."""
+    erase [B, H, C, d_k], s [B, H, d_k, d_v] -> (o [B, H, C, d_v], s after the chunk). The formulas
+    of `chunked` (its docstring derives the erase-gated form)."""
     size = q.shape[-2]
     causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    strict = causal.tril(-1)
     if g is None:
-        mask = causal.to(q.dtype)
-        qk, kk = (q @ k.transpose(-1, -2)) * mask, (k @ k.transpose(-1, -2)) * mask
-        q_hat, k_hat, k_end, s_decay = q, k, k, None
+        decay = causal.to(q.dtype)
+        q_hat, k_hat, to_end, s_decay = q, k, None, None
     else:
         b, decay = _decays(g, size)  # b [B, H, C, 1|d_k]; decay [B, H, C, C] or [B, H, C, C, d_k]
-        if g.shape[-1] == 1:
-            qk, kk = (q @ k.transpose(-1, -2)) * decay, (k @ k.transpose(-1, -2)) * decay
-        else:  # the channel axis stays inside the sum (rank 5, no einsum: Core ML's einsum is limited)
-            qk = (q.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1)
-            kk = (k.unsqueeze(-2) * k.unsqueeze(-3) * decay).sum(-1)
         b_end = b[..., -1:, :]
         q_hat, k_hat = q * b.exp(), k * b.exp()
-        k_end = k * (b_end - b).exp()
+        to_end = (b_end - b).exp()
         s_decay = b_end.squeeze(-2).exp().unsqueeze(-1)  # [B, H, 1|d_k, 1]
+    qk, kk = _pairs(q, k, decay), _pairs(k, k, decay)
+    k_end = k if to_end is None else k * to_end
+    carried = s if s_decay is None else s * s_decay
+    if erase is not None:  # erase along f = e * k, write along k: two sets of rows (`chunked`)
+        if beta is None:
+            raise ValueError("an erase gate needs the delta rule (beta)")
+        f = erase * k
+        t_inv = invert_unit_lower(beta * torch.where(strict, _pairs(k, f, decay), 0.0))
+        bv = beta * v
+        r = t_inv @ (beta * (torch.where(strict, kk, 0.0) @ bv)) + (t_inv @ (beta * k_hat)) @ s
+        out = q_hat @ s + qk @ bv - _pairs(q, f, decay) @ r
+        f_end = f if to_end is None else f * to_end
+        return out, carried + k_end.transpose(-1, -2) @ bv - f_end.transpose(-1, -2) @ r
     if beta is None:
         u = v
     else:
-        strict = causal.tril(-1)
         t_inv = invert_unit_lower(beta * torch.where(strict, kk, 0.0))
         u = t_inv @ (beta * v) - (t_inv @ (beta * k_hat)) @ s
     out = q_hat @ s + qk @ u
-    carried = s if s_decay is None else s * s_decay
     return out, carried + k_end.transpose(-1, -2) @ u
 
 
@@ -83,13 +101,14 @@ class StaticChunkEngine(TorchEngine):
     name: str = "coreml-static-chunks"
 
     def chunked(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
-                beta: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
-        q, k, v, g, beta = (_heads_first(t) for t in (q, k, v, g, beta))
+                beta: Tensor | None = None, chunk_size: int = 64,
+                erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        q, k, v, g, beta, erase = (_heads_first(t) for t in (q, k, v, g, beta, erase))
         outs = []
         for lo in range(0, q.shape[2], chunk_size):
             part = slice(lo, lo + chunk_size)
             out, state = chunk_step(state, q[:, :, part], k[:, :, part], v[:, :, part],
-                                    None if g is None else g[:, :, part], None if beta is None else beta[:, :, part])
+                                    *(None if t is None else t[:, :, part] for t in (g, beta, erase)))
             outs.append(out)
         return torch.cat(outs, 2).transpose(1, 2), state
 

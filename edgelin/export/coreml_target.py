@@ -141,6 +141,23 @@ class CoremlTarget(Target):
             return Phase(False, "coremltools is not installed (pip install 'edgelin[coreml]')", _WHERE_RUN)
         return Phase(True)
 
+    def supports(self, model: "CausalLM", device: "DeviceProfile | None" = None) -> str | None:
+        """The base checks, then: every state tensor has a fixed size. A full-attention softmax layer
+        (no sliding window: Qwen3.5's full_attention layers) keeps a KV cache that grows with the context;
+        this exporter's packages take fixed-size states only (static shapes for the Neural Engine, and an
+        MLState cannot change shape), so such a layer is refused by name before anything is traced."""
+        reason = super().supports(model, device)
+        if reason is not None:
+            return reason
+        from edgelin.families import SOFTMAX
+
+        for layer, name in enumerate(model.config.layer_types):
+            if name == SOFTMAX and model.config.attention.window is None:
+                return (f"layer {layer} ({name}, full attention): its KV cache grows with the context, and the "
+                        "Core ML export takes fixed-size states only (a growing or fixed-capacity KV cache is "
+                        "planned); a sliding-window attention layer exports")
+        return None
+
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
                options: CoremlOptions, folder: Path) -> dict[str, str]:
         from edgelin.export.coreml_convert import FunctionPlan, convert_function, save_package

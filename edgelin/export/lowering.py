@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -69,7 +70,14 @@ register_lowering(Lowering("onnx", TorchEngine(name="onnx-scan", loop=scan_loop)
 @dataclass(frozen=True)
 class PluginStepEngine(TorchEngine):
     """The ONNX forms, except that `step` exports as one edgelin::EdgelinStep node (the TensorRT
-    step plugin; edgelin.export.tensorrt_target gives it an ONNX function with the same math)."""
+    step plugin; edgelin.export.tensorrt_target gives it an ONNX function with the same math).
+
+    Its step takes q, k, v in the model's compute dtype (`step_takes_compute_dtype`: the mixer skips
+    its fp32 cast for a T = 1 step), so an fp16 graph's plugin nodes read half-precision q/k/v
+    (dtype=1) and the kernel accumulates in fp32; g, beta and the state still enter in fp32. Prefill
+    (standard ops) keeps the fp32 recurrence inputs."""
+
+    step_takes_compute_dtype: ClassVar[bool] = True
 
     def step(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
              beta: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -26,6 +26,23 @@ from edgelin.export.state import outputs_by_input
 if TYPE_CHECKING:
     import onnxruntime as ort
 
+# ONNX Runtime's weight prepacking for exports whose graphs share a weights file: None (default) leaves
+# it off for float exports (one mapped copy of the weights; docs/benchmarks.md "Precision and size" has
+# the cost, ~9% on fp32 steps) and on for quantised ones (MatMulNBits needs it). The runner's `prepack`
+# argument, or this environment variable ("1" on, "0" off; `edgelin bench --prepack` sets it), overrides.
+PREPACK_ENV = "EDGELIN_ORT_PREPACK"
+
+
+def prepack_choice(manifest: Manifest, prepack: bool | None = None) -> bool:
+    """Whether the runner lets ONNX Runtime prepack weights (see PREPACK_ENV)."""
+    import os
+
+    if prepack is None and os.environ.get(PREPACK_ENV, "") in ("0", "1"):
+        prepack = os.environ[PREPACK_ENV] == "1"
+    if prepack is not None:
+        return prepack
+    return not manifest.extra.get("weights") or bool(manifest.extra.get("quantization"))
+
 
 def _filled(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """Zeros whose pages are already touched: a buffer first written inside a timed step would pay
@@ -54,7 +71,7 @@ class _Buffers:
 
 
 class OnnxRunner(Runner):
-    def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None):
+    def __init__(self, folder: Path, manifest: Manifest, threads: int | None = None, prepack: bool | None = None):
         super().__init__(manifest)
         import onnxruntime as ort
 
@@ -65,12 +82,13 @@ class OnnxRunner(Runner):
             options.intra_op_num_threads = threads
         if manifest.extra.get("weights"):  # step and prefill read one weights file (edgelin.export.weights)
             _check_weights(Path(folder), manifest.extra["weights"])
-            if not manifest.extra.get("quantization"):
-                # ONNX Runtime maps the file: one copy, shared by both sessions. Prepacking would give each
-                # session a private copy of every float matmul weight, and measures no faster at batch 1
-                # (docs/benchmarks.md, "Precision and size"). MatMulNBits (int8/int4) is another matter:
-                # unpacked it runs ~100x slower, so quantised exports keep it (a packed copy per session).
-                options.add_session_config_entry("session.disable_prepacking", "1")
+        # ONNX Runtime maps a weights file: one copy, shared by both sessions. Prepacking gives each session a
+        # private copy of every float matmul weight (+25 MiB for the shipped fp32 model) for ~9% faster fp32
+        # steps (docs/benchmarks.md, "Precision and size"): off by default for float exports. MatMulNBits
+        # (int8/int4) is another matter: unpacked it runs ~100x slower, so quantised exports keep it.
+        self.prepack = prepack_choice(manifest, prepack)
+        if not self.prepack:
+            options.add_session_config_entry("session.disable_prepacking", "1")
         self.sessions: dict[str, ort.InferenceSession] = {}
         for kind, entry in manifest.graphs.items():
             path = Path(folder) / entry.file

@@ -168,16 +168,16 @@ def graph_modules(model: "CausalLM", precision: str) -> dict[str, "torch.nn.Modu
 
 
 # Targets built on this export whose graphs share one weights file. The tensorrt target rewrites step.onnx
-# after this export and checks the in-memory model with onnx.checker, which cannot resolve a relative
-# external-data path: its graphs keep their weights inside until that step reads external data.
-SHARED_WEIGHTS = ("onnx",)
+# afterwards with onnx-ir, keeping the external-data references, and checks it by path (add_step_functions).
+SHARED_WEIGHTS = ("onnx", "tensorrt")
 
 
 def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings",
-                  share: bool = True) -> dict[str, str]:
-    """After tracing: --quantize (both graphs alike, so their quantised weights still match), then (with
-    `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data). Returns
-    the files it adds ({"weights": "weights.bin"} or nothing)."""
+                  share: bool = True, embeddings: bool = True) -> dict[str, str]:
+    """After tracing: --quantize (both graphs alike, so their quantised weights still match; with
+    `embeddings`, the embedding table and LM head too), then (with `share`) one copy of the weights, a
+    weights.bin both graphs reference (ONNX external data). Returns the files it adds
+    ({"weights": "weights.bin"} or nothing)."""
     from edgelin.export.weights import WEIGHTS_KEY, share_weights
 
     graphs = [files[kind] for kind in ("step", "prefill")]
@@ -185,7 +185,7 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
         from edgelin.export.quantize import quantize_graph
 
         for file in graphs:
-            quantize_graph(folder / file, settings.quantize, settings.block_size)
+            quantize_graph(folder / file, settings.quantize, settings.block_size, embeddings)
     return {WEIGHTS_KEY: share_weights(folder, graphs)} if share else {}
 
 
@@ -194,6 +194,9 @@ class OnnxOptions:
     """The ONNX target's own export options."""
 
     opset: int = 18
+    # --quantize: also quantise the embedding table and LM head (GatherBlockQuantized / MatMulNBits);
+    # False: --keep-embeddings-float. No effect without --quantize.
+    quantize_embeddings: bool = True
 
 
 # The modules each phase imports (import names; the distributions are the extras in pyproject.toml).
@@ -255,7 +258,8 @@ class OnnxTarget(Target):
                 inputs, outputs = graph_io(model, kind, settings.state_dtype)
                 files[kind] = f"{kind}.onnx"
                 export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)
-        files.update(finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS))
+        files.update(finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS,
+                                   embeddings=options.quantize_embeddings))
         return files
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,

@@ -54,7 +54,8 @@ def build_manifest(model: CausalLM, target: str, precision: str, files: dict[str
 def precision_entry(settings: ExportSettings) -> dict[str, str | int | None]:
     """manifest extra["precision"]: the dtype of each kind of tensor in the graphs. The state I/O, the
     recurrence (its state, decay and gates) and the logits are float32 at every precision; `weights`
-    is the float dtype of the weights that are not quantised (embeddings, LM head, norms)."""
+    is the float dtype of the weights that are not quantised (norms, decay parameters; also the embedding
+    table and LM head unquantised, or quantised with --keep-embeddings-float: extra["quantization"] lists them)."""
     low = {"fp32": "float32", "fp16": "float16"}[settings.precision]
     return {"graphs": settings.precision, "weights": low, "quantized_weights": settings.quantize,
             "block_size": settings.block_size if settings.quantize else None, "compute": low,
@@ -77,12 +78,15 @@ def weights_entries(folder: Path, files: dict[str, str], settings: ExportSetting
 def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tokenizer: Path | None = None,
                  force: bool = False, device: DeviceProfile | None = None, options: Any = None,
                  protected: Sequence[Path] = (), settings: ExportSettings | None = None,
-                 baselines: Sequence[str] = ()) -> ExportResult:
+                 baselines: Sequence[str] = (), text: Path | None = None) -> ExportResult:
     """The export phase: `target.export(model, device, settings, options, tmp)` into a temp folder, then
     the manifest, renamed into place. `options`: the target's own options (its `options_type`, e.g.
     OnnxOptions); None: its defaults. `settings` (precision, state dtype) come from
     edgelin.devices.export_settings, the one place that reads a device profile (default: `device`'s).
-    `baselines`: names of edgelin.export.baselines.BASELINES to export inside the folder (--baseline kv)."""
+    `baselines`: names of edgelin.export.baselines.BASELINES to export inside the folder (--baseline kv).
+    `text`: held-out text for the recorded quality figures (--text FILE; default: the checkpoint's recipe
+    validation split, else random tokens). The quality gate's result (fp16/quantised exports) goes into
+    extra["quality"], and a check failed under --force is also a warning of the result."""
     from edgelin.export import baselines as baseline_exports, reference_vectors
     from edgelin.quality import check_export_quality
 
@@ -120,15 +124,19 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         finish = getattr(target, "finish_export", None)  # e.g. Core ML: source hash into the package, checks
         if finish is not None:
             finish(tmp, manifest)
+        # The weights' account first: the reference's meta and the quality gate read the quantisation from it.
+        weights_recorded = weights_entries(tmp, files, settings)
+        manifest = dataclasses.replace(manifest, extra={**manifest.extra, **weights_recorded})
         # What `validate DIR` and `bench DIR --baseline kv` run on a device, without torch or the checkpoint.
-        reference = reference_vectors.record(model, tmp, manifest)
+        reference = reference_vectors.record(model, tmp, manifest, text=text)
         # fp16/quantised exports: the artifact's top-1 and perplexity vs fp32, refused unless --force
-        check_export_quality(model, tmp, manifest, settings)
+        gate = check_export_quality(model, tmp, manifest, settings)
+        warnings = (gate.warning(),) if gate is not None and not gate.passed else ()
         written = baseline_exports.export_baselines(model, tmp, baselines, lambda m, o: export_model(
             m, o, target.name, baseline_exports.BASELINE_SOURCE, device=device, options=options, settings=settings))
         recorded = {reference_vectors.MANIFEST_KEY: reference_vectors.manifest_entry(tmp, reference),
                     **({baseline_exports.MANIFEST_KEY: written} if written else {}),
-                    **weights_entries(tmp, files, settings)}
+                    **weights_recorded, **({"quality": gate.to_dict(settings.force)} if gate is not None else {})}
         if state_precision:  # the verdicts the state dtype was checked against (failing ones too under --force)
             recorded["state_precision"] = [v.to_dict() for v in state_precision]
         # Record every file written, so a later --force knows the whole folder is ours.
@@ -136,21 +144,26 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         manifest = dataclasses.replace(manifest, files=tuple(sorted({p.name for p in tmp.iterdir()} | {MANIFEST})),
                                        extra={**manifest.extra, **device_entry, **recorded})
         manifest.save(tmp)
-    return ExportResult(out, manifest, files)
+    return ExportResult(out, manifest, files, warnings=warnings)
 
 
 def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: bool = False,
                       device: DeviceProfile | None = None, options: Any = None,
                       include_tokenizer: bool = True, settings: ExportSettings | None = None,
-                      baselines: Sequence[str] = ()) -> ExportResult:
+                      baselines: Sequence[str] = (), text: Path | None = None) -> ExportResult:
     """`include_tokenizer=False` (--no-tokenizer): the checkpoint's tokenizer is neither checked nor copied.
-    `baselines`: see export_model."""
+    `baselines`, `text`: see export_model (an empty, binary or non-UTF-8 `text` is refused before the
+    checkpoint loads)."""
     from dataclasses import replace
 
     from edgelin.export.baselines import check_names
     from edgelin.tokenizer import check_tokenizer
 
     check_names(baselines)  # before the checkpoint loads
+    if text is not None:
+        from edgelin.quality import read_text
+
+        read_text(text)  # the file's own faults, before the checkpoint loads (its tokens are counted at record)
     model, info = load_model(checkpoint)
     warnings: list[str] = []
     tokenizer = info.tokenizer if include_tokenizer else None
@@ -160,5 +173,5 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: 
         warnings.append(f"no {TOKENIZER} in {info.path}: the export has no tokenizer, so generate will need one")
     source = {"path": str(info.path), "sha256": info.sha256, "format": info.format, "model_type": info.model_type}
     result = export_model(model, out, target, source, tokenizer, force, device, options, settings=settings,
-                          baselines=baselines)
-    return replace(result, inert_fields=tuple(info.inert_fields), warnings=tuple(warnings))
+                          baselines=baselines, text=text)
+    return replace(result, inert_fields=tuple(info.inert_fields), warnings=(*warnings, *result.warnings))

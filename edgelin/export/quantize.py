@@ -3,12 +3,18 @@ ONNX Runtime's own tool: `onnxruntime.quantization.matmul_nbits_quantizer.MatMul
 
 Every MatMul whose second input is a constant 2-D weight becomes a `com.microsoft.MatMulNBits` node:
 the weight stored block-wise (`block_size` weights along the input dim share a float scale and a
-zero point: asymmetric round-to-nearest), activations and the output stay float. What is not such a
-MatMul stays float: the embedding table and the tied LM head (a Gather and a Gemm on one float
-tensor), the norms, the decay parameters, and the recurrence itself (state, decay, gates: its
-matmuls multiply activations, never constant weights). The step and prefill graphs are quantised
-alike, so identical weights quantise to identical bytes and still share one weights file
-(edgelin.export.weights).
+zero point: asymmetric round-to-nearest), activations and the output stay float. By default the
+embedding table and the LM head are quantised too (off: --keep-embeddings-float): the head's Gemm
+(x W^T, tied to the table in the shipped models) becomes a MatMul on its own transposed initializer,
+which the tool quantises like the others, and the embedding lookup becomes ONNX Runtime's
+`com.microsoft.GatherBlockQuantized` (uint8 data with `bits` per weight, blocks along the row). The
+tool only emits that op for 4-bit, so the table is quantised by the tool as the head's MatMulNBits
+weight and reshaped: the same bytes (the two layouts agree, checked exactly against ORT's kernels),
+so a tied table is stored once in weights.bin however many ops read it. A table whose rows are not a
+whole number of blocks stays float. What stays float always: the norms, the decay parameters, and the
+recurrence itself (state, decay, gates: its matmuls multiply activations, never constant weights).
+The step and prefill graphs are quantised alike, so identical weights quantise to identical bytes and
+still share one weights file (edgelin.export.weights).
 
 Export-side module: imports onnx and onnxruntime's quantisation tools inside its functions.
 """
@@ -31,7 +37,8 @@ BITS = {"int8": 8, "int4": 4}
 # unchanged within 0.1%. Other providers treat the attribute as a minimum precision hint.
 ACCURACY_LEVEL = 4
 METHOD = ("onnxruntime MatMulNBitsQuantizer: block-wise asymmetric round-to-nearest weight-only quantisation "
-          f"(MatMulNBits nodes, accuracy_level {ACCURACY_LEVEL}: int8 activation blocks in the CPU kernel)")
+          f"(MatMulNBits nodes, accuracy_level {ACCURACY_LEVEL}: int8 activation blocks in the CPU kernel; "
+          "embedding lookups as GatherBlockQuantized on the same packed bytes)")
 _SCOPES = "pkg.torch.onnx.name_scopes"  # the exporter's module path of a node (kept by strip_trace_metadata)
 _WRAPPERS = re.compile(r"^(?:inner\.)?model\.")  # the graph modules' own attributes before the model's names
 
@@ -50,12 +57,8 @@ def _module_of(node: Any) -> str | None:
     return _WRAPPERS.sub("", names[-2]) if len(names) >= 2 else None
 
 
-def quantize_graph(path: Path, scheme: str, block_size: int) -> list[str]:
-    """Quantise the constant-weight MatMuls of the graph at `path` in place; returns the modules whose
-    weights were quantised (checkpoint names), in graph order. Each MatMulNBits node keeps its MatMul's
-    module scope, so `describe` can name the matrices from the file alone."""
-    import onnx
-
+def _run_tool(proto: Any, scheme: str, bits: int, block_size: int, name: str) -> Any:
+    """`proto` with its constant-weight MatMuls quantised by ONNX Runtime's MatMulNBitsQuantizer, quietly."""
     root = logging.getLogger()
     handlers, root_level = list(root.handlers), root.level
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -65,13 +68,6 @@ def quantize_graph(path: Path, scheme: str, block_size: int) -> list[str]:
     for handler in [h for h in root.handlers if h not in handlers]:
         root.removeHandler(handler)
     root.setLevel(root_level)
-    if scheme not in BITS:
-        raise EdgelinError(f"weight quantisation {scheme!r}", f"edgelin quantises to {', '.join(BITS)}",
-                           "pass --quantize int8 or --quantize int4")
-    bits = BITS[scheme]
-    proto = onnx.load(str(path))
-    scopes = {node.name: [p for p in node.metadata_props if p.key == _SCOPES]
-              for node in proto.graph.node if node.op_type == "MatMul"}
     quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, is_symmetric=False,
                                      accuracy_level=ACCURACY_LEVEL)
     logs = [logging.getLogger(name) for name in ("onnxruntime.quantization", "onnxruntime.quantization.matmul_nbits_quantizer",
@@ -83,19 +79,164 @@ def quantize_graph(path: Path, scheme: str, block_size: int) -> list[str]:
         with contextlib.redirect_stdout(io.StringIO()):
             quantizer.process()
     except Exception as exc:  # the tool's own failure: not the user's input
-        raise EdgelinError(f"{scheme} quantisation of {Path(path).name} failed", f"{type(exc).__name__}: {exc}",
+        raise EdgelinError(f"{scheme} quantisation of {name} failed", f"{type(exc).__name__}: {exc}",
                            "export without --quantize, and report this model config as an edgelin bug") from exc
     finally:
         for log, level in zip(logs, levels):
             log.setLevel(level)
-    quantized = quantizer.model.model
+    return quantizer.model.model
+
+
+def _attrs(node: Any) -> dict[str, Any]:
+    import onnx
+
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _tables(proto: Any, block_size: int) -> dict[str, Any]:
+    """The embedding tables this pass quantises: name -> float array [V, D], for every 2-D float
+    initializer a Gather reads on axis 0 whose row length is a whole number of blocks (others stay float)."""
+    import onnx
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in proto.graph.initializer}
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    found = {}
+    for node in proto.graph.node:
+        table = inits.get(node.input[0]) if node.op_type == "Gather" and node.input else None
+        if table is not None and len(table.dims) == 2 and table.data_type in floats \
+                and _attrs(node).get("axis", 0) == 0 and table.dims[1] % block_size == 0:
+            found[table.name] = numpy_helper.to_array(table)
+    return found
+
+
+def _untie_heads(proto: Any) -> None:
+    """Every Gemm y = x W^T on a constant 2-D weight (the LM head, tied to the embedding table or not)
+    becomes MatMul(x, W^T) on its own transposed initializer, which the tool then quantises; the Gemm's
+    module scope carries over. The table itself is left to the Gathers (or dropped when unread)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    inits = {t.name: t for t in proto.graph.initializer}
+    for index, node in enumerate(list(proto.graph.node)):
+        attrs = _attrs(node)
+        weight = inits.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) == 2 else None
+        if weight is None or len(weight.dims) != 2 or attrs.get("transA", 0) or not attrs.get("transB", 0) \
+                or attrs.get("alpha", 1.0) != 1.0:
+            continue
+        transposed = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), f"{weight.name}_T")
+        if transposed.name not in inits:
+            proto.graph.initializer.append(transposed)
+            inits[transposed.name] = transposed
+        matmul = helper.make_node("MatMul", [node.input[0], transposed.name], list(node.output), name=node.name)
+        matmul.metadata_props.extend(node.metadata_props)
+        proto.graph.node.remove(node)
+        proto.graph.node.insert(index, matmul)
+
+
+def _quantize_table(table: Any, scheme: str, bits: int, block_size: int) -> tuple[Any, Any, Any]:
+    """(data [V, D*bits/8] uint8, scales [V, D/block], zero points [V, ...] uint8) of an embedding
+    table, made by the tool itself: the table's transpose quantised as a MatMulNBits weight (the packing
+    a tied LM head gets), reshaped to GatherBlockQuantized's layout (uint8 data, `bits`, quantize_axis
+    1: the same bytes, so the head and the lookup share them in weights.bin)."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    vocab, dim = table.shape
+    dtype = helper.np_dtype_to_tensor_dtype(table.dtype)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "table",
+                              [helper.make_tensor_value_info("x", dtype, [1, dim])],
+                              [helper.make_tensor_value_info("y", dtype, [1, vocab])],
+                              [numpy_helper.from_array(np.ascontiguousarray(table.T), "w")])
+    model = _run_tool(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), scheme, bits,
+                      block_size, "the embedding table")
+    (node,) = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    data, scales, zeros = (inits[node.input[i]] for i in (1, 2, 3))
+    if data.dtype != np.uint8 or zeros.dtype != np.uint8 or dim % block_size:
+        raise EdgelinError(f"{scheme} quantisation of the embedding table failed", f"the tool packed it as {data.dtype} "
+                           f"{data.shape}", "export with --keep-embeddings-float, and report this as an edgelin bug")
+    return data.reshape(vocab, -1), scales.reshape(vocab, dim // block_size), zeros.reshape(vocab, -1)
+
+
+def _quantize_gathers(proto: Any, tables: dict[str, Any], scheme: str, bits: int, block_size: int) -> None:
+    """Each Gather on a table of `tables` becomes a com.microsoft GatherBlockQuantized (ONNX Runtime's
+    contrib op: uint8 data with `bits` per weight, blocks along the row) keeping the Gather's scope."""
+    from onnx import helper, numpy_helper
+
+    for name, table in tables.items():
+        arrays = dict(zip(("Q", "scales", "zero_points"), _quantize_table(table, scheme, bits, block_size)))
+        proto.graph.initializer.extend(numpy_helper.from_array(a, f"{name}_{k}") for k, a in arrays.items())
+        for index, node in enumerate(list(proto.graph.node)):
+            if node.op_type != "Gather" or node.input[0] != name:
+                continue
+            lookup = helper.make_node("GatherBlockQuantized", [f"{name}_Q", node.input[1], f"{name}_scales",
+                                                               f"{name}_zero_points"], list(node.output),
+                                      name=f"{node.name}_Q{bits}", domain="com.microsoft", gather_axis=0,
+                                      quantize_axis=1, block_size=block_size, bits=bits)
+            lookup.metadata_props.extend(node.metadata_props)
+            proto.graph.node.remove(node)
+            proto.graph.node.insert(index, lookup)
+    if tables and not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+
+
+def _drop_unread(proto: Any) -> None:
+    """Initializers no node reads any more (a tied table once both its users are quantised), subgraphs included."""
+    import onnx
+
+    read: set[str] = set()
+
+    def visit(graph: Any) -> None:
+        for node in graph.node:
+            read.update(node.input)
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    visit(attribute.g)
+                for sub in attribute.graphs:
+                    visit(sub)
+
+    visit(proto.graph)
+    read.update(o.name for o in proto.graph.output)
+    for tensor in [t for t in proto.graph.initializer if t.name not in read]:
+        proto.graph.initializer.remove(tensor)
+
+
+def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = True) -> list[str]:
+    """Quantise the constant-weight MatMuls of the graph at `path` in place; returns the modules whose
+    weights were quantised (checkpoint names), in graph order. Each MatMulNBits node keeps its MatMul's
+    module scope, so `describe` can name the matrices from the file alone. `embeddings` (the default;
+    off: --keep-embeddings-float): the LM head too, as a MatMulNBits on its own transposed copy, and
+    the embedding lookup as a GatherBlockQuantized whose bytes equal the head's when they are tied
+    (so weights.bin stores them once)."""
+    import onnx
+
+    if scheme not in BITS:
+        raise EdgelinError(f"weight quantisation {scheme!r}", f"edgelin quantises to {', '.join(BITS)}",
+                           "pass --quantize int8 or --quantize int4")
+    bits = BITS[scheme]
+    proto = onnx.load(str(path))
+    tables = {}
+    if embeddings:
+        tables = _tables(proto, block_size)
+        _untie_heads(proto)
+        _quantize_gathers(proto, tables, scheme, bits, block_size)
+    scopes = {node.name: [p for p in node.metadata_props if p.key == _SCOPES]
+              for node in proto.graph.node if node.op_type == "MatMul"}
+    quantized = _run_tool(proto, scheme, bits, block_size, Path(path).name)
+    if embeddings:
+        _drop_unread(quantized)
     names = []
     for node in quantized.graph.node:
         if node.op_type == "MatMulNBits":
             node.metadata_props.extend(scopes.get(node.name.removesuffix(f"_Q{bits}"), []))
+        if node.op_type in _QUANTIZED_OPS:
             names.append(_module_of(node) or node.name)
     onnx.save(quantized, str(path))
     return names
+
+
+_QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
 
 
 _WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "Conv")  # ops that read a weight matrix
@@ -111,7 +252,7 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
     for kind, file in graph_files.items():
         proto = onnx.load(str(Path(folder) / file), load_external_data=False)
         matrices = {t.name for t in proto.graph.initializer if len(t.dims) >= 2}
-        nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+        nodes = [n for n in proto.graph.node if n.op_type in _QUANTIZED_OPS]
         attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
         kept = {_module_of(n) or n.name for n in proto.graph.node
                 if n.op_type in _WEIGHT_OPS and any(i in matrices for i in n.input)}

@@ -28,8 +28,9 @@ against its own steps over the prompt, and every step's logits against the refer
 model's file is about 2.2 MB.
 
 This module imports torch only inside `record` and `reference_quality`: the format (names, keys) is
-read torch-free by edgelin.replay. meta's threshold is the graphs' precision's; replay picks its own
-from the saved manifest, which also records a weight quantisation (edgelin.quality.precision_key).
+read torch-free by edgelin.replay. meta's precision and threshold are the export's, weight quantisation
+included (edgelin.quality.precision_key: "int4" for an int4 export); replay picks its own from the
+saved manifest.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import numpy as np
 from edgelin import __version__
 from edgelin.export.state import state_input_name
 from edgelin.quality import (GREEDY_PROMPT, GREEDY_STEPS, RANDOM_SOURCE, TEXT_TOKENS, QualityReference,
-                             read_text_tokens, recipe_held_out)
+                             precision_key, read_text_tokens, recipe_held_out)
 
 if TYPE_CHECKING:
     from edgelin.export.manifest import Manifest
@@ -167,7 +168,9 @@ def read_quality(path: Path, vocab: int) -> QualityReference | None:
 def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0, text: Path | None = None,
            text_tokens: int = TEXT_TOKENS) -> str:
     """Run the reference and write `folder/reference.npz`; returns its file name. `text`: held-out
-    text for the quality figures (--text FILE; default: see held_out_text), at most `text_tokens`."""
+    text for the quality figures (--text FILE; default: see held_out_text), at most `text_tokens`.
+    `manifest` must already hold the weights' account (extra["quantization"]): meta's precision and
+    threshold are chosen by it."""
     import torch
 
     vocab = manifest.vocab_size
@@ -196,10 +199,11 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
     text_ids, source = held_out_text(manifest, folder, text, text_tokens)
     quality, quality_meta = reference_quality(model, vocab, text_ids, source, seed).to_arrays(QUALITY)
     arrays.update(quality)
+    key = precision_key(manifest)  # int8/int4 when the manifest records a quantisation, else its precision
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION, "seed": seed, "prompt_len": PROMPT_LEN, "steps": STEPS,
         "batches": list(BATCHES), "state_checkpoints": {str(b): list(STATE_CHECKPOINTS[b]) for b in BATCHES},
-        "precision": manifest.precision, "threshold": threshold_for(manifest.precision), "thresholds": THRESHOLDS,
+        "precision": key, "threshold": threshold_for(key), "thresholds": THRESHOLDS,
         "quality": quality_meta,
         "reference": "PyTorch: prefill through the chunked form, steps through the recurrent form",
         "edgelin_version": __version__,

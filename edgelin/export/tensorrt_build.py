@@ -105,10 +105,11 @@ def shape_arg(shapes: Shapes, which: int) -> str:
     return ",".join(f"{name}:{'x'.join(str(d) for d in dims[which])}" for name, dims in shapes.items())
 
 
-def trtexec_line(graph: str, shapes: Shapes, plugin: str, fp16: bool = False, inplace: bool = False) -> str:
+def trtexec_line(graph: str, shapes: Shapes, plugin: str, fp16: bool = False, inplace: bool = False,
+                 strongly_typed: bool = False) -> str:
     return (f"trtexec --onnx={graph}.onnx --dynamicPlugins={plugin} --minShapes={shape_arg(shapes, 0)} "
             f"--optShapes={shape_arg(shapes, 1)} --maxShapes={shape_arg(shapes, 2)} "
-            f"--saveEngine={graph}.engine" + (" --fp16" if fp16 else "")
+            f"--saveEngine={graph}.engine" + (" --stronglyTyped" if strongly_typed else " --fp16" if fp16 else "")
             + (" --preview=+aliasedPluginIO1003" if inplace and graph == "step" else ""))
 
 
@@ -123,10 +124,11 @@ def plugin_file(trt_major: int | str) -> str:
 
 
 def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | None", inplace: bool = False,
-                 aliased: dict[str, str] | None = None) -> None:
+                 aliased: dict[str, str] | None = None, strongly_typed: bool = False) -> None:
     """Write `tensorrt/` into the export's temp folder (the pipeline renames the whole folder).
     `inplace`/`aliased`: --trt-inplace and the step's {state input: state output} pairs its plugin
-    nodes alias (edgelin.export.tensorrt_target.add_step_functions)."""
+    nodes alias (edgelin.export.tensorrt_target.add_step_functions). `strongly_typed`: an fp16 export,
+    built as a strongly typed network (the graph's fp16/fp32 types are the engine's)."""
     from edgelin.plugins.tensorrt import CUDA_DIR, PLUGIN_DIR
 
     root = Path(folder) / TRT_DIR
@@ -144,31 +146,40 @@ def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | N
             shutil.copy2(src, root / "kernels" / "cuda" / src.name)
     profiles = {g: [{n: [list(s) for s in v] for n, v in p.items()} for p in graph_profiles(g, inputs[g], ranges)]
                 for g in inputs}
-    spec = {g: {"file": files[g], "engine": f"{g}.engine", "profiles": profiles[g],
+    weights = {"weights": files["weights"]} if "weights" in files else {}  # external data both graphs read
+    spec = {g: {"file": files[g], "engine": f"{g}.engine", "profiles": profiles[g], **weights,
                 "aliased": dict(aliased or {}) if g == "step" else {}} for g in inputs}
     (root / ENGINE_SPEC).write_text(json.dumps({"inplace": inplace, "graphs": spec}, indent=2) + "\n")
     script = (PLUGIN_DIR / "build_engine.py").read_text()  # the template; GRAPHS and INPLACE filled in below
     script = script.replace("GRAPHS = {}  # filled in by edgelin export", f"GRAPHS = {json.dumps(spec)}")
+    script = script.replace("STRONGLY_TYPED = False  # filled in by edgelin export", f"STRONGLY_TYPED = {strongly_typed}")
     (root / "build_engine.py").write_text(script.replace("INPLACE = False  # filled in by edgelin export",
                                                          f"INPLACE = {inplace}"))
-    (root / "COMMANDS.md").write_text(commands_text(shapes, inplace))
+    (root / "COMMANDS.md").write_text(commands_text(shapes, inplace, files.get("weights"), strongly_typed))
     from edgelin.outputs import record_written
 
     # every file of tensorrt/ is edgelin's: a later `export --force` may replace the folder
     record_written(root, [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()])
 
 
-def commands_text(shapes: dict[str, Shapes], inplace: bool = False) -> str:
+def commands_text(shapes: dict[str, Shapes], inplace: bool = False, weights: str | None = None,
+                  strongly_typed: bool = False) -> str:
     lib = "tensorrt/" + plugin_file("10")
     lines = ["# Building and checking the TensorRT engines by hand", "",
              "Run from the export folder. `edgelin build .` builds the plugin library (`" + lib + "`; `trt11` for "
-             "TensorRT 11) and, where TensorRT and a GPU are present, runs `tensorrt/build_engine.py`.", "",
+             "TensorRT 11) and, where TensorRT and a GPU are present, runs `tensorrt/build_engine.py`."
+             + (f" Both graphs read their weights from `{weights}` beside them (ONNX external data, which TensorRT's "
+                "parser, trtexec and polygraphy resolve relative to the .onnx file): keep the files together."
+                if weights else ""), "",
              "## Plugin library", "", "```sh",
              "cmake -S tensorrt/plugins/tensorrt -B tensorrt/build -DTENSORRT_INCLUDE_DIR=/usr/include/aarch64-linux-gnu "
              "-DEDGELIN_TRT_MAJOR=10 -DCMAKE_CUDA_ARCHITECTURES=87 && cmake --build tensorrt/build", "```", "",
              "## Engines (the same as build_engine.py)", "", "```sh"]
-    lines += [trtexec_line(g, s, lib, inplace=inplace) for g, s in shapes.items()]
-    lines += ["```", "", "Add `--fp16` (build_engine.py: `--fp16`) to allow half precision. The trtexec lines build "
+    lines += [trtexec_line(g, s, lib, inplace=inplace, strongly_typed=strongly_typed) for g, s in shapes.items()]
+    precision = ("`--stronglyTyped`: this is an fp16 export, whose graphs say which tensors are fp16 (matmuls, the "
+                 "plugin's q/k/v) and which stay fp32 (state, gates, logits). " if strongly_typed else
+                 "Add `--fp16` (build_engine.py: `--fp16`) to allow half precision. ")
+    lines += ["```", "", precision + "The trtexec lines build "
               "one optimisation profile, the full range; build_engine.py also builds the narrower ones of "
               "engines.json (a batch-1 step, short prompts) that the TensorRT runner prefers."
               + (" `--preview=+aliasedPluginIO1003`: the step's plugin nodes update the state in place "

@@ -14,6 +14,12 @@ function of that (domain, op_type). Each distinct layer kind (gate, delta) gets 
 is `edgelin.reference.recurrence.recurrent_step` in standard ops. So the very file TensorRT parses
 also runs, with the same math, on ONNX Runtime.
 
+Precision and weights: in an fp16 export the step's plugin nodes take q/k/v in fp16 (`dtype` 1: the
+lowering's engine declares `step_takes_compute_dtype`, so the model's fp32 cast is skipped for them;
+the function casts inside, as the kernel does), g, beta and the state in fp32; prefill keeps the ONNX
+target's fp32 recurrence. Both graphs read one weights.bin (onnx_target.SHARED_WEIGHTS); step.onnx is
+rewritten with onnx-ir, which keeps the external-data references, and checked by path.
+
 Run phase: where `edgelin build` built the engines (tensorrt/build.json) and tensorrt, cuda-python
 and an NVIDIA GPU are present, `runner` is the TensorRT runner (edgelin/export/tensorrt_runtime.py:
 device buffers, state on the GPU, CUDA graph steps). Everywhere else it is the ONNX Runtime runner on
@@ -246,7 +252,8 @@ class TensorrtTarget(OnnxTarget):
         from edgelin.export.tensorrt_build import write_folder
 
         # tensorrt/: plugin sources, build_engine.py, engines.json, COMMANDS.md
-        write_folder(Path(folder), files, device, inplace=inplace, aliased=aliased if inplace else {})
+        write_folder(Path(folder), files, device, inplace=inplace, aliased=aliased if inplace else {},
+                     strongly_typed=settings.precision == "fp16")
         return files
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,

@@ -188,7 +188,7 @@ def _dt_clamp(value: object, name: str, where: str) -> tuple[float, float]:
 # by name before anything is traced (edgelin.export.base.Target.family_support): TensorRT's EdgelinStep
 # plugin and edgelin's CUDA/Triton kernels have no erase/write gate flags yet (planned). Kept in step
 # with each lowering's engine by tests/test_gdn2_clvr.py.
-ERASE_GATE_TARGETS = ("onnx",)
+ERASE_GATE_TARGETS = ("onnx", "coreml")
 
 
 def erase_gate_refusal(spec: FamilySpec, target: str) -> str | None:

@@ -180,6 +180,9 @@ class LinearMixer(nn.Module):
         engine = select_engine(state["recurrent_state"], q, k, values, g, beta, erase)
         if isinstance(engine, KernelEngine):
             g, beta = (None if t is None else t.to(q.dtype) for t in (g, beta))
+        elif mode != "chunked" and length == 1 and getattr(engine, "step_takes_compute_dtype", False):
+            # an engine whose step casts q/k/v itself (the TensorRT plugin node reads them in fp16)
+            g, beta = (None if t is None else t.float() for t in (g, beta))
         else:
             q, k, values, g, beta = (None if t is None else t.float() for t in (q, k, values, g, beta))
         o, new_state["recurrent_state"] = self._recurrence(engine, mode, state["recurrent_state"], q, k, values, g,

@@ -6,10 +6,12 @@ the export folder (or pass --folder):
     python tensorrt/build_engine.py --plugin tensorrt/libedgelin_trt_plugin_trt10.so [--fp16]
 
 The optimisation profiles below (tensorrt/engines.json holds the same), narrowest first: the edgelin
-TensorRT runner picks the first that holds a call's shapes. fp32 unless --fp16. With INPLACE (export
+TensorRT runner picks the first that holds a call's shapes. fp32 unless --fp16; an fp16 export is built
+strongly typed (STRONGLY_TYPED: the graph's own fp16/fp32 types, no --fp16 needed). With INPLACE (export
 --trt-inplace) the step's plugin nodes alias their state input and output, a TensorRT preview feature
-(ALIASED_PLUGIN_IO_10_03) this script turns on. Writes step.engine and prefill.engine beside the ONNX
-files (temp file, then rename).
+(ALIASED_PLUGIN_IO_10_03) this script turns on. The ONNX files read their weights from weights.bin
+beside them (one file for both graphs), so keep the export folder together. Writes step.engine and
+prefill.engine beside the ONNX files (temp file, then rename).
 """
 
 import argparse
@@ -18,6 +20,9 @@ import sys
 
 GRAPHS = {}  # filled in by edgelin export
 INPLACE = False  # filled in by edgelin export
+# fp16 exports: the ONNX types decide each tensor's precision (fp16 matmuls and plugin q/k/v, fp32 state,
+# gates and logits), so the network is built strongly typed rather than letting --fp16 pick per layer.
+STRONGLY_TYPED = False  # filled in by edgelin export
 
 
 def build(folder: str, graph: str, spec: dict, plugin: str, fp16: bool, inplace: bool = INPLACE) -> str:
@@ -27,8 +32,16 @@ def build(folder: str, graph: str, spec: dict, plugin: str, fp16: bool, inplace:
     trt.init_libnvinfer_plugins(logger, "")
     builder = trt.Builder(logger)
     builder.get_plugin_registry().load_library(plugin)  # the EdgelinStep creator
-    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    # explicit batch is the only mode in TensorRT 10; strongly typed for fp16 exports (see STRONGLY_TYPED)
+    network = builder.create_network(
+        1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if STRONGLY_TYPED else 0)
     parser = trt.OnnxParser(network, logger)
+    # The graphs keep their weights in one file beside them (ONNX external data, shared by step and prefill);
+    # the parser reads it relative to the .onnx file, which is why it parses from the path, not from bytes.
+    weights = spec.get("weights")
+    if weights and not os.path.isfile(os.path.join(folder, weights)):
+        raise SystemExit(f"error: {weights} is missing from {os.path.abspath(folder)}: {spec['file']} reads its "
+                         "weights from it; copy the whole export folder (or pass --folder with it)")
     if not parser.parse_from_file(os.path.join(folder, spec["file"])):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise SystemExit(f"error: parsing {spec['file']} failed: {errors}")
@@ -38,7 +51,7 @@ def build(folder: str, graph: str, spec: dict, plugin: str, fp16: bool, inplace:
         for name, (lo, opt, hi) in shapes.items():
             profile.set_shape(name, lo, opt, hi)
         config.add_optimization_profile(profile)
-    if fp16:
+    if fp16 and not STRONGLY_TYPED:  # a strongly typed network takes no precision flags
         config.set_flag(trt.BuilderFlag.FP16)
     if inplace and spec.get("aliased"):  # the plugin's getAliasedInput is read only with this on
         feature = getattr(trt.PreviewFeature, "ALIASED_PLUGIN_IO_10_03", None)

@@ -1,0 +1,155 @@
+"""The command line's machinery: the typer app, one-line usage errors, option checks, and the `command`
+decorator that turns EdgelinErrors and environment faults into one line and an exit code. The commands
+themselves are in edgelin.cli."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import math
+import os
+from typing import Any, Callable, Iterator, Optional
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+from edgelin.errors import EdgelinError
+from edgelin.output import Output
+
+try:  # typer >= 0.20 vendors click
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - older typer on the real click
+    from click.exceptions import NoArgsIsHelpError, UsageError
+
+_debug = {"on": bool(os.environ.get("EDGELIN_DEBUG"))}
+
+
+class _Clean:
+    """Help and usage errors for people: flags render as flags, and a usage error is one line."""
+
+    def get_params(self, ctx: Any) -> list:
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for param in params:  # typer 0.29's rich help prints every flag (--force, --help) as "<bool>"
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().make_context(*args, **kwargs)  # type: ignore[misc]
+
+
+class EdgelinCommand(_Clean, TyperCommand):
+    pass
+
+
+class EdgelinGroup(_Clean, TyperGroup):
+    def invoke(self, ctx: Any) -> Any:  # "Missing command", "No such command", a command's own parse errors
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    """typer's usage error is a multi-line box; edgelin's errors are one line: `error: WHAT: WHY. Fix: FIX`."""
+    try:
+        yield
+    except NoArgsIsHelpError:  # bare `edgelin` prints the help, as intended
+        raise
+    except UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "edgelin"
+        message = exc.format_message().strip().rstrip(".").replace("Value error, ", "")  # typer 0.29's wording
+        Output().error(f"{message}. Fix: see `{where} --help`")
+        raise typer.Exit(exc.exit_code) from None
+
+
+app = typer.Typer(cls=EdgelinGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Ship trained linear-attention models to edge devices.")
+JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
+
+
+# ---- parse-time range checks: a bad number is a one-line usage error (exit 2) before any work ----
+def _finite(above: float, at_most: float | None = None) -> Callable[[Optional[float]], Optional[float]]:
+    """A callback accepting finite values in (above, at_most]: typer's min= is a closed bound and lets inf through."""
+    bound = f"> {above:g}" + (f" and <= {at_most:g}" if at_most is not None else "")
+
+    def check(value: Optional[float]) -> Optional[float]:
+        if value is not None and not (math.isfinite(value) and value > above
+                                      and (at_most is None or value <= at_most)):
+            raise typer.BadParameter(f"{value:g} is out of range: it must be finite and {bound}")
+        return value
+
+    return check
+
+
+POSITIVE = _finite(0.0)
+
+
+# ---- environment faults: the user's machine, not a bug in edgelin ----------------------------------
+_OS_FAULTS: dict[int, tuple[str, str]] = {
+    errno.EACCES: ("permission denied", "check the path's permissions, or use a location you own"),
+    errno.EPERM: ("operation not permitted", "check the path's permissions, or use a location you own"),
+    errno.EROFS: ("the file system is read-only", "write to a folder on a writable file system"),
+    errno.ENOSPC: ("no space left on the device", "free disk space, or write to another disk"),
+    errno.EDQUOT: ("the disk quota is exhausted", "free disk space, or write to another disk"),
+    errno.ENOTDIR: ("a part of the path is a file, not a folder", "pick a path whose parents are folders"),
+    errno.EISDIR: ("it is a folder where a file was expected", "pass a file, or pick another path"),
+    errno.ENOENT: ("no such file or folder", "check the path"),
+    errno.EEXIST: ("it already exists", "pick another path"),
+    errno.EMFILE: ("too many open files", "raise the open-file limit (ulimit -n) and re-run"),
+    errno.ENFILE: ("too many open files in the system", "close other programs and re-run"),
+    errno.ENAMETOOLONG: ("the path is too long", "use a shorter path"),
+    errno.EIO: ("input/output error", "check the disk (it may be failing or disconnected)"),
+}
+
+
+def environment_error(exc: BaseException) -> EdgelinError:
+    """An OSError or MemoryError as one actionable line (exit 2): the machine, not edgelin, failed."""
+    if isinstance(exc, MemoryError):
+        return EdgelinError("out of memory", "the machine could not allocate what this command needs",
+                            "close other programs, or use smaller sizes (--batch, --positions, --steps, -n)")
+    assert isinstance(exc, OSError)
+    why, fix = _OS_FAULTS.get(exc.errno or -1, (exc.strerror or str(exc) or type(exc).__name__,
+                                                "check the path and the file system, then re-run"))
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    return EdgelinError(f"cannot use {paths}" if paths else "a file operation failed", why, fix)
+
+
+def command(fn: Callable) -> Callable:
+    """Register a command whose EdgelinErrors become one line on stderr and a non-zero exit."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        out = Output(kwargs.get("as_json", False))
+        try:
+            return fn(out, *args, **kwargs)
+        except EdgelinError as exc:
+            if _debug["on"]:
+                raise
+            out.error(exc.line())
+            raise typer.Exit(exc.exit_code)
+        except KeyboardInterrupt:
+            out.error("interrupted")
+            raise typer.Exit(130)
+        except BrokenPipeError:  # `edgelin ... | head`: the reader left; nothing to report
+            raise typer.Exit(0)
+        except (typer.Exit, typer.Abort):
+            raise
+        except (OSError, MemoryError) as exc:  # the safety net: the library names the common ones itself
+            if _debug["on"]:
+                raise
+            error = environment_error(exc)
+            out.error(error.line())
+            raise typer.Exit(error.exit_code)
+        except Exception as exc:  # a bug in edgelin: still one line unless --debug
+            if _debug["on"]:
+                raise
+            out.error(f"internal error: {type(exc).__name__}: {exc}. Fix: re-run with --debug and report it")
+            raise typer.Exit(3)
+
+    import inspect
+
+    sig = inspect.signature(fn)
+    wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return app.command(cls=EdgelinCommand)(wrapper)
