@@ -16,7 +16,9 @@ from edgelin.replay import replay
 from edgelin.validate import validate
 from helpers import export_family
 
-FAMILIES_AND_HYBRID = ALL_FAMILIES + ["hybrid"]
+# Gated DeltaNet-2's ONNX export is checked in test_gdn2_clvr.py with its gates moved off their init (a
+# stronger check than this table's fresh weights); leaving it out here keeps CI's longest fixture short.
+FAMILIES_AND_HYBRID = [f for f in ALL_FAMILIES if f != "gated_deltanet2"] + ["hybrid"]
 
 
 @pytest.fixture(scope="module")

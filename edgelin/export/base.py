@@ -324,10 +324,18 @@ class Target(ABC):
     def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
         """Can this machine open a runner on an export (for `device`, when given)?"""
 
+    def device_refusal(self, device: "DeviceProfile | None") -> Phase | None:
+        """A refused Phase when `device`'s profile does not list this target; None otherwise."""
+        if device is None or self.name in device.targets:
+            return None
+        return Phase(False, f"device {device.name} does not list target {self.name} (it lists: "
+                            f"{', '.join(device.targets)})", f"a device whose profile lists {self.name}")
+
     def supports(self, model: "CausalLM", device: "DeviceProfile | None" = None) -> str | None:
         """None when the target can take this model on this device; otherwise the reason."""
-        if device is not None and self.name not in device.targets:
-            return f"device {device.name} does not list target {self.name} (it lists: {', '.join(device.targets)})"
+        refused = self.device_refusal(device)
+        if refused is not None:
+            return refused.reason
         from edgelin.families import SOFTMAX
 
         for layer, name in enumerate(model.config.layer_types):  # refused by name, before anything is traced

@@ -130,9 +130,9 @@ class CoremlTarget(Target):
         return Phase(True)
 
     def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
-        if device is not None and self.name not in device.targets:
-            return Phase(False, f"device {device.name} does not list target {self.name} (it lists: "
-                                f"{', '.join(device.targets)})", "a device whose profile lists coreml")
+        refused = self.device_refusal(device)
+        if refused is not None:
+            return refused
         major = macos_major()
         if major is None or major < 13:
             return Phase(False, RUN_REFUSAL + (f" (this is {platform.system()})" if major is None

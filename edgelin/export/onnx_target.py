@@ -228,9 +228,9 @@ class OnnxTarget(Target):
         return Phase(True)
 
     def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
-        if device is not None and self.name not in device.targets:
-            return Phase(False, f"device {device.name} does not list target {self.name} (it lists: "
-                                f"{', '.join(device.targets)})", "a device whose profile lists onnx")
+        refused = self.device_refusal(device)
+        if refused is not None:
+            return refused
         missing = _missing(_RUN_NEEDS)
         if missing:
             return Phase(False, f"{missing} is not installed (pip install 'edgelin[runtime]')",

@@ -232,9 +232,9 @@ class TensorrtTarget(OnnxTarget):
     def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
         # Every folder runs on ONNX Runtime through its plugin functions (the validation runner); a folder
         # whose engines are built runs on TensorRT where tensorrt, cuda-python and a GPU are (runner()).
-        if device is not None and self.name not in device.targets:
-            return Phase(False, f"device {device.name} does not list target {self.name} (it lists: "
-                                f"{', '.join(device.targets)})", "a device whose profile lists tensorrt")
+        refused = self.device_refusal(device)
+        if refused is not None:
+            return refused
         return super().can_run(None)
 
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
