@@ -267,3 +267,33 @@ def test_normalizer_with_the_delta_rule_is_refused():
     normaliser has no defined update, so the config is refused rather than guessed."""
     with pytest.raises(EdgelinError, match="normaliser needs the additive rule"):
         tiny_config(("deltanet",), family_overrides={"deltanet": {"normalizer": True}})
+
+
+@pytest.mark.parametrize("family", ["gated_deltanet", "gla"])
+def test_half_model_hands_the_kernels_float32_decay_and_beta(family):
+    """An fp16 model on the kernel path: q/k/v in fp16, but g and beta reach the kernels in float32 (the
+    launcher's own aux dtype), so a half-precision step still decays in float32. A spy engine standing in
+    for the kernels (a KernelEngine running the torch reference) records what the mixer hands it."""
+    from dataclasses import dataclass
+
+    from edgelin.kernels.dispatch import KernelEngine
+    from edgelin.model.mixer import use_engine
+    from edgelin.reference.engine import TorchEngine
+
+    seen: list[tuple[torch.dtype, ...]] = []
+
+    @dataclass(frozen=True)
+    class Spy(KernelEngine):
+        def step(self, state, q, k, v, g=None, beta=None):
+            seen.append((q.dtype, g.dtype, beta.dtype if beta is not None else None))
+            o, new = TorchEngine.step(self, state, q.float(), k.float(), v.float(), g, beta)  # what it computes
+            return o.to(q.dtype), new  # is not under test here, only what it was handed
+
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(family_layers(family))).eval().half()
+    ids = torch.randint(0, 97, (2, 1))
+    with torch.no_grad(), use_engine(Spy(name="spy")):
+        model(ids, model.initial_state(2), torch.zeros(2, dtype=torch.long), mode="recurrent")
+    assert seen and all(g == torch.float32 and beta in (None, torch.float32) for _, g, beta in seen), seen
+    if family == "gla":  # q is not L2-normalised (in float32) here: it stays in the weights' fp16
+        assert all(q == torch.float16 for q, _, _ in seen), seen

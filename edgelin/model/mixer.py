@@ -175,13 +175,13 @@ class LinearMixer(nn.Module):
         # The precision boundary (fp16 graphs, issue 11): the recurrence, its state, the decay and the
         # gates run in float32; only its output returns to the weights' dtype. The one place it is cast
         # (a no-op, and no graph node, for float32 models), so every target's lowering sees the same cut.
-        # The GPU kernels take q, k, v, g, beta in one low-precision dtype and accumulate in float32 inside.
+        # The GPU kernels take q, k, v in the weights' dtype and g, beta in float32 (launcher ABI 2's
+        # aux dtype: a half-precision step still decays in float32), accumulating in float32 inside.
         compute = x.dtype
         engine = select_engine(state["recurrent_state"], q, k, values, g, beta, erase)
-        if isinstance(engine, KernelEngine):
-            g, beta = (None if t is None else t.to(q.dtype) for t in (g, beta))
-        elif mode != "chunked" and length == 1 and getattr(engine, "step_takes_compute_dtype", False):
-            # an engine whose step casts q/k/v itself (the TensorRT plugin node reads them in fp16)
+        takes_compute_dtype = isinstance(engine, KernelEngine) or (  # the TensorRT plugin node's step too
+            mode != "chunked" and length == 1 and getattr(engine, "step_takes_compute_dtype", False))
+        if takes_compute_dtype:  # q, k, v as they are; g and beta float32
             g, beta = (None if t is None else t.float() for t in (g, beta))
         else:
             q, k, values, g, beta = (None if t is None else t.float() for t in (q, k, values, g, beta))
