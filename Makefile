@@ -9,7 +9,7 @@ OUT    := out/tiny
 # benches and runs exported folders (what an edge device installs: pip install 'edgelin[runtime]').
 EXTRAS ?= onnx,dev
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean peers-setup
 
 install: $(VENV)/.installed
 
@@ -24,12 +24,28 @@ demo: install
 	$(BIN)/edgelin families
 	$(BIN)/edgelin export $(MODEL) --target onnx --out $(OUT) --force --baseline kv
 	$(BIN)/edgelin validate $(OUT)
-	$(BIN)/edgelin validate $(OUT) --against $(MODEL) --steps 512
-	$(BIN)/edgelin bench $(OUT) --positions 1,1024,8192,32768 --baseline kv
+	$(BIN)/edgelin validate $(OUT) --against $(MODEL) --steps 512 --json > $(OUT)-validate.json
+	$(BIN)/edgelin bench $(OUT) --positions 1,1024,8192,32768 --baseline kv --json > $(OUT)-bench.json
 	$(BIN)/edgelin generate $(OUT) --prompt "def main(" --max-new-tokens 200
+	$(BIN)/edgelin report $(OUT)-bench.json $(OUT)-validate.json --out $(OUT)-report --force
 
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 clean:
 	rm -rf $(VENV) out .pytest_cache
+
+# The CPU peers benchmark's own environments (bench/peers.md; never part of `make test` or CI):
+# llama-cpp-python built from source, ExecuTorch, each in a venv outside the repo ($(PEERS)).
+PEERS ?= /work/peers
+peers-setup:
+	mkdir -p $(PEERS)/dl $(PEERS)/src
+	$(PYTHON) -m venv $(PEERS)/venv-llama
+	$(PEERS)/venv-llama/bin/pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(PEERS)/dl
+	tar xzf $(PEERS)/dl/llama_cpp_python-0.3.36.tar.gz -C $(PEERS)/src
+	CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 $(PEERS)/venv-llama/bin/pip install -q $(PEERS)/dl/llama_cpp_python-0.3.36.tar.gz
+	$(PEERS)/venv-llama/bin/pip install -q torch==2.13.0
+	$(PEERS)/venv-llama/bin/pip install -q transformers==5.24.0 sentencepiece safetensors gguf==0.19.0 torch==2.13.0
+	$(PYTHON) -m venv $(PEERS)/venv-et
+	$(PEERS)/venv-et/bin/pip install -q torch==2.13.0
+	$(PEERS)/venv-et/bin/pip install -q executorch==1.5.1 transformers==5.24.0 'numpy<2.4' safetensors torch==2.13.0

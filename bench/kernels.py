@@ -1,14 +1,13 @@
 """GPU kernel benchmarks, each figure printed beside its anchor, all measured in this one run.
 
-    python bench/kernels.py [--commit SHA] [--json out.json] [--skip model,sweep]
+    python bench/kernels.py [--commit SHA] [--json out.json] [--skip sweep]
 
 Targets (issue 4; docs/benchmarks.md records the results with commit and machine):
   1. step, B=256, H=16, K=V=128: >= 90% of the device copy bandwidth, every gate kind x rule,
      Triton and CUDA (anchors: copy bandwidth, fla 0.6.0 fused_recurrent_*, torch eager)
   2. step, B=1: <= 5 us per layer under CUDA-graph replay
   3. chunked prefill, T = 4096 and 32768: tokens/s >= fla's chunk_* for the same family
-  4. whole-model decode (~150M parameters, fp16 weights, B=1, CUDA graph): per-token latency
-     <= 1.5x the floor (weight bytes + state bytes read and written) / copy bandwidth
+  (whole-model decode moved to bench/decode.py)
 Inputs are random (never zeros), bf16 q/k/v, fp32 state; times are medians (triton do_bench,
 which also flushes L2 between calls) or CUDA-event means over graph replays.
 """
@@ -275,55 +274,11 @@ def bench_prefill(sweep: bool) -> None:
                 say("      sweep " + " ".join(cells))
 
 
-def bench_model() -> None:
-    from edgelin.model.config import ModelConfig
-    from edgelin.model.lm import CausalLM
-
-    config = ModelConfig(vocab_size=32000, hidden_size=768, layer_types=("gated_deltanet",) * 16, num_heads=6,
-                         head_k_dim=128, head_v_dim=128, intermediate_size=2048)
-    torch.manual_seed(0)
-    model = CausalLM(config).eval().to(DEV).half()
-    params = model.num_parameters()
-    decoder = kernels.GraphDecoder(model, batch=1)
-    state_bytes = sum(t.numel() * t.element_size() for layer in decoder.state for t in layer.values())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    copy_bw = RESULTS["copy_TBps"] * 1e12
-    floor_us = (weight_bytes + 2 * state_bytes) / copy_bw * 1e6
-    token = torch.randint(0, 32000, (1,), device=DEV)
-    for _ in range(20):
-        decoder.step(token)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(200):
-        decoder.step(token)
-    end.record()
-    torch.cuda.synchronize()
-    graph_us = start.elapsed_time(end) * 1e3 / 200
-    state = [{n: t.clone() for n, t in layer.items()} for layer in decoder.state]
-    pos = torch.zeros(1, dtype=torch.long, device=DEV)
-    with torch.no_grad():
-        eager_us = ms(lambda: model(token.view(1, 1), state, pos, mode="recurrent", last_only=True), rep=100) * 1e3
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model(token.view(1, 1), state, pos, mode="recurrent", last_only=True)
-            torch.cuda.synchronize()
-    launches = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    RESULTS["model"] = {"params": params, "weight_bytes": weight_bytes, "state_bytes": state_bytes,
-                        "floor_us": floor_us, "graph_us": graph_us, "eager_us": eager_us,
-                        "ratio_to_floor": graph_us / floor_us, "gpu_kernels_per_token": launches}
-    say(f"\n== whole-model decode: gated_deltanet x16, hidden 768, {params / 1e6:.1f}M params, fp16, B=1 ==")
-    say(f"floor (weights {weight_bytes / 1e6:.0f} MB + state {state_bytes / 1e6:.1f} MB r+w) / copy bw: "
-        f"{floor_us:.1f} us/token")
-    say(f"CUDA graph: {graph_us:.1f} us/token = {graph_us / floor_us:.2f}x floor (target <= 1.5x); "
-        f"eager: {eager_us:.0f} us/token; {launches} GPU kernels per token")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--skip", default="", help="comma list of: step,latency,prefill,sweep,model")
+    parser.add_argument("--skip", default="", help="comma list of: step,latency,prefill,sweep")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     import fla
@@ -334,7 +289,7 @@ def main() -> None:
     say(f"edgelin kernel bench: {RESULTS['env']}")
     RESULTS["copy_TBps"] = copy_bandwidth() / 1e12
     sections = [("step", lambda: bench_step_bandwidth(RESULTS["copy_TBps"] * 1e12, "sweep" not in skip)),
-                ("latency", bench_step_latency), ("model", bench_model),
+                ("latency", bench_step_latency),
                 ("prefill", lambda: bench_prefill("sweep" not in skip))]
     for name, fn in sections:
         if name in skip:

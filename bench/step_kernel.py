@@ -44,7 +44,8 @@ from edgelin import kernels  # noqa: E402
 from edgelin.reference import recurrence  # noqa: E402  (pure torch: never routed to a kernel)
 
 DEV = "cuda"
-COMBOS = [("none", False), ("scalar", False), ("per_key", False), ("none", True), ("scalar", True), ("per_key", True)]
+COMBOS = [("none", "add"), ("scalar", "add"), ("per_key", "add"), ("none", "delta"), ("scalar", "delta"),
+          ("per_key", "delta"), ("scalar", "erase")]  # erase: the delta rule + Gated DeltaNet-2's erase gate
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 IMPLS = ("cuda", "triton", "torch")
 Step = Callable[[torch.Tensor], object]  # one call on the given state
@@ -54,14 +55,18 @@ Step = Callable[[torch.Tensor], object]  # one call on the given state
 class Case:
     dtype: torch.dtype
     gate: str
-    delta: bool
+    rule: str  # "add", "delta" or "erase" (delta rule + erase gate)
     batch: int
     heads: int
     dim: int
 
     @property
+    def delta(self) -> bool:
+        return self.rule != "add"
+
+    @property
     def label(self) -> str:
-        return f"{self.gate}/{'delta' if self.delta else 'add'}"
+        return f"{self.gate}/{self.rule}"
 
     @property
     def state_bytes(self) -> int:
@@ -96,24 +101,26 @@ def make_inputs(case: Case, seed: int = 0) -> dict[str, torch.Tensor | None]:
     g = F.logsigmoid(torch.randn(b, h, width, device=DEV, generator=gen) + 3) / (16 if width > 1 else 1) \
         if width else None
     beta = torch.rand(b, h, device=DEV, generator=gen) if case.delta else None
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    erase = torch.rand(b, h, d, device=DEV, generator=gen) if case.rule == "erase" else None
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "erase": erase}
 
 
 def io_bytes(x: dict[str, torch.Tensor | None]) -> int:
-    """q, k, v, g, beta read and o (v's shape and dtype) written."""
+    """q, k, v, g, beta, erase read and o (v's shape and dtype) written."""
     read = sum(t.numel() * t.element_size() for t in x.values() if t is not None)
     return read + x["v"].numel() * x["v"].element_size()
 
 
 def steps(x: dict[str, torch.Tensor | None]) -> dict[str, Step]:
     """One callable per implementation: call(state) updates `state` (torch: returns a new one)."""
-    q, k, v, g, beta = x["q"], x["k"], x["v"], x["g"], x["beta"]
+    q, k, v, g, beta, e = x["q"], x["k"], x["v"], x["g"], x["beta"], x["erase"]
     out = torch.empty_like(v)
     f32 = {n: None if t is None else t.float() for n, t in x.items()}  # torch's matmuls need one dtype
     return {
-        "cuda": lambda s: kernels.cuda_step(q, k, v, s, g, beta, out=out, inplace=True)[0],
-        "triton": lambda s: kernels.fused_step(q, k, v, s, g, beta, out=out, inplace=True)[0],
-        "torch": lambda s: recurrence.recurrent_step(s, f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"])[0],
+        "cuda": lambda s: kernels.cuda_step(q, k, v, s, g, beta, e, out=out, inplace=True)[0],
+        "triton": lambda s: kernels.fused_step(q, k, v, s, g, beta, e, out=out, inplace=True)[0],
+        "torch": lambda s: recurrence.recurrent_step(s, f32["q"], f32["k"], f32["v"], f32["g"], f32["beta"],
+                                                     f32["erase"])[0],
     }
 
 
@@ -143,7 +150,7 @@ def baseline_steps(src: Path) -> Callable[[dict[str, torch.Tensor | None]], Step
 def rel_err(fn: Step, x: dict[str, torch.Tensor | None], state: torch.Tensor) -> float:
     """Max-norm relative error of one call's output against the float64 torch step."""
     ref, _ = recurrence.recurrent_step(*(t.double() if t is not None else None for t in
-                                         (state, x["q"], x["k"], x["v"], x["g"], x["beta"])))
+                                         (state, x["q"], x["k"], x["v"], x["g"], x["beta"], x["erase"])))
     got = fn(state.clone()).double()
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
@@ -257,19 +264,18 @@ def main(argv: list[str] | None = None) -> dict:
     results["copy_TBps"] = copy_bw / 1e12
     print(f"device copy (1 GiB, read + write, median of 20): {copy_bw / 1e12:.3f} TB/s", flush=True)
     wanted = set(args.impls.split(","))
-    combos = COMBOS if args.combos == "all" else [
-        (c.split("/")[0], c.split("/")[1] == "delta") for c in args.combos.split(",")]
+    combos = COMBOS if args.combos == "all" else [tuple(c.split("/")) for c in args.combos.split(",")]
     index = 0
     for dname in args.dtypes.split(","):
         print(f"\n== {dname} q/k/v/o, fp32 state, fp32 g/beta, H={args.heads} K=V={args.dim}: us per call "
               f"(graph, events, wall) and graph bytes / copy bandwidth ==", flush=True)
         header = None
-        for gate, delta in combos:
+        for gate, rule in combos:
             for batch in (int(b) for b in args.batches.split(",")):
-                case = Case(DTYPES[dname], gate, delta, batch, args.heads, args.dim)
+                case = Case(DTYPES[dname], gate, rule, batch, args.heads, args.dim)
                 x = make_inputs(case)
                 impls = {n: f for n, f in steps(x).items() if n in wanted}
-                if baseline is not None:
+                if baseline is not None and rule != "erase":  # an older kernel has no erase gate
                     impls = {"cuda-base": baseline(x), **impls}
                 if header != list(impls):
                     header = list(impls)

@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from edgelin.devices import DeviceProfile
+from edgelin.environment import environment
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, StateHandle
 from edgelin.export.manifest import Manifest
@@ -61,6 +62,9 @@ class BenchReport:
     load_rss_bytes: int = 0  # resident memory added by opening the runner and a first step + prefill
     load_pss_bytes: int | None = None  # the same as PSS (Linux): a page mapped twice counts once
     runner: str = ""  # which runtime ran it (edgelin.runtime.runner_label)
+    iters: int = 0  # timed steps per position
+    warmup: int = 0
+    environment: dict = field(default_factory=dict)  # what it ran on (edgelin.environment)
 
     def footprint_line(self) -> str:
         """One line for people: bytes on disk and in memory (method in load_memory's docstring)."""
@@ -70,7 +74,8 @@ class BenchReport:
                 f"+ prefill: RSS +{human(self.load_rss_bytes)}{pss}; peak RSS {human(self.peak_rss_bytes)}")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        return {"environment": data.pop("environment"), **data}  # first: what a reader checks first
 
     def latency(self, model: str, position: int) -> float:
         return next(r.p50_ms for r in self.positions if r.model == model and r.position == position)
@@ -111,7 +116,7 @@ def random_pieces(seed: int, vocab: int, batch: int, tokens: int, chunk: int) ->
 
 def measure(runner: Runner, label: str, positions: list[int], batch: int, warmup: int, iters: int,
             prefill_chunk: int, report: BenchReport, seed: int,
-            on_progress: Callable[[str], None] | None) -> None:
+            on_progress: Callable[[str], None] | None, on_done: Callable[[], None] | None = None) -> None:
     state, reached = runner.new_state(batch), 0
     for p in sorted(positions):
         if p > reached:  # continue the prefill from the last position reached
@@ -127,6 +132,8 @@ def measure(runner: Runner, label: str, positions: list[int], batch: int, warmup
         nbytes = runner.manifest.state_bytes(batch, past=p)  # a growing cache holds p positions here
         report.positions.append(PositionResult(label, p, *np.percentile(ms, [50, 90, 99]).tolist(), nbytes,
                                                rss_bytes()))
+        if on_done:
+            on_done()
 
 
 def disk_usage(folder: Path) -> dict[str, int]:
@@ -304,7 +311,10 @@ def bench(
     on_progress: Callable[[str], None] | None = None,
     max_seconds: float = MAX_SECONDS,
     device: "DeviceProfile | None" = None,
+    on_count: Callable[[int, int], None] | None = None,
 ) -> BenchReport:
+    """`on_progress(message)` says what runs; `on_count(done, total)` counts the measurements (one per
+    position and model, one for the prefill throughput)."""
     positions = sorted(set(int(p) for p in positions))
     for name, value, least in (("--batch", batch, 1), ("--iters", iters, 1), ("--warmup", warmup, 0),
                                ("--prefill-tokens", prefill_tokens, 0), ("prefill chunk", prefill_chunk, 1)):
@@ -319,7 +329,7 @@ def bench(
     runner, load_rss, load_pss = load_memory(folder, threads, device)
     available = available_memory()
     check_memory(runner.manifest, "edgelin", positions, batch, prefill_chunk, available)
-    report = BenchReport(str(folder), runner.manifest.target, batch, threads)
+    report = BenchReport(str(folder), runner.manifest.target, batch, threads, iters=iters, warmup=warmup)
     report.disk_bytes = disk_usage(folder)
     report.runtime_bytes = sum(report.disk_bytes.get(name, 0) for name in runtime_files(runner.manifest))
     report.load_rss_bytes, report.load_pss_bytes = load_rss, load_pss
@@ -333,15 +343,25 @@ def bench(
         on_progress("estimating the time to reach each position")
     check_time(runner, positions, prefill_tokens, batch, prefill_chunk, warmup + iters, max_seconds,
                kv is not None)
-    measure(runner, "edgelin", positions, batch, warmup, iters, prefill_chunk, report, seed, on_progress)
+    total = len(positions) * (2 if kv is not None else 1) + (1 if prefill_tokens else 0)
+
+    def count() -> None:
+        if on_count:
+            on_count(len(report.positions) + (1 if report.prefill_tokens else 0), total)
+
+    count()
+    measure(runner, "edgelin", positions, batch, warmup, iters, prefill_chunk, report, seed, on_progress, count)
     if prefill_tokens:
         if on_progress:
             on_progress(f"prefill vs steps over {prefill_tokens} tokens")
         report.prefill_tokens = prefill_tokens
         pf, st = prefill_throughput(runner, prefill_tokens, batch, prefill_chunk, seed)
         report.prefill_tokens_per_s["edgelin"], report.steps_tokens_per_s["edgelin"] = pf, st
+        count()
     if kv is not None:
-        measure(kv, "kv-baseline", positions, batch, warmup, iters, kv_chunk, report, seed, on_progress)
+        measure(kv, "kv-baseline", positions, batch, warmup, iters, kv_chunk, report, seed, on_progress, count)
     report.peak_rss_bytes = peak_rss_bytes()
     report.runner = runner_label(runner)
+    report.environment = environment("bench", Path(folder), report.runner, threads,
+                                     device.name if device is not None else None)
     return report

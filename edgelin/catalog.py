@@ -12,10 +12,8 @@ def tensorrt_step(spec) -> str:
     """How a TensorRT engine runs this family's decode step: which part goes through edgelin's CUDA
     step kernel (the EdgelinStep plugin, edgelin/plugins/tensorrt/) with which attributes, and which
     part stays in plain ONNX ops around it."""
-    if spec.erase_gate:  # the export refuses such a layer (edgelin.families.spec.erase_gate_refusal)
-        return "refused: the kernel has no erase/write gate flags yet (planned)"
     gate = {Decay.NONE: 0, Decay.FIXED: 1, Decay.SCALAR: 1, Decay.PER_KEY: 2}[spec.decay]
-    flags = f"gate={gate} delta={int(spec.delta_rule)}"
+    flags = f"gate={gate} delta={int(spec.delta_rule)}" + (" erase=1" if spec.erase_gate else "")
     around = []
     if spec.decay is Decay.FIXED:
         around.append("the fixed log-decay fed as g")
@@ -23,6 +21,10 @@ def tensorrt_step(spec) -> str:
         around.append(f"the {spec.gate.value} log-decay")
     if spec.delta_rule:
         around.append("beta")
+    if spec.erase_gate:
+        around.append("the erase gate")
+    if spec.write_gate:
+        around.append("the write gate (folded into v)")
     if spec.feature_map not in ("identity",):
         around.append(f"the {spec.feature_map} feature map")
     if spec.normalizer:

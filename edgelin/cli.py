@@ -20,6 +20,7 @@ TargetName = Literal[tuple(target_names())]  # type: ignore[valid-type]  # the r
 Precision = Literal["fp32", "fp16"]
 Quantize = Literal["int8", "int4"]
 Baseline = Literal["kv"]
+Serve = Literal["triton"]
 CoremlStyle = Literal["explicit", "mlstate"]
 
 
@@ -138,6 +139,9 @@ def export(
     baseline: Optional[Baseline] = typer.Option(
         None, "--baseline", help="Also export a same-size KV-cache softmax model into DIR/baseline-kv "
                                  "(for `bench --baseline kv`)."),
+    serve: Optional[Serve] = typer.Option(
+        None, "--serve", help="Also write a Triton Inference Server model repository into DIR/triton/ (sequence "
+                              "batcher, implicit state, client.py; docs/serving.md)."),
     trt_inplace: bool = typer.Option(False, "--trt-inplace",
                                      help="tensorrt: the step plugin updates the recurrent state in place (TensorRT's "
                                           "aliased plugin I/O, a preview feature since 10.3)."),
@@ -160,7 +164,7 @@ def export(
     phase = get_target(target).can_export()  # before the exporter's own imports (torch): one line if missing
     if not phase.ok:
         raise phase_refusal(get_target(target), "export", phase, "pick another --target")
-    from edgelin.export.pipeline import export_checkpoint
+    from edgelin.export.pipeline import export_checkpoint, export_phases
 
     profile = get_device(device) if device else None
     if block_size is not None and quantize is None:
@@ -197,10 +201,13 @@ def export(
     elif coreml_given:
         raise EdgelinError(f"{coreml_given[0]} applies to --target coreml only, not {target}",
                            "it is a Core ML export option", f"drop {', '.join(coreml_given)}")
-    with out.progress(f"exporting {checkpoint} to {target}"):
+    doing, phases = f"exporting {checkpoint} to {target}", export_phases((baseline,) if baseline else (), serve)
+    with out.progress(doing, total=len(phases)) as update:
         result = export_checkpoint(checkpoint, out_dir, target, force, profile, options=options,
                                    include_tokenizer=not no_tokenizer, settings=settings,
-                                   baselines=(baseline,) if baseline else (), text=text)
+                                   baselines=(baseline,) if baseline else (), text=text, serve=serve,
+                                   on_progress=lambda done, total, what: update(done, f"{doing}: {what}", total))
+        update(len(phases), description=doing)  # all done; the closing line names the whole job
     for warning in result.warnings:
         out.warning(warning)
     m = result.manifest
@@ -216,7 +223,9 @@ def export(
         quantized = m.extra.get("quantization")
         what = (f"{quantized['bits']}-bit matmul weights (block {quantized['block_size']}), others "
                 f"{precision.get('weights')}" if quantized else precision.get("weights", "?"))
-        total = sum(p.stat().st_size for p in result.folder.rglob("*") if p.is_file())
+        from edgelin.inspect import folder_bytes  # each file once: DIR/triton's weights link weights.bin
+
+        total = folder_bytes(result.folder)
         out.line(f"weights: {weights['file']} {human_bytes(weights['bytes'])} ({what}; {weights['shared_tensors']} "
                  f"tensors read by both graphs); state and logits float32; folder {human_bytes(total)} on disk")
     recorded = m.extra.get("reference_vectors", {}).get("file")
@@ -229,6 +238,11 @@ def export(
         out.line(f"quality ({gate.get('precision')} vs fp32, {figures.get('source')}): top-1 {figures.get('top1', 0):.2%}"
                  + (f", perplexity {figures.get('perplexity'):.2f} ({change:+.2%})" if change is not None else "")
                  + f"; check {'passed' if gate.get('passed') else 'FAILED (exported with --force)'}")
+    served = m.extra.get("serve", {}).get("triton")
+    if served:
+        out.line(f"Triton repository: {result.folder}/{served['repository']}/{served['model']} ({served['backend']}, "
+                 f"{served['states']} implicit states, max batch {served['limits']['max_batch_size']}); client: "
+                 f"{result.folder}/{served['client']} (docs/serving.md)")
     if result.inert_fields:
         out.line(f"ignored (inert upstream fields): {', '.join(result.inert_fields)}")
 
@@ -281,6 +295,9 @@ def validate(
         with out.progress("validating") as update:
             report = replay(folder, rtol, on_progress=lambda message: update(description=message),
                             min_top1=min_top1, max_ppl_change=max_ppl_change)
+        from edgelin.environment import environment
+
+        ran_on = environment("validate", folder, report.runner, None, None)  # what validate --against records
     else:
         try:
             from edgelin.validate import validate as run_validate
@@ -295,7 +312,8 @@ def validate(
                                   on_progress=lambda done, total: update(done), text=text,
                                   text_tokens=text_tokens or TEXT_TOKENS, min_top1=min_top1,
                                   max_ppl_change=max_ppl_change)
-    out.result(report.to_dict())
+        ran_on = report.environment
+    out.result({"environment": ran_on, **report.to_dict()})
     batches = " and ".join(str(b) for b in report.batches)
     out.table(f"{folder}: {report.target} {report.precision} against {report.against}, batch {batches}, "
               f"prompt {report.prompt_len}, {report.steps} steps (threshold {report.threshold:g} relative)",
@@ -387,9 +405,10 @@ def bench(
             raise EdgelinError(f"--{'' if prepack else 'no-'}prepack on a {load_artifact(folder).manifest.target} "
                                "export", "it sets ONNX Runtime's weight prepacking", "drop it, or bench an onnx export")
         os.environ[PREPACK_ENV] = "1" if prepack else "0"  # read by the ONNX runner this process opens
-    with out.progress("benchmarking") as update:
+    with out.progress("benchmarking", total=len(set(points)) * (2 if baseline else 1) + bool(prefill_tokens)) as update:
         report = run_bench(folder, points, batch, warmup, iters, prefill_tokens, baseline=baseline, threads=threads,
-                           on_progress=lambda msg: update(description=msg), device=profile)
+                           on_progress=lambda msg: update(description=msg), device=profile,
+                           on_count=lambda done, total: update(done))
     out.result(report.to_dict())
     out.table(f"{folder}: step latency ({report.target}, batch {batch}, {iters} steps per position)",
               ["model", "position", "p50 ms", "p90 ms", "p99 ms", "state", "RSS"],
@@ -489,30 +508,7 @@ def build(
     out.line(f"built {folder} -> {built.folder}: {', '.join(built.files.values())}")
 
 
-@command
-def train(
-    out: Output,
-    recipe: Path = typer.Argument(..., help="A recipe.toml (recipes/*/recipe.toml)."),
-    out_dir: Optional[Path] = typer.Option(
-        None, "--out", "-o", help="Checkpoint folder (default: a fresh runs/<recipe folder name>, or -2, -3... "
-                                  "if taken, under the current folder; never the recipe's own folder)."),
-    force: bool = typer.Option(False, "--force", help="Write into an existing --out: replaces a checkpoint edgelin "
-                                                      "trained (config, weights, tokenizer, log), keeps other files."),
-    steps: Optional[int] = typer.Option(None, help="Override the recipe's step count (smoke runs)."),
-    seed: Optional[int] = typer.Option(None, help="Override the recipe's [train] seed (seed studies)."),
-    device: str = typer.Option("cpu", help="Where to train: cpu, cuda or cuda:N (an NVIDIA GPU)."),
-    as_json: bool = JSON,
-) -> None:
-    """Train a recipe (on CPU, or --device cuda) into a checkpoint folder (config.json + safetensors + tokenizer.json)."""
-    from edgelin.train import train as run_train
-
-    with out.progress(f"training {recipe}", total=steps) as update:
-        result = run_train(recipe, out_dir, steps, progress=lambda step, total, loss: update(
-            step, description=f"step {step}/{total} loss {loss:.3f}"), force=force, seed=seed, device=device)
-    out.result({"out_dir": str(result.out_dir), "final_val_loss": result.final_val_loss, "val_bpb": result.val_bpb,
-                "wall_time_s": result.wall_time_s, "sample": result.sample})
-    out.line(f"trained {recipe}: val loss {result.final_val_loss:.3f} nats/token, {result.val_bpb:.3f} bits/byte "
-             f"in {result.wall_time_s:.0f} s -> {result.out_dir}")
+from edgelin import cli_train_report  # noqa: E402,F401  (registers train and report after the commands above)
 
 
 def main() -> None:

@@ -130,5 +130,12 @@ def inspect_export(folder: Path) -> ExportInspectReport:
     files = disk_usage(folder)
     precision = manifest.extra.get("precision") or {"graphs": manifest.precision}
     return ExportInspectReport(str(folder), manifest.target, precision, manifest.extra.get("quantization"), files,
-                               sum(files.get(name, 0) for name in runtime_files(manifest)), sum(files.values()),
+                               sum(files.get(name, 0) for name in runtime_files(manifest)), folder_bytes(folder),
                                manifest.extra.get("weights"))
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes a folder takes on disk, a file hard-linked twice inside it (the Triton repository's
+    weights) counted once."""
+    stats = (p.stat() for p in Path(folder).rglob("*") if p.is_file())
+    return sum({(s.st_dev, s.st_ino): s.st_size for s in stats}.values())

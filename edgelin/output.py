@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 from rich.text import Text
 
-Update = Callable[..., None]  # update(completed=None, description=None)
+Update = Callable[..., None]  # update(completed=None, description=None, total=None)
 
 
 def styled(text: str, style: str) -> Text:
@@ -96,12 +96,12 @@ class Output:
 
     @contextlib.contextmanager
     def progress(self, description: str, total: int | None = None) -> Iterator[Update]:
-        """Yields update(completed=None, description=None).
+        """Yields update(completed=None, description=None, total=None) (`total`: once the work is known).
 
         On a terminal: a transient rich bar on stderr. Off a terminal (CI logs, pipes): plain,
         rate-limited lines on stderr so a long run shows life. With --json: nothing."""
         if self.as_json:
-            yield lambda completed=None, description=None: None
+            yield lambda completed=None, description=None, total=None: None
             return
         if not self.err.is_terminal:
             # "progress:" like "error:"/"warning:": a log reader (or a test) can tell the kinds apart.
@@ -120,9 +120,11 @@ class Output:
         with Progress(*columns, console=self.err, transient=True) as bar:
             task = bar.add_task(description, total=total)
 
-            def update(completed: int | None = None, description: str | None = None) -> None:
+            def update(completed: int | None = None, description: str | None = None,
+                       total: int | None = None) -> None:
                 bar.update(task, **({"completed": completed} if completed is not None else {}),
-                           **({"description": description} if description else {}))
+                           **({"description": description} if description else {}),
+                           **({"total": total} if total else {}))
 
             yield update
 
@@ -151,9 +153,10 @@ class LogProgress:
         self.thread = threading.Thread(target=self._beat, daemon=True)
         self.thread.start()
 
-    def update(self, completed: int | None = None, description: str | None = None) -> None:
+    def update(self, completed: int | None = None, description: str | None = None, total: int | None = None) -> None:
         with self.lock:
             news = False
+            self.total = total or self.total
             if description and description != self.description:
                 self.description, news = description, True
             if completed is not None:

@@ -21,6 +21,7 @@ memory stays flat however many steps are validated.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from edgelin.checkpoint import checkpoint_hash, load_model
+from edgelin.environment import environment
 from edgelin.errors import EdgelinError
 from edgelin.export.manifest import Manifest
 from edgelin.export.reference_vectors import flat_state, held_out_text, reference_quality, threshold_for
@@ -40,6 +42,49 @@ from edgelin.runtime import open_runner, runner_label
 # positions) at a time, whatever the step count.
 WINDOW_LOGITS_BYTES = 8 << 20
 MAX_WINDOW = 256
+STEP_POINTS = 512  # per-step error series keep at most 2x this many points (steps merged by max beyond)
+
+
+class StepSeries:
+    """The worst relative error at every rollout step, in flat memory: past 2 * STEP_POINTS points,
+    neighbouring buckets merge (their max) and each point then covers twice as many steps."""
+
+    def __init__(self) -> None:
+        self.width, self.values, self.pending = 1, [], 0.0
+        self.filled = 0  # steps in the pending bucket
+
+    def add(self, value: float) -> None:
+        self.pending, self.filled = max(self.pending, value), self.filled + 1
+        if self.filled == self.width:
+            self.values.append(self.pending)
+            self.pending, self.filled = 0.0, 0
+            if len(self.values) >= 2 * STEP_POINTS:
+                self.values = [max(a, b) for a, b in zip(self.values[::2], self.values[1::2])]
+                self.width *= 2
+
+    def to_dict(self) -> dict:
+        values = self.values + ([self.pending] if self.filled else [])
+        return {"steps_per_point": self.width, "max_rel": values}
+
+
+def step_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want| at one step (inf when the shapes differ or got is not finite)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape or not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - want).max(initial=0.0) / max(float(np.abs(want).max(initial=0.0)), 1e-12))
+
+
+@dataclass
+class AgainstReport(ValidationReport):
+    """validate --against's report: the parity checks plus the worst error at every rollout step (logits,
+    and state over every state tensor) and what it ran on."""
+
+    step_errors: dict = field(default_factory=dict)
+    environment: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"environment": self.environment, **super().to_dict(), "step_errors": self.step_errors}
 
 
 def load_reference(manifest: Manifest, against: Path | None) -> CausalLM:
@@ -85,8 +130,9 @@ def validate(
     model = load_reference(manifest, against)
     key = precision_key(manifest)
     threshold = rtol if rtol is not None else threshold_for(key)
-    report = ValidationReport(str(folder), manifest.target, key, source, [batch], prompt_len, steps, threshold)
+    report = AgainstReport(str(folder), manifest.target, key, source, [batch], prompt_len, steps, threshold)
     check = Checks(threshold)
+    logits_errors, state_errors = StepSeries(), StepSeries()
 
     # Streamed in windows so memory stays flat in the step count: ids are drawn per window, and the
     # reference's chunked forward runs window by window carrying its state, so at most one window of
@@ -114,8 +160,13 @@ def validate(
                 t, position = lo + j, np.full(batch, first + j, np.int64)
                 logits = runner.step(ids[:, j], handle, position)
                 _, step_state = model(ids_t[:, j:j + 1], step_state, torch.from_numpy(position), mode="recurrent")
-                check("rollout", "logits", logits, ref_logits[:, j].numpy(), t, batch)
-                check.states("rollout", runner.read_state(handle), flat_state(step_state), t, batch)
+                want = ref_logits[:, j].numpy()
+                check("rollout", "logits", logits, want, t, batch)
+                got_state, want_state = runner.read_state(handle), flat_state(step_state)
+                check.states("rollout", got_state, want_state, t, batch)
+                logits_errors.add(step_error(logits, want))
+                state_errors.add(max((step_error(got_state.get(name, np.full(1, np.inf)), value)
+                                      for name, value in want_state.items()), default=0.0))
                 if on_progress:
                     on_progress(prompt_len + t + 1, total)
         check.states("final", runner.read_state(handle), flat_state(chunk_state), batch=batch)
@@ -132,5 +183,7 @@ def validate(
     report.set_quality(measure(runner, reference), min_top1, max_ppl_change)
     report.seconds = time.perf_counter() - started
     report.runner = runner_label(runner)
+    report.step_errors = {"logits": logits_errors.to_dict(), "state": state_errors.to_dict()}
+    report.environment = environment("validate", Path(folder), report.runner, 1, None)
     return report
 

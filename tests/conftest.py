@@ -24,6 +24,19 @@ if not torch.cuda.is_available():  # on a GPU machine Triton and fla run nativel
 from edgelin.families import FAMILIES, SOFTMAX  # noqa: E402
 from edgelin.model.config import AttentionConfig, ModelConfig  # noqa: E402
 
+import graph_cache  # noqa: E402  (tests/graph_cache.py: identical graphs traced once per run)
+
+graph_cache.install()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _graph_cache(tmp_path_factory):
+    """One graph cache per run: under xdist the workers' base temp folders share a parent (pytest
+    keeps the last three runs' folders and deletes older ones)."""
+    base = tmp_path_factory.getbasetemp()
+    graph_cache.set_cache_dir((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "graph-cache")
+
+
 ALL_FAMILIES = list(FAMILIES)
 HYBRID = ("gated_deltanet", SOFTMAX, "gla")
 

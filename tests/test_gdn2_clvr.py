@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 
 import pytest
 import torch
@@ -217,8 +216,8 @@ def test_families_lists_gdn2_and_clvr_with_states_and_targets():
     rows = {r["family"]: r for r in json.loads(cli.invoke(app, ["families", "--json"]).stdout)}
     gdn2 = rows[GDN2]
     assert gdn2["state"] == ["recurrent_state [batch, H, d_k, d_v]", "conv_state [batch, 2*Hk*d_k + H*d_v, W-1]"]
-    assert gdn2["targets"].startswith("onnx: yes, tensorrt: ") and "planned" in gdn2["targets"]
-    assert "erase" in gdn2["rule"] and "planned" in gdn2["tensorrt_step"]
+    assert gdn2["targets"] == "onnx: yes, tensorrt: yes, coreml: yes, torch: yes"
+    assert "erase" in gdn2["rule"] and gdn2["tensorrt_step"].startswith("kernel (gate=1 delta=1 erase=1)")
     assert "no new state" in rows["+clvr"]["state"][0]
 
 
@@ -250,16 +249,14 @@ def test_onnx_export_validates(exported):
         assert max(m["max_rel"] for m in metrics) < 1e-5
 
 
-def test_tensorrt_export_refuses_the_gdn2_layer_in_one_line(exported, tmp_path):
-    ckpt, _ = exported
-    result = cli.invoke(app, ["export", str(ckpt), "--target", "tensorrt", "--out", str(tmp_path / "trt"),
-                              "--no-tokenizer"])
-    assert result.exit_code == 2, result.output
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "layer 0 (gated_deltanet2): the EdgelinStep kernel has no erase/write gate flags yet; they are " \
-           "planned" in lines[0]
-    assert not (tmp_path / "trt").exists()
+def test_a_target_without_the_erase_gate_refuses_it_by_name():
+    """Every registered target takes the erase gate now (TensorRT through the plugin's erase input:
+    tests/test_tensorrt_target.py exports and validates it); a lowering without it is refused by name."""
+    from edgelin.families.spec import erase_gate_refusal
+
+    assert erase_gate_refusal(FAMILIES[GDN2], "tensorrt") is None
+    assert erase_gate_refusal(FAMILIES[GDN2], "tflite") == "the tflite lowering has no erase gate yet; it is planned"
+    assert erase_gate_refusal(FAMILIES["gated_deltanet"], "tflite") is None
 
 
 def test_every_lowering_agrees_with_the_erase_gate_targets():
@@ -281,24 +278,23 @@ def test_an_engine_without_the_erase_gate_is_refused_not_run_as_gated_deltanet()
     model = build("gdn2")
     with torch.no_grad(), use_engine(NoEraseStep(name="old-plugin")):
         model(torch.zeros(1, 5, dtype=torch.long))  # chunked: takes the gate
-        with pytest.raises(EdgelinError, match="old-plugin engine cannot run a gated_deltanet2 layer.*planned"):
+        with pytest.raises(EdgelinError, match="old-plugin engine cannot run a gated_deltanet2 layer.*no erase-gate input"):
             model(torch.zeros(1, 1, dtype=torch.long), mode="recurrent")
 
 
-def test_kernel_dispatch_keeps_gdn2_on_the_reference(monkeypatch):
-    """Forced kernels refuse the erase gate; "auto" runs it on the torch reference, saying so once."""
+def test_kernel_dispatch_takes_gdn2_steps_and_prefill(monkeypatch):
+    """The kernel engines take the erase gate in their chunked prefill too (the Triton chunk kernel,
+    here under the interpreter): it matches the reference and differs from plain Gated DeltaNet."""
     from edgelin.kernels import dispatch
 
-    s0, q, k, v, g, beta, erase = gated_inputs(1, 1, 2, 8, 8, "scalar")
+    s0, q, k, v, g, beta, erase = gated_inputs(1, 37, 2, 8, 8, "scalar")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    engine = dispatch.KERNEL_ENGINES["triton"]
+    want_o, want_s = chunked(s0, q, k, v, g, beta, 4, erase=erase)
+    plain_o, _ = chunked(s0, q, k, v, g, beta, 4)
     with dispatch.use_backend("triton"):
-        assert dispatch.engine_for(s0, q, k, v, g, beta) is dispatch.KERNEL_ENGINES["triton"]
-        with pytest.raises(EdgelinError, match="erase-gated delta rule.*planned"):
-            dispatch.engine_for(s0, q, k, v, g, beta, erase)
-    monkeypatch.setattr(dispatch, "kernel_path", lambda *t: "triton")  # "auto" on a CUDA tensor
-    dispatch._warn_reference_once.cache_clear()
-    with dispatch.use_backend("auto"), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert dispatch.engine_for(s0, q, k, v, g, beta, erase) is dispatch.TORCH
-        assert dispatch.engine_for(s0, q, k, v, g, beta) is dispatch.KERNEL_ENGINES["triton"]
-    assert [str(w.message) for w in caught if "gated_deltanet2" in str(w.message)]
+        assert dispatch.engine_for(s0, q, k, v, g, beta, erase) is engine
+        o, s = engine.chunked(s0, q, k, v, g, beta, 4, erase=erase)
+    assert_close(o, want_o, 1e-5, "o")
+    assert_close(s, want_s, 1e-5, "state")
+    assert (want_o - plain_o).abs().max() > 1e-3  # the gate matters at these inputs

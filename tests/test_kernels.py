@@ -129,6 +129,70 @@ def test_fused_recurrent(case, gate, delta):
     assert_close(s, s_ref, 1e-5)
 
 
+# ---- the erase gate (Gated DeltaNet-2): the ERASE flag of the step and the fused recurrence ------
+def erase_like(k, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(k.shape, generator=gen).to(DEVICE)  # e in (0, 1) per key channel
+
+
+def erase_reference(s0, q, k, v, g, beta, erase):
+    d = [None if x is None else x.double().cpu() for x in (s0, q, k, v, g, beta, erase)]
+    return recurrent(*d)  # the reference's erase-gated rule: S - beta (e*k)(k^T S) + beta k v^T
+
+
+@pytest.mark.parametrize("case", [(1, 1, 3, 16, 9), (3, 1, 2, 32, 33)], ids=case_id)
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("mode", ["inplace", "pingpong"])
+def test_fused_step_with_erase_gate(case, gate, mode):
+    s0, q, k, v, g, beta = make(*case, gate, True, seed=11)
+    erase = erase_like(k)
+    o_ref, s_ref = erase_reference(s0, q, k, v, g, beta, erase)
+    o_plain, _ = reference(s0, q, k, v, g, beta)
+    assert (o_ref - o_plain).abs().max() > 1e-3  # the gate changes the answer: a kernel ignoring it fails
+    state = s0.clone()
+    kw = dict(inplace=True) if mode == "inplace" else dict(state_out=nan_like(s0.shape))
+    o, s = kernels.fused_step(q[:, 0], k[:, 0], v[:, 0], state, None if g is None else g[:, 0], beta[:, 0],
+                              erase[:, 0], out=nan_like(v[:, 0].shape), **kw)
+    assert_close(o, o_ref[:, 0], 1e-5, "o")
+    assert_close(s, s_ref, 1e-5, "state")
+    assert (s.data_ptr() == state.data_ptr()) == (mode == "inplace")
+
+
+@pytest.mark.parametrize("gate", ["scalar", "per_key"])
+def test_fused_recurrent_with_erase_gate_fixed_and_varlen(gate):
+    """A 37-token loop at batch 3 with a given state, and varlen (lengths 1, 0, 23, 6) from per-sequence
+    states, against the reference token loop."""
+    s0, q, k, v, g, beta = make(3, 37, 2, 16, 9, gate, True, seed=12)
+    erase = erase_like(k)
+    o_ref, s_ref = erase_reference(s0, q, k, v, g, beta, erase)
+    o, s = kernels.fused_recurrent(q, k, v, s0, g, beta, erase, out=nan_like(v.shape), state_out=nan_like(s0.shape))
+    assert_close(o, o_ref, 1e-5, "o")
+    assert_close(s, s_ref, 1e-5, "state")
+
+    lengths = [1, 0, 23, 6]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    piece = lambda x, a, z: None if x is None else x[1:2, a:z]  # noqa: E731  (batch row 1, packed along T)
+    o_var, s_var = kernels.fused_recurrent(*(piece(x, 0, sum(lengths)) for x in (q, k, v)), s0[[0, 1, 2, 0]],
+                                           *(piece(x, 0, sum(lengths)) for x in (g, beta, erase)), cu_seqlens=cu)
+    for n, (a, z) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        start = s0[[0, 1, 2, 0]][n:n + 1]
+        if z == a:
+            assert_close(s_var[n:n + 1], start, 0.0, f"empty sequence {n} keeps its state")
+            continue
+        o_n, s_n = erase_reference(start, *(piece(x, a, z) for x in (q, k, v, g, beta, erase)))
+        assert_close(o_var[:, a:z], o_n, 1e-5, f"o of sequence {n}")
+        assert_close(s_var[n:n + 1], s_n, 1e-5, f"state of sequence {n}")
+
+
+def test_erase_gate_is_refused_without_the_delta_rule_or_in_a_wrong_shape():
+    s0, q, k, v, g, beta = make(1, 1, 2, 8, 8, "scalar", True)
+    erase = erase_like(k)
+    with pytest.raises(EdgelinError, match="erase gate without beta"):
+        kernels.fused_step(q[:, 0], k[:, 0], v[:, 0], s0, g[:, 0], None, erase[:, 0])
+    with pytest.raises(EdgelinError, match="erase has shape"):
+        kernels.fused_step(q[:, 0], k[:, 0], v[:, 0], s0, g[:, 0], beta[:, 0], erase[:, 0, :, :1])
+
+
 # ---- chunked prefill ----------------------------------------------------------------------------
 @pytest.mark.parametrize("case", [(2, 63, 2, 16, 9), (1, 130, 1, 32, 17)], ids=case_id)
 @pytest.mark.parametrize("gate", GATES)
@@ -184,6 +248,31 @@ def test_varlen_prefill_and_recurrence(gate, delta):
             assert_close(o_rec[:, a:z], o_ref, 1e-5)
         assert_close(s_chunk[n:n + 1], s_ref, 1e-5)
         assert_close(s_rec[n:n + 1], s_ref, 1e-5)
+
+
+@pytest.mark.parametrize("gate", ["none", "scalar"])
+def test_chunk_prefill_erase_gate(gate):
+    """Gated DeltaNet-2's erase gate (the delta rule erases along e * k): against the naive token loop,
+    odd length, an initial state, and a varlen pair in one call. e far from 1, so plain delta fails."""
+    s0, q, k, v, g, beta = make(1, 70, 2, 16, 9, gate, True, seed=8)
+    erase = torch.sigmoid(torch.randn(q.shape, generator=torch.Generator().manual_seed(9)) - 1).to(DEVICE)
+    d = lambda x: None if x is None else x.double().cpu()  # noqa: E731
+    o_ref, s_ref = recurrent(*(d(x) for x in (s0, q, k, v, g, beta, erase)))
+    o, s = kernels.chunk_prefill(q, k, v, g, beta, s0, erase=erase, out=nan_like(v.shape),
+                                 final_state=nan_like(s0.shape))
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
+    assert (kernels.chunk_prefill(q, k, v, g, beta, s0)[0].double().cpu() - o_ref).abs().max() > 1e-3
+    cu = torch.tensor([0, 5, 70], dtype=torch.int32, device=DEVICE)
+    states = torch.cat([s0, s0 * 2])
+    o_v, s_v = kernels.chunk_prefill(q, k, v, g, beta, states, erase=erase, cu_seqlens=cu)
+    for n, (a, z) in enumerate([(0, 5), (5, 70)]):
+        piece = lambda x: None if x is None else d(x[:, a:z])  # noqa: E731
+        o_n, s_n = recurrent(d(states[n:n + 1]), *(piece(x) for x in (q, k, v, g, beta, erase)))
+        assert_close(o_v[:, a:z], o_n, 1e-5)
+        assert_close(s_v[n:n + 1], s_n, 1e-5)
+    with pytest.raises(EdgelinError, match="erase gate needs the delta rule"):
+        kernels.chunk_prefill(q, k, v, g, None, s0, erase=erase)
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -272,6 +361,26 @@ def test_model_through_kernels_matches_torch_engines(family):
     for layer, ref_layer in zip(state, ref_state):
         for name in layer:
             assert_close(layer[name], ref_layer[name].double().cpu(), 1e-5, str(name))
+
+
+def test_gdn2_model_decodes_through_the_kernels_erase_flag():
+    """A Gated DeltaNet-2 model's decode steps through the Triton backend (the erase flag) equal the
+    torch reference's; its prefill stays on the reference until the chunk kernel takes the gate."""
+    torch.manual_seed(0)
+    model = CausalLM(tiny_config(("gated_deltanet2", "gated_deltanet2"))).eval().to(DEVICE)
+    ids = torch.randint(0, 97, (2, 9), device=DEVICE)
+    start = torch.full((2,), 9, device=DEVICE)
+    with torch.no_grad(), dispatch.use_backend("torch"):
+        ref_logits, ref_state = model(ids, mode="chunked")
+        ref_step, ref_next = model(ids[:, :1], ref_state, start, mode="recurrent")
+        ref_loop, _ = model(ids[:, :5], ref_state, start, mode="recurrent")
+    with torch.no_grad(), dispatch.use_backend("triton"):
+        step, nxt = model(ids[:, :1], ref_state, start, mode="recurrent")  # T = 1: fused_step
+        loop, _ = model(ids[:, :5], ref_state, start, mode="recurrent")  # T = 5: fused_recurrent
+    assert_close(step, ref_step.double().cpu(), 1e-5, "step logits")
+    assert_close(loop, ref_loop.double().cpu(), 1e-5, "token-loop logits")
+    for layer, ref_layer in zip(nxt, ref_next):
+        assert_close(layer["recurrent_state"], ref_layer["recurrent_state"].double().cpu(), 1e-5, "state")
 
 
 # ---- the CUDA C++ kernel: build check for every target arch, launcher validation ---------------
@@ -365,8 +474,15 @@ int main(void) {
   int mixed_aux = edgelin_step_launch(&a, 0);  /* g/beta: float32 or the inputs' dtype, not a third */
   a.aux_dtype = EDGELIN_F32; a.q = (const char*)qkv + 1;
   int misaligned = edgelin_step_launch(&a, 0);
-  printf("%d %d %d %d %d %d %d|%s\n", bad_null, bad_dims, bad_flags, no_gate_tensor, mixed_aux, misaligned,
-         edgelin_step_abi_version(), edgelin_step_status_string(bad_dims));
+  a.q = qkv; a.erase_flag = 1;
+  int erase_without_delta = edgelin_step_launch(&a, 0);  /* the erase gate splits the delta rule */
+  a.delta = 1; a.beta = qkv;
+  int no_erase_tensor = edgelin_step_launch(&a, 0);
+  a.erase_flag = 2; a.erase = qkv;
+  int bad_erase_flag = edgelin_step_launch(&a, 0);
+  printf("%d %d %d %d %d %d %d %d %d %d|%s\n", bad_null, bad_dims, bad_flags, no_gate_tensor, mixed_aux, misaligned,
+         erase_without_delta, no_erase_tensor, bad_erase_flag, edgelin_step_abi_version(),
+         edgelin_step_status_string(bad_dims));
   return 0;
 }
 """
@@ -384,8 +500,8 @@ def test_c_launcher_is_plain_c_and_validates_before_launching(cuda_object, tmp_p
         assert build.returncode == 0, build.stderr[-2000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     codes, message = run.stdout.strip().split("|")
-    # the last number is the linked launcher's ABI version: 2 since g and beta have their own dtype
-    assert codes.split() == ["-1", "-2", "-3", "-1", "-3", "-4", "2"], run.stdout
+    # the last number is the linked launcher's ABI version: 3 since the erase gate (2: g and beta's own dtype)
+    assert codes.split() == ["-1", "-2", "-3", "-1", "-3", "-4", "-3", "-1", "-3", "3"], run.stdout
     assert "1..256" in message
 
 
@@ -412,4 +528,6 @@ def test_cuda_step_keeps_gate_and_beta_out_of_half_precision():
     assert cuda_ext.aux_dtype(bf16, g16, None) is f32
     assert cuda_ext.aux_dtype(half, None, None) is f32
     assert cuda_ext.aux_dtype(half, torch.zeros(1, 1, 1), None) is f32
-    assert cuda_ext.header_abi_version() == 2
+    assert cuda_ext.aux_dtype(half, g16, b16, torch.zeros(1, 1, 4)) is f32  # the erase gate goes with them
+    assert cuda_ext.aux_dtype(half, g16, b16, torch.zeros(1, 1, 4, dtype=half)) is half
+    assert cuda_ext.header_abi_version() == 3

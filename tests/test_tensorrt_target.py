@@ -402,3 +402,37 @@ def test_cli_says_the_tensorrt_engine_ran(built):
     result = CliRunner().invoke(app, ["validate", str(folder)])
     assert result.exit_code == 0, result.output
     assert "runner: tensorrt engine (" in result.output
+
+
+# ---- Gated DeltaNet-2: the plugin node's erase input ------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_gdn2_exports_with_the_erase_input_and_validates(precision, tmp_path):
+    """`edgelin export --target tensorrt` of a Gated DeltaNet-2 checkpoint (gates moved off their init):
+    one plugin node with erase=1 and the e input before the state, an overload whose function erases
+    along e * k, and `edgelin validate` through ONNX Runtime passing (the plugin functions)."""
+    import torch
+
+    from conftest import tiny_config
+    from edgelin.checkpoint import save_checkpoint
+    from edgelin.model.lm import CausalLM
+
+    model = CausalLM(tiny_config(("gated_deltanet2", "gated_deltanet2"))).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("erase_proj.weight", "write_proj.weight", "erase_bias", "write_bias")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    ckpt = save_checkpoint(model, tmp_path / "jittered")
+    out = tmp_path / "trt"
+    result = CliRunner().invoke(app, ["export", str(ckpt), "--target", "tensorrt", "--out", str(out),
+                                      "--no-tokenizer", "--precision", precision])
+    assert result.exit_code == 0, result.output
+    nodes = plugin_nodes(out / "step.onnx")
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    suffix = "_f16" if precision == "fp16" else ""
+    assert [(a["gate"], a["delta"], a["erase"]) for a in attrs] == [(1, 1, 1)] * len(nodes) and nodes
+    assert all(n.overload == f"gate1_delta1_erase{suffix}" and len(n.input) == 7 for n in nodes)
+    result = CliRunner().invoke(app, ["validate", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["passed"] is True

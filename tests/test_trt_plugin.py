@@ -71,7 +71,7 @@ def test_plugin_exports_only_the_loader_interface_and_links_no_tensorrt(built):
     dynamic = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True).stdout
     assert "libstdc++" in dynamic and "libnvinfer" not in dynamic
     info = trt.check_library(lib, major)
-    assert (info.trt_major, info.abi_version, info.exports) == (major, 2, ("getCreators", "setLoggerFinder"))
+    assert (info.trt_major, info.abi_version, info.exports) == (major, 3, ("getCreators", "setLoggerFinder"))
 
 
 @pytest.mark.slow
@@ -79,8 +79,8 @@ def test_harness_walks_every_builder_and_runtime_method(built, harness):
     lib, _, major = built
     run = subprocess.run([str(harness), str(lib)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert f"marker: edgelin-trt-plugin:trt_major={major};abi=2;" in run.stdout
-    assert "PASS build/runtime walk over 62 variants" in run.stdout
+    assert f"marker: edgelin-trt-plugin:trt_major={major};abi=3;" in run.stdout
+    assert "PASS build/runtime walk over 77 variants" in run.stdout  # 62 + 15 with the erase gate (GDN-2)
     assert "PASS out-of-range attributes" in run.stdout
     assert run.stdout.rstrip().endswith("HARNESS OK") and "FAIL" not in run.stdout
 
@@ -99,8 +99,8 @@ def test_library_refuses_a_tensorrt_of_another_major_before_anything_runs(built,
 @pytest.mark.slow
 def test_check_library_refuses_another_launcher_abi(built, monkeypatch):
     lib, _, major = built
-    monkeypatch.setattr(trt, "step_abi_version", lambda: 3)
-    with pytest.raises(EdgelinError, match="step-launcher ABI 2, this edgelin has 3"):
+    monkeypatch.setattr(trt, "step_abi_version", lambda: 4)
+    with pytest.raises(EdgelinError, match="step-launcher ABI 3, this edgelin has 4"):
         trt.check_library(lib, major)
 
 
@@ -186,6 +186,8 @@ def test_families_say_how_tensorrt_runs_each_step():
 
     rows = {r["family"]: r["tensorrt_step"] for r in family_rows()}
     assert rows["gated_deltanet"].startswith("kernel (gate=1 delta=1)")
+    assert rows["gated_deltanet2"].startswith("kernel (gate=1 delta=1 erase=1)") and "erase gate" in rows[
+        "gated_deltanet2"]
     assert rows["kda"].startswith("kernel (gate=2 delta=1)")
     assert rows["gla"].startswith("kernel (gate=2 delta=0)")
     assert rows["retnet"].startswith("kernel (gate=1 delta=0)") and "fixed log-decay" in rows["retnet"]

@@ -45,6 +45,8 @@ TARGET_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
     "tensorrt": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",)},  # the plugin's state: fp32 always
     # Core ML: fp16 or fp32 compute; float32 state (explicit style) or float16 (explicit, or MLState: fp16 only)
     "coreml": {"precision": ("fp16", "fp32"), "state_dtype": ("float32", "float16")},
+    # the PyTorch reference (edgelin.export.torch_target): fp32 or fp16 weights, float32 recurrent state
+    "torch": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",)},
 }
 # The profile fields each target reads as its options (README.md: "what reads it").
 TARGET_OPTIONS: dict[str, tuple[str, ...]] = {"onnx": (), "tensorrt": ("sm",), "coreml": ("compute",)}
@@ -99,6 +101,44 @@ def _notes(value: Any) -> str | None:
 
 
 @dataclass(frozen=True)
+class ServingLimits:
+    """The `[serving]` table: Triton Inference Server's batching limits for this device (`export --serve
+    triton`). Absent keys (or no table) take these defaults, sized for one mid-range GPU or a many-core CPU."""
+
+    max_batch_size: int = 8  # sequences batched into one step (Triton's max_batch_size)
+    max_candidate_sequences: int = 64  # live sequences the oldest-first sequence batcher juggles
+    preferred_batch_sizes: tuple[int, ...] = (4, 8)
+    max_queue_delay_us: int = 500  # how long a step waits to fill a batch (a decode step is ~1 ms)
+    max_sequence_idle_us: int = 60_000_000  # a sequence idle this long is dropped with its state
+    instances: int = 1  # model instances per GPU (or on the CPU)
+
+
+SERVING_KEYS = tuple(f.name for f in dataclasses.fields(ServingLimits))
+
+
+def _serving(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return "must be a table of " + ", ".join(SERVING_KEYS)
+    unknown = [k for k in value if k not in SERVING_KEYS]
+    if unknown:
+        return f"has unknown key {unknown[0]!r}{_closest(unknown[0], SERVING_KEYS)} (keys: {', '.join(SERVING_KEYS)})"
+    positive = _integer(1)
+    for key, item in value.items():
+        items = item if key == "preferred_batch_sizes" else [item]
+        if key == "preferred_batch_sizes" and not isinstance(item, list):
+            return "preferred_batch_sizes must be a list of integers >= 1"
+        if any(positive(v) for v in items):
+            return f"{key} must be {'integers' if key == 'preferred_batch_sizes' else 'an integer'} >= 1"
+    limits = ServingLimits(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+    sizes = limits.preferred_batch_sizes
+    if list(sizes) != sorted(set(sizes)) or (sizes and sizes[-1] > limits.max_batch_size):
+        return f"preferred_batch_sizes {list(sizes)} must ascend, without repeats, up to max_batch_size"
+    if limits.max_candidate_sequences < limits.max_batch_size:
+        return "max_candidate_sequences must be >= max_batch_size (a batch holds one step of each of several sequences)"
+    return None
+
+
+@dataclass(frozen=True)
 class FieldRule:
     check: Callable[[Any], str | None]  # None when the value is valid; otherwise why not
     required: bool = True
@@ -116,6 +156,7 @@ FIELDS: dict[str, FieldRule] = {
     "sm": FieldRule(_integer(*SM_RANGE), required=False),
     "state_dim_multiple": FieldRule(_integer(1), required=False),
     "notes": FieldRule(_notes, required=False),
+    "serving": FieldRule(_serving, required=False),
 }
 
 
@@ -133,6 +174,7 @@ class DeviceProfile:
     sm: int | None = None  # CUDA compute capability x10 (87 for Orin)
     state_dim_multiple: int = 1  # the innermost state dim must be a multiple of this (Neural Engine: 32)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    serving: ServingLimits = field(default_factory=ServingLimits)  # Triton batching limits (export --serve)
     source: str = ""  # the file it was read from
 
     @classmethod
@@ -164,7 +206,9 @@ class DeviceProfile:
                          "TensorRT runs on NVIDIA GPUs only", "set compute = \"cuda\", or remove tensorrt")
         return cls(name=name, source=source, **{
             **data, "targets": tuple(data["targets"]), "notes": tuple(data.get("notes", ())),
-            "memory_gib": float(data["memory_gib"])})
+            "memory_gib": float(data["memory_gib"]),
+            "serving": ServingLimits(**{k: tuple(v) if isinstance(v, list) else v
+                                        for k, v in data.get("serving", {}).items()})})
 
 
 # ---- loading --------------------------------------------------------------------------------------

@@ -367,3 +367,16 @@ class Target(ABC):
     @abstractmethod
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None, threads: int | None = None) -> Runner:
         """A runner on the artifact (the run phase; open_runner checks can_run first)."""
+
+
+def missing_module(modules: tuple[str, ...]) -> str | None:
+    """The first module that cannot be imported, without importing any (a phase check: they are heavy)."""
+    import importlib.util
+
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):
+            return name
+    return None

@@ -28,7 +28,6 @@ No torch or coremltools at module level (the registry imports this module on any
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import platform
 from dataclasses import dataclass
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Artifact, Phase, Target
+from edgelin.export.base import Artifact, Phase, Target, missing_module
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile, ExportSettings
@@ -98,14 +97,6 @@ class CoremlOptions:
         return CoremlOptions(self.style, tuple(sorted(set(lengths))), deployment)
 
 
-def _missing(modules: tuple[str, ...]) -> str | None:
-    for name in modules:
-        try:
-            if importlib.util.find_spec(name) is None:
-                return name
-        except (ImportError, ValueError):
-            return name
-    return None
 
 
 def macos_major() -> int | None:
@@ -123,7 +114,7 @@ class CoremlTarget(Target):
     pads_state_dims = True  # the pipeline leaves state_dim_multiple to this target (zero padding)
 
     def can_export(self) -> Phase:
-        missing = _missing(("torch", "coremltools"))
+        missing = missing_module(("torch", "coremltools"))
         if missing:
             return Phase(False, f"{missing} is not installed (pip install 'edgelin[onnx,coreml]')",
                          "a machine with edgelin[onnx,coreml] installed (Linux or macOS)")
@@ -137,7 +128,7 @@ class CoremlTarget(Target):
         if major is None or major < 13:
             return Phase(False, RUN_REFUSAL + (f" (this is {platform.system()})" if major is None
                                                else f" (this is macOS {major})"), _WHERE_RUN)
-        if _missing(("coremltools",)):
+        if missing_module(("coremltools",)):
             return Phase(False, "coremltools is not installed (pip install 'edgelin[coreml]')", _WHERE_RUN)
         return Phase(True)
 

@@ -80,10 +80,10 @@ class PluginStepEngine(TorchEngine):
     step_takes_compute_dtype: ClassVar[bool] = True
 
     def step(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
-             beta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+             beta: Tensor | None = None, erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
         from edgelin.export.tensorrt_target import plugin_step
 
-        return plugin_step(state, q, k, v, g, beta)
+        return plugin_step(state, q, k, v, g, beta, erase)
 
 
 register_lowering(Lowering("tensorrt", PluginStepEngine(name="tensorrt-plugin", loop=scan_loop),

@@ -8,7 +8,6 @@ are imported inside the export functions; the run half is edgelin.export.onnx_ru
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import logging
 import warnings
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Artifact, Phase, Target
+from edgelin.export.base import Artifact, Phase, Target, missing_module
 from edgelin.export.tensors import TensorIO
 
 if TYPE_CHECKING:
@@ -204,15 +203,6 @@ _EXPORT_NEEDS = ("torch", "onnx", "onnxscript", "onnxruntime")
 _RUN_NEEDS = ("onnxruntime",)
 
 
-def _missing(modules: tuple[str, ...]) -> str | None:
-    """The first module that cannot be imported, without importing any (they are heavy)."""
-    for name in modules:
-        try:
-            if importlib.util.find_spec(name) is None:
-                return name
-        except (ImportError, ValueError):
-            return name
-    return None
 
 
 class OnnxTarget(Target):
@@ -221,7 +211,7 @@ class OnnxTarget(Target):
     options_type = OnnxOptions
 
     def can_export(self) -> Phase:
-        missing = _missing(_EXPORT_NEEDS)
+        missing = missing_module(_EXPORT_NEEDS)
         if missing:
             return Phase(False, f"{missing} is not installed (pip install 'edgelin[onnx]')",
                          "a machine with edgelin[onnx] installed (any OS)")
@@ -231,7 +221,7 @@ class OnnxTarget(Target):
         refused = self.device_refusal(device)
         if refused is not None:
             return refused
-        missing = _missing(_RUN_NEEDS)
+        missing = missing_module(_RUN_NEEDS)
         if missing:
             return Phase(False, f"{missing} is not installed (pip install 'edgelin[runtime]')",
                          "any machine with edgelin[runtime] installed (CPU; Linux, macOS, Windows, Android)")

@@ -7,7 +7,10 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+# export_model's on_progress(done, total, what): the phases a progress bar counts
+Progress = Callable[[int, int, str], None]
 
 from edgelin.checkpoint import TOKENIZER, load_model
 from edgelin.devices import DeviceProfile, ExportSettings, check_state_dims, export_settings
@@ -75,10 +78,18 @@ def weights_entries(folder: Path, files: dict[str, str], settings: ExportSetting
             "precision": precision_entry(settings), **({"quantization": quantized} if quantized else {})}
 
 
+def export_phases(baselines: Sequence[str] = (), serve: str | None = None) -> list[str]:
+    """The phases export_model reports to on_progress, in order (a progress bar's total)."""
+    return ["tracing the graphs", "recording reference vectors", "checking quality",
+            *(["exporting baselines"] if baselines else []), *(["writing the Triton repository"] if serve else []),
+            "writing the manifest"]
+
+
 def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tokenizer: Path | None = None,
                  force: bool = False, device: DeviceProfile | None = None, options: Any = None,
                  protected: Sequence[Path] = (), settings: ExportSettings | None = None,
-                 baselines: Sequence[str] = (), text: Path | None = None) -> ExportResult:
+                 baselines: Sequence[str] = (), text: Path | None = None, serve: str | None = None,
+                 on_progress: Progress | None = None) -> ExportResult:
     """The export phase: `target.export(model, device, settings, options, tmp)` into a temp folder, then
     the manifest, renamed into place. `options`: the target's own options (its `options_type`, e.g.
     OnnxOptions); None: its defaults. `settings` (precision, state dtype) come from
@@ -86,7 +97,10 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     `baselines`: names of edgelin.export.baselines.BASELINES to export inside the folder (--baseline kv).
     `text`: held-out text for the recorded quality figures (--text FILE; default: the checkpoint's recipe
     validation split, else random tokens). The quality gate's result (fp16/quantised exports) goes into
-    extra["quality"], and a check failed under --force is also a warning of the result."""
+    extra["quality"], and a check failed under --force is also a warning of the result. `serve`: "triton" (--serve
+    triton) also writes DIR/triton/, a Triton Inference Server repository (edgelin.serve.triton); a model whose
+    state cannot be Triton's implicit state is refused before anything is written. `on_progress(done, total,
+    what)` hears each phase as it starts (a progress bar's count)."""
     from edgelin.export import baselines as baseline_exports, reference_vectors
     from edgelin.quality import check_export_quality
 
@@ -106,6 +120,12 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                            f"the {target.name} target takes {target.options_type.__name__}",
                            f"pass {target.options_type.__name__}(...) or no options")
     settings = settings or export_settings(device, target.name)
+    if serve is not None:
+        from edgelin.export.graphs import graph_io as _io
+        from edgelin.serve.triton import check_server, check_servable
+
+        check_server(serve)
+        check_servable([t for t in _io(model, "step", settings.state_dtype)[0] if t.role == "state"], target.name)
     if not getattr(target, "pads_state_dims", False):  # Core ML pads the state instead of refusing
         check_state_dims(model.state_tensors(), settings)
     from edgelin.precision import check_state_dtype
@@ -115,7 +135,15 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                                         f"{target.name} export")
     # The source checkpoint is protected: --out may not be it, sit inside it, or contain it.
     protected = tuple(protected) + ((Path(source["path"]),) if Path(str(source.get("path"))).is_dir() else ())
+    phases = export_phases(baselines, serve)
+    done = iter(range(len(phases)))
+
+    def phase(what: str) -> None:
+        if on_progress is not None:
+            on_progress(next(done), len(phases), what)
+
     with claim_output(out, force, EXPORT, protected) as tmp:
+        phase("tracing the graphs")
         files = target.export(model, device, settings, options, tmp)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
@@ -128,17 +156,27 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         weights_recorded = weights_entries(tmp, files, settings)
         manifest = dataclasses.replace(manifest, extra={**manifest.extra, **weights_recorded})
         # What `validate DIR` and `bench DIR --baseline kv` run on a device, without torch or the checkpoint.
+        phase("recording reference vectors")
         reference = reference_vectors.record(model, tmp, manifest, text=text)
         # fp16/quantised exports: the artifact's top-1 and perplexity vs fp32, refused unless --force
+        phase("checking quality")
         gate = check_export_quality(model, tmp, manifest, settings)
         warnings = (gate.warning(),) if gate is not None and not gate.passed else ()
+        if baselines:
+            phase("exporting baselines")
         written = baseline_exports.export_baselines(model, tmp, baselines, lambda m, o: export_model(
             m, o, target.name, baseline_exports.BASELINE_SOURCE, device=device, options=options, settings=settings))
         recorded = {reference_vectors.MANIFEST_KEY: reference_vectors.manifest_entry(tmp, reference),
                     **({baseline_exports.MANIFEST_KEY: written} if written else {}),
                     **weights_recorded, **({"quality": gate.to_dict(settings.force)} if gate is not None else {})}
+        if serve is not None:  # DIR/triton/: the step graph's serving copy (weights hard-linked), config, client
+            from edgelin.serve.triton import MANIFEST_KEY as SERVE_KEY, write_repository
+
+            phase("writing the Triton repository")
+            recorded[SERVE_KEY] = write_repository(tmp, manifest, device)
         if state_precision:  # the verdicts the state dtype was checked against (failing ones too under --force)
             recorded["state_precision"] = [v.to_dict() for v in state_precision]
+        phase("writing the manifest")
         # Record every file written, so a later --force knows the whole folder is ours.
         device_entry = {"device": settings.manifest_entry()} if settings.device else {}
         manifest = dataclasses.replace(manifest, files=tuple(sorted({p.name for p in tmp.iterdir()} | {MANIFEST})),
@@ -150,16 +188,19 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
 def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: bool = False,
                       device: DeviceProfile | None = None, options: Any = None,
                       include_tokenizer: bool = True, settings: ExportSettings | None = None,
-                      baselines: Sequence[str] = (), text: Path | None = None) -> ExportResult:
+                      baselines: Sequence[str] = (), text: Path | None = None,
+                      serve: str | None = None, on_progress: Progress | None = None) -> ExportResult:
     """`include_tokenizer=False` (--no-tokenizer): the checkpoint's tokenizer is neither checked nor copied.
     `baselines`, `text`: see export_model (an empty, binary or non-UTF-8 `text` is refused before the
     checkpoint loads)."""
     from dataclasses import replace
 
     from edgelin.export.baselines import check_names
+    from edgelin.serve.triton import check_server
     from edgelin.tokenizer import check_tokenizer
 
     check_names(baselines)  # before the checkpoint loads
+    check_server(serve)
     if text is not None:
         from edgelin.quality import read_text
 
@@ -173,5 +214,5 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: 
         warnings.append(f"no {TOKENIZER} in {info.path}: the export has no tokenizer, so generate will need one")
     source = {"path": str(info.path), "sha256": info.sha256, "format": info.format, "model_type": info.model_type}
     result = export_model(model, out, target, source, tokenizer, force, device, options, settings=settings,
-                          baselines=baselines, text=text)
+                          baselines=baselines, text=text, serve=serve, on_progress=on_progress)
     return replace(result, inert_fields=tuple(info.inert_fields), warnings=(*warnings, *result.warnings))

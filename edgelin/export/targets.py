@@ -13,7 +13,8 @@ from edgelin.export.base import Target
 
 _TARGETS = {"onnx": ("edgelin.export.onnx_target", "OnnxTarget"),
             "tensorrt": ("edgelin.export.tensorrt_target", "TensorrtTarget"),
-            "coreml": ("edgelin.export.coreml_target", "CoremlTarget")}
+            "coreml": ("edgelin.export.coreml_target", "CoremlTarget"),
+            "torch": ("edgelin.export.torch_target", "TorchTarget")}  # the PyTorch reference as a runner
 
 
 def target_names() -> list[str]:

@@ -4,15 +4,17 @@
 What TensorRT's ONNX parser does with the node: an op it does not know becomes a plugin lookup by
 op_type (`EdgelinStep`), version from the `plugin_version` attribute ("1"), namespace from
 `plugin_namespace` (""); it passes the attributes the plugin creator lists (gate, delta, heads, d_k,
-d_v, dtype, aux_dtype, inplace: edgelin/plugins/tensorrt/src/edgelin_trt_plugin.cpp), narrowing INT
-attributes to int32. The node's inputs are q, k, v, [g when gate != 0], [beta when delta], state;
-its outputs o and state_out, in the plugin's order.
+d_v, dtype, aux_dtype, inplace, erase: edgelin/plugins/tensorrt/src/edgelin_trt_plugin.cpp), narrowing
+INT attributes to int32. The node's inputs are q, k, v, [g when gate != 0], [beta when delta], [e when
+erase], state; its outputs o and state_out, in the plugin's order. `erase` (Gated DeltaNet-2's erase
+gate e [B, H, d_k], float32 like g and beta) defaults to 0 and then adds no input, so a node written
+before it existed keeps its layout and plugin_version "1" reads both.
 
 What ONNX Runtime does with it: a node in a custom domain runs when the model carries an ONNX
 function of that (domain, op_type). Each distinct layer kind (gate, delta) gets its own function
 *overload* (the node's `overload` field names it; TensorRT's parser ignores that field), whose body
-is `edgelin.reference.recurrence.recurrent_step` in standard ops. So the very file TensorRT parses
-also runs, with the same math, on ONNX Runtime.
+is `edgelin.reference.recurrence.recurrent_step` in standard ops (the erase-gated rule included). So
+the very file TensorRT parses also runs, with the same math, on ONNX Runtime.
 
 Precision and weights: in an fp16 export the step's plugin nodes take q/k/v in fp16 (`dtype` 1: the
 lowering's engine declares `step_takes_compute_dtype`, so the model's fp32 cast is skipped for them;
@@ -54,7 +56,7 @@ PLUGIN_NAME = "EdgelinStep"
 PLUGIN_VERSION = "1"
 PLUGIN_NAMESPACE = ""
 # The creator's fields, all INT (the parser narrows them to int32), in the plugin's order.
-PLUGIN_FIELDS = ("gate", "delta", "heads", "d_k", "d_v", "dtype", "aux_dtype", "inplace")
+PLUGIN_FIELDS = ("gate", "delta", "heads", "d_k", "d_v", "dtype", "aux_dtype", "inplace", "erase")
 GATE_NONE, GATE_SCALAR, GATE_PER_KEY = 0, 1, 2  # EdgelinGate (edgelin_step.h)
 DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2  # EdgelinDtype
 _DTYPE_CODES = {"torch.float32": DTYPE_F32, "torch.float16": DTYPE_F16, "torch.bfloat16": DTYPE_BF16}
@@ -63,17 +65,19 @@ _SUFFIX = {DTYPE_F32: "", DTYPE_F16: "_f16", DTYPE_BF16: "_bf16"}
 _WHERE_TRT = "a machine with TensorRT 10.3+ and an NVIDIA GPU (Jetson Orin: JetPack 6)"
 
 
-def overload_name(gate: int, delta: int, dtype: int = DTYPE_F32) -> str:
+def overload_name(gate: int, delta: int, dtype: int = DTYPE_F32, erase: int = 0) -> str:
     """The ONNX function overload for one layer kind and q/k/v dtype (one function body per kind)."""
-    return f"gate{gate}_delta{delta}{_SUFFIX[dtype]}"
+    return f"gate{gate}_delta{delta}{'_erase' if erase else ''}{_SUFFIX[dtype]}"
 
 
 def plugin_step(state: "torch.Tensor", q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
-                g: "torch.Tensor | None", beta: "torch.Tensor | None") -> tuple["torch.Tensor", "torch.Tensor"]:
+                g: "torch.Tensor | None", beta: "torch.Tensor | None",
+                erase: "torch.Tensor | None" = None) -> tuple["torch.Tensor", "torch.Tensor"]:
     """While exporting: one EdgelinStep node (o, state_out); otherwise the reference step.
 
-    q, k, v (and o) may be fp32, fp16 or bf16 (the plugin's `dtype`); g and beta always enter the node
-    in fp32 (`aux_dtype` 0: a half-precision engine still decays in fp32) and the state is fp32."""
+    q, k, v (and o) may be fp32, fp16 or bf16 (the plugin's `dtype`); g, beta and the erase gate always
+    enter the node in fp32 (`aux_dtype` 0: a half-precision engine still decays in fp32) and the state
+    is fp32."""
     import torch
 
     from edgelin.reference.recurrence import recurrent_step
@@ -87,26 +91,32 @@ def plugin_step(state: "torch.Tensor", q: "torch.Tensor", k: "torch.Tensor", v: 
                            "export with state dtype float32 (a profile with state_dtype = \"float32\")")
     g = None if g is None else g.float()  # one Cast in the graph when the model computed them in half
     beta = None if beta is None else beta.float()
+    erase = None if erase is None else erase.float()
+    if erase is not None and beta is None:
+        raise EdgelinError("TensorRT step with an erase gate and no beta", "the erase gate splits the delta rule's "
+                           "update", "report this as an edgelin bug (the family spec pairs them)")
     if not torch.onnx.is_in_onnx_export():  # the reference: computed in fp32, o back in q's dtype
-        o, new_state = recurrent_step(state, q.float(), k.float(), v.float(), g, beta)
+        o, new_state = recurrent_step(state, q.float(), k.float(), v.float(), g, beta, erase)
         return o.to(q.dtype), new_state
     _, heads, d_k = q.shape
     gate = GATE_NONE if g is None else (GATE_SCALAR if g.shape[-1] == 1 else GATE_PER_KEY)
     delta = int(beta is not None)
     fields = dict(gate=gate, delta=delta, heads=int(heads), d_k=int(d_k), d_v=int(v.shape[-1]),
-                  dtype=code, aux_dtype=DTYPE_F32, inplace=0)  # inplace: set by add_step_functions
+                  dtype=code, aux_dtype=DTYPE_F32, inplace=0,  # inplace: set by add_step_functions
+                  erase=int(erase is not None))
     attrs = {**fields, "plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
-    inputs = [q, k, v, *(t for t in (g, beta) if t is not None), state]
+    inputs = [q, k, v, *(t for t in (g, beta, erase) if t is not None), state]
     o, new_state = torch.onnx.ops.symbolic_multi_out(
         f"{PLUGIN_DOMAIN}::{PLUGIN_NAME}", inputs, attrs, dtypes=(v.dtype, state.dtype),
         shapes=(v.shape, state.shape), version=1)
     return o, new_state
 
 
-def step_function(gate: int, delta: int, opset: int, dtype: int = DTYPE_F32):
+def step_function(gate: int, delta: int, opset: int, dtype: int = DTYPE_F32, erase: int = 0):
     """The ONNX function (an onnx_ir.Function) of one EdgelinStep overload: recurrent_step's math. With
-    half-precision q/k/v (`dtype`) the body casts them to fp32, computes in fp32 (g, beta and the state
-    are fp32 already: aux_dtype 0) and casts o back, as the plugin's kernel does."""
+    half-precision q/k/v (`dtype`) the body casts them to fp32, computes in fp32 (g, beta, e and the state
+    are fp32 already: aux_dtype 0) and casts o back, as the plugin's kernel does. With `erase` the delta
+    rule erases along e * k: S' = S - beta (e * k)(k^T S) + k (beta v)^T."""
     import numpy as np
     import onnx_ir as ir
 
@@ -128,6 +138,7 @@ def step_function(gate: int, delta: int, opset: int, dtype: int = DTYPE_F32):
     q_arg, k_arg, v_arg, state = value("q"), value("k"), value("v"), value("state")
     g = value("g") if gate != GATE_NONE else None
     beta = value("beta") if delta else None
+    e = value("erase") if erase else None
     last, before_last = const("axis_last", [-1]), const("axis_before_last", [-2])
     q, k, v = ((op("Cast", t, to=_ONNX_TYPES[DTYPE_F32]) for t in (q_arg, k_arg, v_arg)) if dtype != DTYPE_F32
                else (q_arg, k_arg, v_arg))
@@ -135,7 +146,13 @@ def step_function(gate: int, delta: int, opset: int, dtype: int = DTYPE_F32):
     if g is not None:  # S *= exp(g) over the value axis
         s = op("Mul", s, op("Unsqueeze", op("Exp", g), last))
     v_in = v
-    if beta is not None:  # v <- beta (v - k^T S)
+    if beta is not None and e is not None:  # S -= (beta e * k)(k^T S); then v <- beta v
+        k_s = op("Squeeze", op("MatMul", op("Unsqueeze", k, before_last), s), before_last)
+        b = op("Unsqueeze", beta, last)
+        f = op("Mul", b, op("Mul", e, k))
+        s = op("Sub", s, op("Mul", op("Unsqueeze", f, last), op("Unsqueeze", k_s, before_last)))
+        v_in = op("Mul", b, v)
+    elif beta is not None:  # v <- beta (v - k^T S)
         k_s = op("Squeeze", op("MatMul", op("Unsqueeze", k, before_last), s), before_last)
         v_in = op("Mul", op("Unsqueeze", beta, last), op("Sub", v, k_s))
     s = op("Add", s, op("Mul", op("Unsqueeze", k, last), op("Unsqueeze", v_in, before_last)))
@@ -143,12 +160,12 @@ def step_function(gate: int, delta: int, opset: int, dtype: int = DTYPE_F32):
     o_out = op("Identity", o) if dtype == DTYPE_F32 else op("Cast", o, to=_ONNX_TYPES[dtype])
     s_out = op("Identity", s)
     o_out.name, s_out.name = "o", "state_out"
-    inputs = [q_arg, k_arg, v_arg, *(t for t in (g, beta) if t is not None), state]
+    inputs = [q_arg, k_arg, v_arg, *(t for t in (g, beta, e) if t is not None), state]
     graph = ir.Graph(inputs, [o_out, s_out], nodes=nodes, opset_imports={"": opset}, name=PLUGIN_NAME)
     attributes = [ir.Attr(name, ir.AttributeType.INT, 0) for name in PLUGIN_FIELDS]
     attributes += [ir.Attr("plugin_version", ir.AttributeType.STRING, PLUGIN_VERSION),
                    ir.Attr("plugin_namespace", ir.AttributeType.STRING, PLUGIN_NAMESPACE)]
-    return ir.Function(PLUGIN_DOMAIN, PLUGIN_NAME, overload_name(gate, delta, dtype), graph=graph,
+    return ir.Function(PLUGIN_DOMAIN, PLUGIN_NAME, overload_name(gate, delta, dtype, erase), graph=graph,
                        attributes=attributes)
 
 
@@ -171,9 +188,10 @@ def add_step_functions(path: Path, opset: int, inplace: bool = False) -> dict[st
             continue
         gate, delta = node.attributes["gate"].as_int(), node.attributes["delta"].as_int()
         dtype = node.attributes["dtype"].as_int()
-        node.overload = overload_name(gate, delta, dtype)
+        erase = node.attributes["erase"].as_int() if "erase" in node.attributes else 0
+        node.overload = overload_name(gate, delta, dtype, erase)
         if node.op_identifier() not in model.functions:
-            function = step_function(gate, delta, opset, dtype)
+            function = step_function(gate, delta, opset, dtype, erase)
             model.functions[function.identifier()] = function
         if inplace:
             node.attributes["inplace"] = ir.Attr("inplace", ir.AttributeType.INT, 1)

@@ -184,19 +184,17 @@ def _dt_clamp(value: object, name: str, where: str) -> tuple[float, float]:
     return (float(value[0]), float(value[1]))
 
 
-# Targets whose lowering runs the erase gate (Gated DeltaNet-2). Elsewhere a layer with one is refused
-# by name before anything is traced (edgelin.export.base.Target.family_support): TensorRT's EdgelinStep
-# plugin and edgelin's CUDA/Triton kernels have no erase/write gate flags yet (planned). Kept in step
-# with each lowering's engine by tests/test_gdn2_clvr.py.
-ERASE_GATE_TARGETS = ("onnx", "coreml")
+# Targets whose lowering runs the erase gate (Gated DeltaNet-2; TensorRT through the EdgelinStep
+# plugin's erase input). Elsewhere a layer with one is refused by name before anything is traced
+# (edgelin.export.base.Target.family_support). Kept in step with each lowering's engine by
+# tests/test_gdn2_clvr.py.
+ERASE_GATE_TARGETS = ("onnx", "coreml", "tensorrt")
 
 
 def erase_gate_refusal(spec: FamilySpec, target: str) -> str | None:
     """Why `target` cannot take a layer of `spec` for its erase gate, or None."""
     if not spec.erase_gate or target in ERASE_GATE_TARGETS:
         return None
-    if target == "tensorrt":
-        return "the EdgelinStep kernel has no erase/write gate flags yet; they are planned"
     return f"the {target} lowering has no erase gate yet; it is planned"
 
 

@@ -1,6 +1,7 @@
 """Shared checks for the kernel wrappers: gate kind from the tensors, shapes, dtypes, strides.
 
-The kernels see what the reference engines see: "is there g (which shape), is there beta". A gate
+The kernels see what the reference engines see: "is there g (which shape), is there beta, is there an
+erase gate (ERASE: Gated DeltaNet-2's delta rule erases along e * k)". A gate
 is GATE_NONE (g is None), GATE_SCALAR (g [..., 1], one log-decay per head and token) or
 GATE_PER_KEY (g [..., d_k]); DELTA is `beta is not None`. No family name reaches a kernel.
 """
@@ -96,6 +97,20 @@ def check_aux(g: Tensor | None, beta: Tensor | None, lead: tuple[int, ...], d_k:
         raise KernelError(f"{what}: beta has shape {tuple(beta.shape)}, dtype {beta.dtype}",
                           f"expected a float tensor [{', '.join(map(str, lead))}]", "fix the delta-rule strength")
     return kind
+
+
+def check_erase(erase: Tensor | None, beta: Tensor | None, lead: tuple[int, ...], d_k: int, what: str) -> bool:
+    """The erase gate e [*lead, d_k] (Gated DeltaNet-2): the delta rule then erases along e * k. It needs
+    beta (there is nothing to erase without the delta rule). Returns whether it is present (ERASE)."""
+    if erase is None:
+        return False
+    if beta is None:
+        raise KernelError(f"{what}: an erase gate without beta", "the erase gate splits the delta rule's update",
+                          "pass beta (the delta-rule strength) with erase")
+    if tuple(erase.shape) != (*lead, d_k) or not erase.is_floating_point():
+        raise KernelError(f"{what}: erase has shape {tuple(erase.shape)}, dtype {erase.dtype}",
+                          f"expected a float tensor [{', '.join(map(str, (*lead, d_k)))}]", "fix the erase gate")
+    return True
 
 
 def check_state(state: Tensor, shape: tuple[int, ...], what: str, name: str = "state") -> None:

@@ -1,14 +1,18 @@
-"""Triton chunked prefill (forward only): outputs + final state for every gate kind and rule,
-fixed-length batches or varlen (`cu_seqlens`) in one call.
+"""Triton chunked prefill (forward only): outputs + final state for every gate kind and rule, Gated
+DeltaNet-2's erase gate included, fixed-length batches or varlen (`cu_seqlens`) in one call.
 
-Two kernels, the chunked form of `edgelin.reference.recurrence.chunked` (same notation):
+Three kernels, the chunked form of `edgelin.reference.recurrence.chunked` (same notation):
 1. `_chunk_prep_kernel`, parallel over every chunk of every head: cumulative log-decay b, the
    intra-chunk readout P[i, j] = q_i^T R[i, j] k_j (j <= i) and, for the delta rule, the chunk's
-   WY form: T = (I + A)^-1 (forward substitution), W = T diag(beta) (K * e^b), U0 = T diag(beta) V.
-2. `_chunk_fwd_kernel`, parallel over heads and d_v tiles, sequential over chunks with the state
-   tile in registers:  U = U0 - W S (delta) or V;  O = (Q * e^b) S + P U;
-   S = e^{b_C} S + (K * e^{b_C - b})^T U.  Only this loop is sequential, and it does three small
-   matmuls per chunk; everything quadratic in the chunk size was done in parallel by kernel 1.
+   WY form: T = (I + A)^-1 (`_unit_lower_inverse`: 16-row diagonal blocks by forward substitution,
+   all at once, then the off-diagonal blocks by small matmuls), W = T diag(beta) (K * e^b),
+   U0 = T diag(beta) V. With an erase gate (f = e * k): A = diag(beta) A_kf, P = P_qf,
+   U0 = beta V - T diag(beta) A_kk diag(beta) V and the S-free readout (P_qk - P_qf) beta V.
+2. `chunk_ho._chunk_h_kernel`, sequential over chunks, parallel over heads x d_v tiles (x d_k tiles
+   for the additive rule): stores the state entering each chunk; U = U0 - W S; S = e^{b_C} S + K_end^T U.
+3. `chunk_ho._chunk_o_kernel`, parallel over every chunk x head x d_v tile: O = (Q * e^b) h + P U.
+Only kernel 2 is sequential, with two small matmuls per chunk and no output work (fla's design:
+per-chunk states in one kernel, the outputs of all chunks in parallel in another).
 Per-key decays never form e^{+b}: off-diagonal 16x16 sub-blocks factor exp(b_i - b_j) through the
 row block's first row, diagonal sub-blocks take the exact exponent (as fla's chunk_gla does).
 Requires g <= 0 (a decay), which every family's gate guarantees.
@@ -17,6 +21,7 @@ Requires g <= 0 (a decay), which every family's gate guarantees.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -30,13 +35,56 @@ from edgelin.kernels._common import (
 SUB = 16  # sub-block of the per-key intra-chunk products (tl.dot's smallest tile)
 
 
+@triton.jit
+def _unit_lower_inverse(A, row0, t0, length, H, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
+    """T = (I + A)^-1 for this chunk's strictly lower A (scratch rows row0 + i * H, BT wide), by BC-row
+    blocks: the diagonal blocks all at once by forward substitution (BC - 1 steps, not BT - 1), then
+    T_ij = -T_ii sum_{j<=m<i} A_im T_mj, written over A block row by block row (ascending j: T_ij
+    needs only A_im with m >= j). Returns T [BT, BT] float32 (rows past the sequence end: 0)."""
+    NB: tl.constexpr = BT // BC
+    o_c = tl.arange(0, BC)
+    blk = tl.arange(0, NB)
+    l3 = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for i in range(1, BC):
+        r = blk * BC + i
+        m = (o_c[None, :] < i) & (t0 + r < length)[:, None]
+        a = -tl.load(A + (row0 + r[:, None] * H) * BT + (blk[:, None] * BC + o_c[None, :]), mask=m, other=0.0)
+        a = a + tl.sum(a[:, :, None] * l3, axis=1)
+        l3 = tl.where((o_c == i)[None, :, None], a[:, None, :], l3)
+    l3 = l3 + (o_c[:, None] == o_c[None, :]).to(tl.float32)[None, :, :]
+    rr = blk[:, None, None] * BC + o_c[None, :, None]
+    cc = blk[:, None, None] * BC + o_c[None, None, :]
+    tl.debug_barrier()  # every thread has read the diagonal blocks of A
+    tl.store(A + (row0 + rr * H) * BT + cc, l3, mask=t0 + rr < length)
+    for i in tl.static_range(1, NB):
+        r_i = i * BC + o_c
+        m_i = (t0 + r_i < length)[:, None]
+        tl.debug_barrier()  # T's earlier block rows are stored
+        t_ii = tl.load(A + (row0 + r_i[:, None] * H) * BT + (i * BC + o_c)[None, :], mask=m_i, other=0.0)
+        for j in tl.static_range(0, i):
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for mm in tl.static_range(j, i):
+                r_m = mm * BC + o_c
+                a_im = tl.load(A + (row0 + r_i[:, None] * H) * BT + r_m[None, :], mask=m_i, other=0.0)
+                t_mj = tl.load(A + (row0 + r_m[:, None] * H) * BT + (j * BC + o_c)[None, :],
+                               mask=(t0 + r_m < length)[:, None], other=0.0)
+                acc += tl.dot(a_im, t_mj, input_precision=PREC)
+            t_ij = -tl.dot(t_ii, acc, input_precision=PREC)
+            tl.debug_barrier()  # A_ij is read by every thread before T_ij replaces it
+            tl.store(A + (row0 + r_i[:, None] * H) * BT + (j * BC + o_c)[None, :], t_ij, mask=m_i)
+    tl.debug_barrier()
+    rows = tl.arange(0, BT)
+    return tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=(t0 + rows < length)[:, None], other=0.0)
+
+
 @triton.jit(do_not_specialize=["T"])  # T == 1 must take the general path (and not recompile)
 def _chunk_prep_kernel(
-    q, k, v, g, beta, gc, P, A, W, U, cu_seqlens, chunk_indices,
-    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    q, k, v, g, beta, ep, gc, P, A, W, U, OX, cu_seqlens, chunk_indices,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_eb, s_et, s_eh,
     T, H, K, V,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, ERASE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    PREC_T: tl.constexpr,
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -59,6 +107,8 @@ def _chunk_prep_kernel(
     q += i_b * s_qb + (bos + t0) * s_qt + i_h * s_qh
     k += i_b * s_kb + (bos + t0) * s_kt + i_h * s_kh
     v += i_b * s_vb + (bos + t0) * s_vt + i_h * s_vh
+    if ERASE:
+        ep += i_b * s_eb + (bos + t0) * s_et + i_h * s_eh
     row0 = (tok + t0) * H + i_h  # scratch row of this chunk's first token (row stride: H)
     causal = rows[:, None] >= rows[None, :]
     if DELTA:
@@ -67,6 +117,8 @@ def _chunk_prep_kernel(
     if GATE != 2:  # no decay or one per head: the whole [BT, BT] block at once, stably
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         b_kk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_qf = tl.zeros([BT, BT], dtype=tl.float32)
+        b_kf = tl.zeros([BT, BT], dtype=tl.float32)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m = m_t[:, None] & (o_k < K)[None, :]
@@ -75,6 +127,11 @@ def _chunk_prep_kernel(
             b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
             if DELTA:
                 b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+            if ERASE:  # the erase directions f = e * k
+                b_f = (tl.load(ep + rows[:, None] * s_et + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+                       * b_k.to(tl.float32)).to(dt)
+                b_qf += tl.dot(b_q, tl.trans(b_f), input_precision=PREC)
+                b_kf += tl.dot(b_k, tl.trans(b_f), input_precision=PREC)
         if GATE == 1:
             b_g = tl.load(g + i_b * s_gb + (bos + t0 + rows) * s_gt + i_h * s_gh, mask=m_t, other=0.0)
             b_b = tl.cumsum(b_g.to(tl.float32), axis=0)
@@ -82,6 +139,14 @@ def _chunk_prep_kernel(
             b_d = tl.exp(tl.where(causal, b_b[:, None] - b_b[None, :], float("-inf")))
             b_qk = b_qk * b_d
             b_kk = b_kk * b_d
+            if ERASE:
+                b_qf = b_qf * b_d
+                b_kf = b_kf * b_d
+        if ERASE:  # P = P_qf, A = diag(beta) A_kf; A_kk and P_qk - P_qf stay for U0 and the readout's S-free part
+            b_kks = tl.where(rows[:, None] > rows[None, :], b_kk, 0.0)
+            b_pd = tl.where(causal, b_qk - b_qf, 0.0)
+            b_qk = b_qf
+            b_kk = b_kf
         tl.store(P + (row0 + rows[:, None] * H) * BT + rows[None, :], tl.where(causal, b_qk, 0.0), mask=m_t[:, None])
         if DELTA:
             b_a = tl.where(rows[:, None] > rows[None, :], b_kk, 0.0) * b_beta[:, None]
@@ -154,14 +219,7 @@ def _chunk_prep_kernel(
 
     if DELTA:
         tl.debug_barrier()  # A rows are re-read below by other threads
-        # T = (I + A)^-1 with A strictly lower: row i of L = T - I is -A_i - sum_j A_ij L_j
-        b_l = tl.zeros([BT, BT], dtype=tl.float32)
-        for i in range(1, BT):
-            n_i = tl.where(t0 + i < length, i, 0)  # row i's valid columns (none past the sequence end)
-            b_row = -tl.load(A + (row0 + i * H) * BT + rows, mask=rows < n_i, other=0.0)
-            b_row = b_row + tl.sum(b_row[:, None] * b_l, axis=0)
-            b_l = tl.where((rows == i)[:, None], b_row[None, :], b_l)
-        b_t = (b_l + (rows[:, None] == rows[None, :]).to(tl.float32)).to(dt)
+        b_t = _unit_lower_inverse(A, row0, t0, length, H, BT, BC, PREC_T).to(dt)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m = m_t[:, None] & (o_k < K)[None, :]
@@ -176,84 +234,15 @@ def _chunk_prep_kernel(
             o_v = i_v * BV + tl.arange(0, BV)
             m = m_t[:, None] & (o_v < V)[None, :]
             b_v = tl.load(v + rows[:, None] * s_vt + o_v[None, :], mask=m, other=0.0).to(tl.float32)
-            b_u = tl.dot(b_t, (b_v * b_beta[:, None]).to(dt), input_precision=PREC)
+            b_bv = (b_v * b_beta[:, None]).to(dt)
+            if ERASE:  # U0 = beta V - r_V, r_V = T diag(beta) A_kk diag(beta) V; OX = (P_qk - P_qf) beta V
+                b_x = tl.dot(b_kks.to(dt), b_bv, input_precision=PREC) * b_beta[:, None]
+                b_u = b_v * b_beta[:, None] - tl.dot(b_t, b_x.to(dt), input_precision=PREC)
+                b_ox = tl.dot(b_pd.to(dt), b_bv, input_precision=PREC)
+                tl.store(OX + (row0 + rows[:, None] * H) * V + o_v[None, :], b_ox, mask=m)
+            else:
+                b_u = tl.dot(b_t, b_bv, input_precision=PREC)
             tl.store(U + (row0 + rows[:, None] * H) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _chunk_fwd_kernel(
-    q, k, v, gc, P, W, U, o, h0, ht, cu_seqlens,
-    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
-    s_0n, s_0h, s_0k, s_tn, s_th, s_tk,
-    T, H, K, V,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr,
-):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1).to(tl.int64)
-    i_n, i_h = i_nh // H, i_nh % H
-    if VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        length = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-        i_b = i_n * 0
-        tok = bos
-    else:
-        bos = i_n * 0
-        length = T
-        i_b = i_n
-        tok = i_n * T
-    dt = q.dtype.element_ty
-    rows = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_s = m_k[:, None] & m_v[None, :]
-    if HAS_H0:
-        b_s = tl.load(h0 + i_n * s_0n + i_h * s_0h + o_k[:, None] * s_0k + o_v[None, :], mask=m_s, other=0.0)
-    else:
-        b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    q += i_b * s_qb + bos * s_qt + i_h * s_qh
-    k += i_b * s_kb + bos * s_kt + i_h * s_kh
-    v += i_b * s_vb + bos * s_vt + i_h * s_vh
-    o += i_b * s_ob + bos * s_ot + i_h * s_oh
-
-    for i_t in range(0, tl.cdiv(length, BT)):
-        t0 = i_t * BT
-        m_t = t0 + rows < length
-        row0 = (tok + t0) * H + i_h
-        last = tl.minimum(t0 + BT, length) - 1 - t0  # last valid row of this chunk
-        m_qk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_q = tl.load(q + (t0 + rows[:, None]) * s_qt + o_k[None, :], mask=m_qk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (t0 + rows[:, None]) * s_kt + o_k[None, :], mask=m_qk, other=0.0).to(tl.float32)
-        if GATE == 1:
-            b_b = tl.load(gc + row0 + rows * H, mask=m_t, other=0.0)
-            b_last = tl.load(gc + row0 + last * H)
-            b_q = b_q * tl.exp(b_b)[:, None]
-            b_k = b_k * tl.exp(b_last - b_b)[:, None]
-        if GATE == 2:
-            b_b = tl.load(gc + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_qk, other=0.0)
-            b_last = tl.load(gc + (row0 + last * H) * K + o_k, mask=m_k, other=0.0)
-            b_q = b_q * tl.exp(b_b)
-            b_k = b_k * tl.exp(b_last[None, :] - b_b)
-        b_p = tl.load(P + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
-        b_sd = b_s.to(dt)
-        if DELTA:
-            b_w = tl.load(W + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_qk, other=0.0)
-            b_u = tl.load(U + (row0 + rows[:, None] * H) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_u = b_u - tl.dot(b_w.to(dt), b_sd, input_precision=PREC)
-        else:
-            b_u = tl.load(v + (t0 + rows[:, None]) * s_vt + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        b_ud = b_u.to(dt)
-        b_o = tl.dot(b_q.to(dt), b_sd, input_precision=PREC)
-        b_o += tl.dot(tl.where(rows[:, None] >= rows[None, :], b_p, 0.0).to(dt), b_ud, input_precision=PREC)
-        tl.store(o + (t0 + rows[:, None]) * s_ot + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        if GATE == 1:
-            b_s = b_s * tl.exp(b_last)
-        if GATE == 2:
-            b_s = b_s * tl.exp(b_last)[:, None]
-        b_s += tl.dot(tl.trans(b_k.to(dt)), b_ud, input_precision=PREC)
-    tl.store(ht + i_n * s_tn + i_h * s_th + o_k[:, None] * s_tk + o_v[None, :], b_s, mask=m_s)
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,17 +251,17 @@ def _num_sms(index: int) -> int:
 
 
 def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tile sizes: BT 64 unless the [BT, d_k] operand tiles get large (fp32, d_k 256), BV small
-    enough that heads x tiles fill the GPU (the sequential kernel's only parallelism)."""
+    """Tile sizes: BT 64 unless the [BT, d_k] operand tiles get large (fp32, d_k 256); the state kernel's
+    BV small enough that heads x tiles fill the GPU (its only parallelism), the output kernel's BV 64."""
     bk = max(16, next_pow2(d_k))
     size = 4 if dtype == torch.float32 else 2
     bt = 64 if bk * size <= 256 else 32
     sms = 1 if device.type != "cuda" else _num_sms(device.index or 0)
     bv = min(64, max(16, next_pow2(d_v)))
-    while bv > 16 and num_heads_total * triton.cdiv(d_v, bv) < sms:
+    while bv > 32 and num_heads_total * triton.cdiv(d_v, bv) < sms:
         bv //= 2
-    warps = 4 if bk * bt <= 64 * 64 else 8
-    return {"BT": bt, "BV": bv, "num_warps": warps}
+    warps = 4 if bk * bv <= 128 * 32 else 8
+    return {"BT": bt, "BV": bv, "num_warps": warps, "BV_O": min(64, max(16, next_pow2(d_v))), "BK_O": min(bk, 64)}
 
 
 def chunk_prefill(
@@ -283,6 +272,7 @@ def chunk_prefill(
     beta: Tensor | None = None,
     initial_state: Tensor | None = None,
     *,
+    erase: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     out: Tensor | None = None,
     final_state: Tensor | None = None,
@@ -290,16 +280,25 @@ def chunk_prefill(
     num_warps: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Prefill a whole sequence: q, k [B, T, H, d_k], v [B, T, H, d_v], g [B, T, H, 1|d_k],
-    beta [B, T, H], initial_state [N, H, d_k, d_v] float32 (None: zeros) -> (o [B, T, H, d_v]
-    in v's dtype, final state [N, H, d_k, d_v] float32). Varlen: B = 1 and cu_seqlens [N+1]."""
+    beta [B, T, H], erase [B, T, H, d_k] (Gated DeltaNet-2: needs beta, g none or scalar),
+    initial_state [N, H, d_k, d_v] float32 (None: zeros) -> (o [B, T, H, d_v] in v's dtype, final
+    state [N, H, d_k, d_v] float32). Varlen: B = 1 and cu_seqlens [N+1]."""
+    from edgelin.kernels.chunk_ho import _chunk_h_kernel, _chunk_o_kernel
+
     what = "chunk_prefill"
     if q.dim() != 4:
         raise KernelError(f"{what}: q has {q.dim()} dims", "expected [B, T, H, d_k]", "add the time axis")
     batch, length, heads, _ = q.shape
     d_k, d_v = check_qkv(q, k, v, (batch, length, heads), what)
     kind = check_aux(g, beta, (batch, length, heads), d_k, what)
-    device = check_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
-                           "cu_seqlens": cu_seqlens})
+    if erase is not None and (beta is None or kind == 2 or tuple(erase.shape) != tuple(q.shape)
+                              or not erase.is_floating_point()):
+        raise KernelError(f"{what}: erase gate {tuple(erase.shape)} with beta {'absent' if beta is None else 'given'}"
+                          f" and a {('no', 'scalar', 'per-key')[kind]} decay",
+                          "the erase gate needs the delta rule (beta), a scalar or no decay, and q's shape",
+                          "pass erase [B, T, H, d_k] with beta and g [..., 1] (Gated DeltaNet-2)")
+    device = check_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "erase": erase,
+                           "initial_state": initial_state, "cu_seqlens": cu_seqlens})
     if cu_seqlens is not None:
         if batch != 1 or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise KernelError(f"{what}: varlen with batch {batch}, cu_seqlens {tuple(cu_seqlens.shape)}",
@@ -321,43 +320,59 @@ def chunk_prefill(
     if out is None:
         out = torch.empty(batch, length, heads, d_v, dtype=v.dtype, device=device)
     check_out(out, (batch, length, heads, d_v), v.dtype, what)
-    q, k, v, g = (last_dim_contiguous(x) for x in (q, k, v, g))
+    q, k, v, g, erase = (last_dim_contiguous(x) for x in (q, k, v, g, erase))
 
     cfg = chunk_config(num_seq * heads, d_k, d_v, q.dtype, device)
     bt, bv = cfg["BT"], block_v or cfg["BV"]
-    if cu_seqlens is not None:
-        pairs = [(n, t) for n, (a, b) in enumerate(zip(offsets, offsets[1:])) for t in range(triton.cdiv(b - a, bt))]
+    varlen = cu_seqlens is not None
+    if varlen:
+        counts = [triton.cdiv(b - a, bt) for a, b in zip(offsets, offsets[1:])]
+        pairs = [(n, t) for n, c in enumerate(counts) for t in range(c)]
         chunk_indices = torch.tensor(pairs or [(0, 0)], dtype=torch.int32).view(-1).to(device)
-        grid1 = (len(pairs), heads)
+        chunk_offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32).to(device)
+        num_chunks, grid_c, grid_bh = len(pairs), len(pairs), heads
     else:
-        chunk_indices = None
-        grid1 = (triton.cdiv(length, bt), batch * heads)
+        chunk_indices = chunk_offsets = None
+        num_chunks, grid_c, grid_bh = batch * triton.cdiv(length, bt), triton.cdiv(length, bt), batch * heads
     delta = beta is not None
+    has_erase = erase is not None
     tokens = batch * length
     # fp32 inputs: 3-pass tf32 keeps matmuls at fp32 accuracy (the interpreter is exact anyway)
     prec = "tf32" if q.dtype != torch.float32 else ("ieee" if interpreting() else "tf32x3")
+    prec_t = "ieee" if interpreting() else "tf32x3"  # the triangular inverse: fp32 always
     f32 = dict(dtype=torch.float32, device=device)
     gc = torch.empty(tokens, heads, d_k if kind == 2 else 1, **f32) if kind else q
     p = torch.empty(tokens, heads, bt, **f32)
     a = torch.empty(tokens, heads, bt, **f32) if delta else p
     w = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if delta else q
     u = torch.empty(tokens, heads, d_v, dtype=v.dtype, device=device) if delta else v
+    ox = torch.empty(tokens, heads, d_v, **f32) if has_erase else p
+    h = torch.empty(max(num_chunks, 1), heads, d_k, d_v, dtype=q.dtype, device=device)  # state entering each chunk
     bk = max(16, next_pow2(d_k))
-    if grid1[0] > 0:
-        _chunk_prep_kernel[grid1](
-            q, k, v, g if g is not None else q, beta if beta is not None else q, gc, p, a, w, u, cu_seqlens,
-            chunk_indices, *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta),
-            length, heads, d_k, d_v,
+    e_arg = erase if has_erase else q
+    if grid_c > 0:
+        _chunk_prep_kernel[(grid_c, grid_bh)](
+            q, k, v, g if g is not None else q, beta if beta is not None else q, e_arg, gc, p, a, w, u, ox,
+            cu_seqlens, chunk_indices, *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta),
+            *strides3(erase), length, heads, d_k, d_v,
             BT=bt, BC=SUB, BK=min(bk, 64), BKD=16, BV=min(64, max(16, next_pow2(d_v))),
-            GATE=kind, DELTA=delta, VARLEN=cu_seqlens is not None, PREC=prec, num_warps=4,
+            GATE=kind, DELTA=delta, ERASE=has_erase, VARLEN=varlen, PREC=prec, PREC_T=prec_t, num_warps=4,
         )
     h0 = initial_state if initial_state is not None else final_state
-    _chunk_fwd_kernel[(triton.cdiv(d_v, bv), num_seq * heads)](
-        q, k, v, gc, p, w, u, out, h0, final_state, cu_seqlens,
-        *strides3(q), *strides3(k), *strides3(v), *strides3(out),
+    bk_h = bk if delta else min(bk, 64)  # the additive rule's state columns are independent: K tiles too
+    _chunk_h_kernel[(triton.cdiv(d_v, bv), num_seq * heads, triton.cdiv(d_k, bk_h))](
+        k, v, e_arg, beta if beta is not None else q, gc, u, w, h, h0, final_state, cu_seqlens, chunk_offsets,
+        *strides3(k), *strides3(v), *strides3(erase), *strides3(beta),
         h0.stride(0), h0.stride(1), h0.stride(2), final_state.stride(0), final_state.stride(1), final_state.stride(2),
         length, heads, d_k, d_v,
-        BT=bt, BK=bk, BV=bv, GATE=kind, DELTA=delta, VARLEN=cu_seqlens is not None,
+        BT=bt, BK=bk_h, BV=bv, GATE=kind, DELTA=delta, ERASE=has_erase, VARLEN=varlen,
         HAS_H0=initial_state is not None, PREC=prec, num_warps=num_warps or cfg["num_warps"],
     )
+    if grid_c > 0:
+        _chunk_o_kernel[(triton.cdiv(d_v, cfg["BV_O"]), grid_c, grid_bh)](
+            q, v, gc, p, u, h, ox, out, cu_seqlens, chunk_indices, chunk_offsets,
+            *strides3(q), *strides3(v), *strides3(out), length, heads, d_k, d_v,
+            BT=bt, BK=cfg["BK_O"], BV=cfg["BV_O"], GATE=kind, DELTA=delta, ERASE=has_erase, VARLEN=varlen,
+            PREC=prec, num_warps=4,
+        )
     return out, final_state

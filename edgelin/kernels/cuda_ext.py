@@ -14,7 +14,7 @@ import torch
 
 from edgelin.kernels.abi import CUDA_DIR, header_abi_version  # noqa: F401 (re-exported)
 from edgelin.kernels._common import (
-    KernelError, Tensor, check_aux, check_out, check_qkv, check_state, last_dim_contiguous,
+    KernelError, Tensor, check_aux, check_erase, check_out, check_qkv, check_state, last_dim_contiguous,
     state_destination,
 )
 
@@ -79,10 +79,11 @@ def load_extension(verbose: bool = False):
     return ext
 
 
-def aux_dtype(dtype: torch.dtype, g: Tensor | None, beta: Tensor | None) -> torch.dtype:
-    """The launcher's dtype for g and beta: float32 (ABI 2's default, so a half-precision step
+def aux_dtype(dtype: torch.dtype, g: Tensor | None, beta: Tensor | None,
+              erase: Tensor | None = None) -> torch.dtype:
+    """The launcher's dtype for g, beta and erase: float32 (ABI 2's default, so a half-precision step
     still decays in float32), or q's dtype when every one given is already in it (no cast, no copy)."""
-    given = [x.dtype for x in (g, beta) if x is not None]
+    given = [x.dtype for x in (g, beta, erase) if x is not None]
     return dtype if given and all(d == dtype for d in given) else torch.float32
 
 
@@ -93,25 +94,29 @@ def cuda_step(
     state: Tensor,
     g: Tensor | None = None,
     beta: Tensor | None = None,
+    erase: Tensor | None = None,
     *,
     out: Tensor | None = None,
     state_out: Tensor | None = None,
     inplace: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The CUDA kernel's decode step, same contract as `edgelin.kernels.fused_step`:
-    q, k [B, H, d_k], v [B, H, d_v], g [B, H, 1|d_k], beta [B, H], state [B, H, d_k, d_v] fp32."""
+    q, k [B, H, d_k], v [B, H, d_v], g [B, H, 1|d_k], beta [B, H], erase [B, H, d_k] (the erase
+    gate, delta rule only), state [B, H, d_k, d_v] fp32."""
     what = "cuda_step"
     if q.dim() != 3:
         raise KernelError(f"{what}: q has {q.dim()} dims", "expected [B, H, d_k]", "drop the time axis")
     batch, heads, _ = q.shape
     d_k, d_v = check_qkv(q, k, v, (batch, heads), what)
     check_aux(g, beta, (batch, heads), d_k, what)
+    check_erase(erase, beta, (batch, heads), d_k, what)
     if not q.is_cuda:
         raise KernelError(f"{what}: tensors on {q.device}", "the CUDA kernel runs on a CUDA device", "move them")
     dtype = q.dtype  # one dtype for q, k, v and o
-    aux = aux_dtype(dtype, g, beta)  # g and beta: their own (float32 unless both are in q's dtype)
+    aux = aux_dtype(dtype, g, beta, erase)  # g, beta, erase: their own (float32 unless all are in q's dtype)
     g = None if g is None else last_dim_contiguous(g.to(aux))
     beta = None if beta is None else beta.to(aux)
+    erase = None if erase is None else last_dim_contiguous(erase.to(aux))
     q, k, v = (last_dim_contiguous(x) for x in (q, k, v))
     shape = (batch, heads, d_k, d_v)
     check_state(state, shape, what)
@@ -122,5 +127,5 @@ def cuda_step(
     if out is None:
         out = torch.empty(batch, heads, d_v, dtype=dtype, device=q.device)
     check_out(out, (batch, heads, d_v), dtype, what)
-    load_extension().step(q, k, v, g, beta, state, state_out, out)
+    load_extension().step(q, k, v, g, beta, state, state_out, out, erase)
     return out, state_out

@@ -10,19 +10,15 @@ TRITON_INTERPRET=1, which the CPU tests use).
 This module imports no kernel: Triton and the CUDA extension load only when a kernel engine
 actually runs, so the model can consult it on CPU for free.
 
-Gated DeltaNet-2 (an erase gate on the delta rule) has no kernel yet: the Triton step, the CUDA step
-kernel's flags and the chunked Triton prefill for it are planned. Its layers run on the torch
-reference under "auto" (on CUDA tensors too, with a one-time warning), and a forced "triton" or
-"cuda" backend refuses them in one line rather than run them as plain Gated DeltaNet.
+Gated DeltaNet-2 (an erase gate on the delta rule) takes the kernels' erase flag everywhere: the
+Triton step / fused recurrence, the CUDA step kernel's ERASE (launcher ABI 3) and the chunked prefill.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import os
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -97,22 +93,23 @@ class KernelEngine(TorchEngine):
     path: str = "triton"
 
     def step(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
-             beta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+             beta: Tensor | None = None, erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
         from edgelin import kernels
 
-        return (kernels.cuda_step if self.path == "cuda" else kernels.fused_step)(q, k, v, state, g, beta)
+        return (kernels.cuda_step if self.path == "cuda" else kernels.fused_step)(q, k, v, state, g, beta, erase)
 
     def recurrent(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
-                  beta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  beta: Tensor | None = None, erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
         from edgelin import kernels
 
-        return kernels.fused_recurrent(q, k, v, state, g, beta)
+        return kernels.fused_recurrent(q, k, v, state, g, beta, erase)
 
     def chunked(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
-                beta: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+                beta: Tensor | None = None, chunk_size: int = 64,
+                erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
         from edgelin import kernels  # the kernels pick their own chunk size (a numerics detail)
 
-        return kernels.chunk_prefill(q, k, v, g, beta, state)
+        return kernels.chunk_prefill(q, k, v, g, beta, state, erase=erase)
 
 
 KERNEL_ENGINES = {path: KernelEngine(name=f"kernels-{path}", path=path) for path in ("triton", "cuda")}
@@ -120,20 +117,6 @@ KERNEL_ENGINES = {path: KernelEngine(name=f"kernels-{path}", path=path) for path
 
 def engine_for(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
                beta: Tensor | None = None, erase: Tensor | None = None) -> Engine:
-    """The engine the backend picks for these inputs: a kernel engine or the torch reference.
-    An erase gate (Gated DeltaNet-2) has no kernel yet: the reference under "auto", refused when forced."""
-    path = kernel_path(q, k, v, state, g, beta)
-    if path is not None and erase is not None:
-        if get_backend() != "auto":
-            raise EdgelinError(f"backend {path!r} asked for with an erase-gated delta rule (gated_deltanet2)",
-                               "edgelin's kernels have no erase/write gate flags yet (planned)",
-                               "use EDGELIN_KERNELS=auto (these layers then run on the torch reference) or torch")
-        _warn_reference_once()
-        return TORCH
+    """The engine the backend picks for these inputs: a kernel engine or the torch reference."""
+    path = kernel_path(q, k, v, state, g, beta, erase)
     return TORCH if path is None else KERNEL_ENGINES[path]
-
-
-@functools.cache
-def _warn_reference_once() -> None:
-    warnings.warn("gated_deltanet2 layers run on the torch reference: edgelin's kernels have no erase/write gate "
-                  "flags yet (planned)", RuntimeWarning, stacklevel=3)

@@ -205,9 +205,8 @@ class LinearMixer(nn.Module):
         if erase is not None and not takes_erase(engine, form):  # never run a GDN-2 layer as plain GDN
             raise EdgelinError(
                 f"the {engine.name} engine cannot run a {self.spec.name} layer",
-                f"its {form} form has no erase-gate input (edgelin's step kernels and plugins have no "
-                "erase/write gate flags yet; they are planned)",
-                "use the onnx target, or the torch reference (EDGELIN_KERNELS=torch)")
+                f"its {form} form has no erase-gate input (an engine built before the erase gate)",
+                "use an engine that takes `erase` (every edgelin target and kernel does), or the torch reference")
         if form == "chunked":
             return engine.chunked(s, q, k, v, g, beta, self.spec.chunk_size, **extra)
         if form == "step":

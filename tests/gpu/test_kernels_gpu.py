@@ -186,6 +186,23 @@ def test_varlen(dtype, gate, delta):
         assert rel(o_r[:, a:z], o_ref) < STEP_TOL[dtype] and rel(s_r[n:n + 1], s_ref) < STEP_TOL[dtype]
 
 
+@pytest.mark.parametrize("length", [1, 63, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gate", ["none", "scalar"])
+def test_chunked_erase_gate(length, dtype, gate):
+    """Gated DeltaNet-2's erase gate in the chunked kernels, fixed-length (B=2) and varlen (the two rows packed)."""
+    s0, q, k, v, g, beta = make(2, length, 4, 128, 128, gate, True, dtype, seed=13)
+    erase = torch.sigmoid(torch.randn(q.shape, device=DEV) - 1)
+    o_ref, s_ref = recurrent(*(None if x is None else x.double() for x in (s0, q, k, v, g, beta, erase)))
+    o, s = kern().chunk_prefill(q, k, v, g, beta, s0, erase=erase, out=nans(v.shape, dtype),
+                                final_state=nans(s0.shape))
+    assert rel(o, o_ref) < CHUNK_TOL[dtype] and rel(s, s_ref) < CHUNK_TOL[dtype], f"{rel(o, o_ref):.2e}"
+    flat = lambda x: None if x is None else x.reshape(1, 2 * length, *x.shape[2:])  # noqa: E731
+    cu = torch.tensor([0, length, 2 * length], dtype=torch.int32, device=DEV)
+    o_v, s_v = kern().chunk_prefill(*(flat(x) for x in (q, k, v, g, beta)), s0, erase=flat(erase), cu_seqlens=cu)
+    assert rel(o_v.reshape(o.shape), o_ref) < CHUNK_TOL[dtype] and rel(s_v, s_ref) < CHUNK_TOL[dtype]
+
+
 # ---- the model: GPU kernels vs the CPU torch engines; CUDA-graph decode -------------------------
 FAMILIES = [*ALL_FAMILIES, "hybrid"]
 
@@ -203,11 +220,6 @@ def test_model_on_gpu_matches_cpu_torch(family, backend):
             ref, ref_state = model(ids, mode="chunked")
             ref_step, ref_next = model(ids[:, :1], ref_state, start, mode="recurrent")
         gpu = model.to(DEV)
-        if family == "gated_deltanet2" and backend in ("cuda", "triton"):
-            # The kernels have no erase/write gate flags yet: a forced kernel backend refuses the layer.
-            with use_backend(backend), pytest.raises(EdgelinError, match="erase"):
-                gpu(ids.to(DEV), mode="chunked")
-            return
         with use_backend(backend):
             out, state = gpu(ids.to(DEV), mode="chunked")
             step, nxt = gpu(ids[:, :1].to(DEV), state, start.to(DEV), mode="recurrent")
@@ -254,3 +266,45 @@ def test_graph_decode_matches_eager(family):
         for name, tensor in layer.items():
             assert rel(tensor, ref_layer[name].double()) < 1e-6, name
     assert decoder.start.tolist() == [19 + tokens.shape[1]] * 2
+
+
+# ---- the erase gate (Gated DeltaNet-2): Triton step / token loop and the CUDA step's ERASE ---------
+@pytest.mark.parametrize("impl", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("dims", [(128, 128), (256, 256), (64, 65)], ids=lambda d: f"K{d[0]}-V{d[1]}")
+@pytest.mark.parametrize("mode", ["inplace", "pingpong"])
+def test_erase_step_matches_reference(impl, dtype, gate, dims, mode):
+    s0, q, k, v, g, beta = make(3, 1, 4, *dims, gate, True, DTYPES[dtype], seed=21)
+    erase = torch.rand(k.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(5))
+    o_ref, s_ref = recurrent(*(None if x is None else x.double() for x in (s0, q, k, v, g, beta, erase)))
+    o_plain, _ = reference(s0, q, k, v, g, beta)
+    assert rel(o_plain, o_ref) > 1e-3  # the gate matters: a kernel ignoring it fails
+    fn = kern().fused_step if impl == "triton" else kern().cuda_step
+    step = [None if x is None else x[:, 0] for x in (q, k, v, g, beta)]
+    out = nans(step[2].shape, step[2].dtype)
+    if mode == "inplace":
+        state = s0.clone()
+        o, s = fn(*step[:3], state, *step[3:], erase[:, 0], out=out, inplace=True)
+        assert s.data_ptr() == state.data_ptr()
+    else:
+        o, s = fn(*step[:3], s0, *step[3:], erase[:, 0], out=out, state_out=nans(s0.shape))
+    tol = STEP_TOL[DTYPES[dtype]]
+    assert rel(o, o_ref[:, 0]) < tol and rel(s, s_ref) < max(tol, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_erase_token_loop_matches_reference(dtype):
+    s0, q, k, v, g, beta = make(2, 200, 4, 128, 128, "scalar", True, DTYPES[dtype], seed=22)
+    erase = torch.rand(k.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(6))
+    o_ref, s_ref = recurrent(*(None if x is None else x.double() for x in (s0, q, k, v, g, beta, erase)))
+    o, s = kern().fused_recurrent(q, k, v, s0, g, beta, erase, out=nans(v.shape, v.dtype),
+                                  state_out=nans(s0.shape))
+    tol = STEP_TOL[DTYPES[dtype]]
+    assert rel(o, o_ref) < tol and rel(s, s_ref) < max(tol, 1e-5)
+
+
+def test_cuda_step_refuses_erase_without_beta():
+    s0, q, k, v, g, beta = make(1, 1, 2, 16, 16, "scalar", True, torch.float32)
+    with pytest.raises(EdgelinError, match="erase gate without beta"):
+        kern().cuda_step(q[:, 0], k[:, 0], v[:, 0], s0, g[:, 0], None, torch.rand_like(k[:, 0]))

@@ -8,7 +8,7 @@
 //                            to another major: this executable then plays a TensorRT of that major)
 //   harness LIB --gpu N      also enqueue every variant on the GPU for N steps and compare with a
 //                            float64 CPU recurrence (fp32 / fp16 inputs, f32 / io-typed g and beta,
-//                            in-place and ping-pong state)
+//                            in-place and ping-pong state, the erase gate of Gated DeltaNet-2)
 // Prints "PASS ..." lines and ends with "HARNESS OK" (exit 0), or "FAIL ..." lines (exit 1).
 #include <dlfcn.h>
 
@@ -98,21 +98,22 @@ struct StandInResourceContext : IPluginResourceContext {
 
 // ---- variants ------------------------------------------------------------------------------------
 struct Variant {
-  int32_t gate, delta, heads, d_k, d_v, dtype, aux_dtype, inplace;
-  int32_t nbInputs() const { return 4 + (gate ? 1 : 0) + (delta ? 1 : 0); }
+  int32_t gate, delta, heads, d_k, d_v, dtype, aux_dtype, inplace, erase = 0;
+  int32_t nbInputs() const { return 4 + (gate ? 1 : 0) + (delta ? 1 : 0) + (erase ? 1 : 0); }
   int32_t gIndex() const { return gate ? 3 : -1; }
   int32_t betaIndex() const { return delta ? (gate ? 4 : 3) : -1; }
+  int32_t eraseIndex() const { return erase ? stateIndex() - 1 : -1; }
   int32_t stateIndex() const { return nbInputs() - 1; }
   int32_t gWidth() const { return gate == 2 ? d_k : 1; }
   std::string label() const {
     char buf[160];
-    std::snprintf(buf, sizeof buf, "gate=%d delta=%d H=%d K=%d V=%d dtype=%d aux=%d inplace=%d", gate, delta, heads,
-                  d_k, d_v, dtype, aux_dtype, inplace);
+    std::snprintf(buf, sizeof buf, "gate=%d delta=%d H=%d K=%d V=%d dtype=%d aux=%d inplace=%d erase=%d", gate, delta,
+                  heads, d_k, d_v, dtype, aux_dtype, inplace, erase);
     return buf;
   }
   // [B, ...] extents of input i, batch first
   std::vector<int64_t> inputDims(int32_t i, int64_t batch) const {
-    if (i == 0 || i == 1) return {batch, heads, d_k};
+    if (i == 0 || i == 1 || i == eraseIndex()) return {batch, heads, d_k};
     if (i == 2) return {batch, heads, d_v};
     if (i == gIndex()) return {batch, heads, gWidth()};
     if (i == betaIndex()) return {batch, heads};
@@ -123,7 +124,7 @@ struct Variant {
 static DataType trtType(int32_t d) { return d == 1 ? DataType::kHALF : d == 2 ? DataType::kBF16 : DataType::kFLOAT; }
 static DataType inputType(Variant const& v, int32_t i) {
   if (i == v.stateIndex()) return DataType::kFLOAT;
-  if (i == v.gIndex() || i == v.betaIndex()) return trtType(v.aux_dtype);
+  if (i == v.gIndex() || i == v.betaIndex() || i == v.eraseIndex()) return trtType(v.aux_dtype);
   return trtType(v.dtype);
 }
 static Dims makeDims(std::vector<int64_t> const& e) {
@@ -151,6 +152,7 @@ static Fields fieldsOf(Variant const& v) {
   Fields f;
   f.add("gate", v.gate), f.add("delta", v.delta), f.add("heads", v.heads), f.add("d_k", v.d_k);
   f.add("d_v", v.d_v), f.add("dtype", v.dtype), f.add("aux_dtype", v.aux_dtype), f.add("inplace", v.inplace);
+  f.add("erase", v.erase);
   return f;
 }
 static std::vector<std::pair<std::string, int32_t>> readFields(PluginFieldCollection const* fc) {
@@ -294,7 +296,8 @@ static void checkBadAttributes(IPluginCreatorV3One* creator, StandInLogger& logg
     int32_t value;
   };
   for (Bad bad : {Bad{"gate", 3}, Bad{"gate", -1}, Bad{"delta", 2}, Bad{"heads", 0}, Bad{"d_k", 257}, Bad{"d_k", 0},
-                  Bad{"d_v", 1000}, Bad{"dtype", 3}, Bad{"aux_dtype", 2}, Bad{"inplace", 5}, Bad{"bogus", 1}}) {
+                  Bad{"d_v", 1000}, Bad{"dtype", 3}, Bad{"aux_dtype", 2}, Bad{"inplace", 5}, Bad{"erase", 2},
+                  Bad{"bogus", 1}}) {
     Fields f = fieldsOf(good);
     bool replaced = false;
     for (size_t i = 0; i < f.names.size(); ++i)
@@ -312,6 +315,14 @@ static void checkBadAttributes(IPluginCreatorV3One* creator, StandInLogger& logg
   Fields missing;
   missing.add("heads", 4), missing.add("d_k", 64);
   CHECK(creator->createPlugin("bad", missing.collection(), TensorRTPhase::kBUILD) == nullptr, "d_v missing accepted");
+  Fields noDelta = fieldsOf(Variant{1, 0, 4, 64, 64, 0, 0, 0, 1});  // the erase gate needs the delta rule
+  CHECK(creator->createPlugin("bad", noDelta.collection(), TensorRTPhase::kBUILD) == nullptr,
+        "erase=1 with delta=0 accepted");
+  // an older graph's node (no erase field at all): the same plugin as erase=0
+  Fields old = fieldsOf(good);
+  old.names.pop_back(), old.values.pop_back();
+  std::unique_ptr<IPluginV3> oldPlugin(creator->createPlugin("old", old.collection(), TensorRTPhase::kBUILD));
+  CHECK(oldPlugin != nullptr, "a node without the erase field refused");
   Fields typed = fieldsOf(good);
   typed.collection();
   float f32 = 1.f;
@@ -357,7 +368,7 @@ static void gpuVariant(IPluginCreatorV3One* creator, Variant const& v, int steps
   outDesc[1].dims = makeDims({B, H, K, V}), outDesc[1].type = DataType::kFLOAT;
   CHECK(rt->onShapeChange(inDesc.data(), nbIn, outDesc.data(), 2) == 0, "%s: shape", v.label().c_str());
 
-  std::mt19937 rng(1234 + v.gate * 7 + v.delta * 3 + v.dtype);
+  std::mt19937 rng(1234 + v.gate * 7 + v.delta * 3 + v.dtype + v.erase * 11);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::uniform_real_distribution<float> uniform(0.f, 1.f);
   size_t const nQ = B * H * K, nV = B * H * V, nG = B * H * W, nB = B * H, nS = B * H * K * V;
@@ -365,7 +376,7 @@ static void gpuVariant(IPluginCreatorV3One* creator, Variant const& v, int steps
   std::vector<float> s0(nS);
   for (size_t i = 0; i < nS; ++i) s0[i] = 0.1f * normal(rng), S[i] = s0[i];
   size_t const ioBytes = v.dtype == 0 ? 4 : 2, auxBytes = v.aux_dtype == 0 ? 4 : 2;
-  void *dq, *dk, *dv, *dg = nullptr, *dbeta = nullptr, *dO;
+  void *dq, *dk, *dv, *dg = nullptr, *dbeta = nullptr, *de = nullptr, *dO;
   float *dS0, *dS1;
   CUDA_OK(cudaMalloc(&dq, nQ * ioBytes));
   CUDA_OK(cudaMalloc(&dk, nQ * ioBytes));
@@ -373,6 +384,7 @@ static void gpuVariant(IPluginCreatorV3One* creator, Variant const& v, int steps
   CUDA_OK(cudaMalloc(&dO, nV * ioBytes));
   if (v.gate) CUDA_OK(cudaMalloc(&dg, nG * auxBytes));
   if (v.delta) CUDA_OK(cudaMalloc(&dbeta, nB * auxBytes));
+  if (v.erase) CUDA_OK(cudaMalloc(&de, nQ * auxBytes));
   CUDA_OK(cudaMalloc(&dS0, nS * 4));
   CUDA_OK(cudaMalloc(&dS1, nS * 4));
   CUDA_OK(cudaMemcpy(dS0, s0.data(), nS * 4, cudaMemcpyHostToDevice));
@@ -381,8 +393,8 @@ static void gpuVariant(IPluginCreatorV3One* creator, Variant const& v, int steps
   CUDA_OK(cudaStreamCreate(&stream));
 
   double errO = 0, refO = 0;
-  std::vector<float> q(nQ), k(nQ), vv(nV), g(nG), beta(nB), o(nV);
-  std::vector<unsigned char> bq, bk, bv, bg, bb, bo(nV * ioBytes);
+  std::vector<float> q(nQ), k(nQ), vv(nV), g(nG), beta(nB), e(nQ, 1.f), o(nV);
+  std::vector<unsigned char> bq, bk, bv, bg, bb, be, bo(nV * ioBytes);
   float* cur = dS0;
   float* nxt = v.inplace ? dS0 : dS1;
   for (int t = 0; t < steps; ++t) {
@@ -396,6 +408,8 @@ static void gpuVariant(IPluginCreatorV3One* creator, Variant const& v, int steps
     for (size_t i = 0; i < nV; ++i) vv[i] = roundTo(v.dtype, normal(rng));
     for (size_t i = 0; i < nG; ++i) g[i] = roundTo(v.aux_dtype, -std::log1p(std::exp(-(normal(rng) + 3.f))));
     for (size_t i = 0; i < nB; ++i) beta[i] = roundTo(v.aux_dtype, uniform(rng));
+    if (v.erase)
+      for (size_t i = 0; i < nQ; ++i) e[i] = roundTo(v.aux_dtype, uniform(rng));
     packInto(bq, q, v.dtype), packInto(bk, k, v.dtype), packInto(bv, vv, v.dtype);
     CUDA_OK(cudaMemcpyAsync(dq, bq.data(), bq.size(), cudaMemcpyHostToDevice, stream));
     CUDA_OK(cudaMemcpyAsync(dk, bk.data(), bk.size(), cudaMemcpyHostToDevice, stream));
@@ -408,10 +422,15 @@ static void gpuVariant(IPluginCreatorV3One* creator, Variant const& v, int steps
       packInto(bb, beta, v.aux_dtype);
       CUDA_OK(cudaMemcpyAsync(dbeta, bb.data(), bb.size(), cudaMemcpyHostToDevice, stream));
     }
+    if (v.erase) {
+      packInto(be, e, v.aux_dtype);
+      CUDA_OK(cudaMemcpyAsync(de, be.data(), be.size(), cudaMemcpyHostToDevice, stream));
+    }
     std::vector<void const*> ins(nbIn);
     ins[0] = dq, ins[1] = dk, ins[2] = dv, ins[v.stateIndex()] = cur;
     if (v.gate) ins[v.gIndex()] = dg;
     if (v.delta) ins[v.betaIndex()] = dbeta;
+    if (v.erase) ins[v.eraseIndex()] = de;
     void* outs[2] = {dO, nxt};
     int const rc = rt->enqueue(inDesc.data(), outDesc.data(), ins.data(), outs, nullptr, stream);
     CHECK(rc == 0, "%s: enqueue step %d returned %d", v.label().c_str(), t, rc);
@@ -423,15 +442,19 @@ static void gpuVariant(IPluginCreatorV3One* creator, Variant const& v, int steps
         double const decay = v.gate == 0 ? 1.0 : std::exp(double(g[bh * W + (v.gate == 2 ? i : 0)]));
         for (int64_t j = 0; j < V; ++j) s[i * V + j] *= decay;
       }
-      std::vector<double> u(V);
+      std::vector<double> u(V), p(V);
       for (int64_t j = 0; j < V; ++j) {
         double sk = 0;
         if (v.delta)
           for (int64_t i = 0; i < K; ++i) sk += s[i * V + j] * k[bh * K + i];
-        u[j] = v.delta ? beta[bh] * (vv[bh * V + j] - sk) : vv[bh * V + j];
+        p[j] = sk;
+        u[j] = v.delta ? beta[bh] * (vv[bh * V + j] - (v.erase ? 0.0 : sk)) : vv[bh * V + j];
       }
+      // the erase gate: S -= beta (e * k) p^T, then S += k (beta v)^T
       for (int64_t i = 0; i < K; ++i)
-        for (int64_t j = 0; j < V; ++j) s[i * V + j] += double(k[bh * K + i]) * u[j];
+        for (int64_t j = 0; j < V; ++j)
+          s[i * V + j] += double(k[bh * K + i]) * u[j] -
+                          (v.erase ? double(beta[bh]) * e[bh * K + i] * k[bh * K + i] * p[j] : 0.0);
       for (int64_t j = 0; j < V; ++j) {
         double ref = 0;
         for (int64_t i = 0; i < K; ++i) ref += s[i * V + j] * q[bh * K + i];
@@ -463,7 +486,8 @@ static void gpuVariant(IPluginCreatorV3One* creator, Variant const& v, int steps
   CHECK(relO < tolO && relS < tolS, "%s: %d steps rel err o %.3g (tol %.1g) state %.3g (tol %.1g)", v.label().c_str(),
         steps, relO, tolO, relS, tolS);
   std::printf("PASS gpu %s steps=%d rel_o=%.3g rel_state=%.3g\n", v.label().c_str(), steps, relO, relS);
-  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dO), cudaFree(dg), cudaFree(dbeta), cudaFree(dS0), cudaFree(dS1);
+  cudaFree(dq), cudaFree(dk), cudaFree(dv), cudaFree(dO), cudaFree(dg), cudaFree(dbeta), cudaFree(de), cudaFree(dS0),
+      cudaFree(dS1);
   cudaStreamDestroy(stream);
 }
 
@@ -509,7 +533,7 @@ int main(int argc, char** argv) {
   auto names = readFields(creator->getFieldNames());
   std::string joined;
   for (auto& kv : names) joined += kv.first + ",";
-  CHECK(joined == "gate,delta,heads,d_k,d_v,dtype,aux_dtype,inplace,", "field names %s", joined.c_str());
+  CHECK(joined == "gate,delta,heads,d_k,d_v,dtype,aux_dtype,inplace,erase,", "field names %s", joined.c_str());
 
   int variants = 0;
   for (int32_t gate = 0; gate <= 2; ++gate)
@@ -520,6 +544,10 @@ int main(int argc, char** argv) {
             checkVariant(creator, Variant{gate, delta, 4, 64, 48, dtype, own ? dtype : 0, inplace});
             ++variants;
           }
+  for (int32_t gate = 0; gate <= 2; ++gate)  // Gated DeltaNet-2: the erase gate (delta rule only)
+    for (int32_t dtype = 0; dtype <= 2; ++dtype)
+      for (int32_t own = 0; own <= (dtype ? 1 : 0); ++own)
+        checkVariant(creator, Variant{gate, 1, 4, 64, 48, dtype, own ? dtype : 0, gate == 1, 1}), ++variants;
   checkVariant(creator, Variant{2, 1, 1, 256, 256, 1, 0, 1}), ++variants;
   checkVariant(creator, Variant{1, 0, 7, 1, 1, 0, 0, 0}), ++variants;
   std::printf("PASS build/runtime walk over %d variants\n", variants);
@@ -535,6 +563,14 @@ int main(int argc, char** argv) {
               gpuVariant(creator, Variant{gate, delta, 4, 64, 48, dtype, own ? dtype : 0, inplace}, gpuSteps, tolO, tolS);
             }
     gpuVariant(creator, Variant{2, 1, 2, 128, 128, 1, 0, 1}, gpuSteps, 3e-3, 1e-4);
+    for (int32_t gate = 0; gate <= 2; ++gate)  // Gated DeltaNet-2's erase gate
+      for (int32_t dtype : {0, 1})
+        for (int32_t inplace = 0; inplace <= 1; ++inplace) {
+          double const tolO = dtype == 0 ? 1e-4 : 3e-3, tolS = 1e-4;
+          gpuVariant(creator, Variant{gate, 1, 4, 64, 48, dtype, 0, inplace, 1}, gpuSteps, tolO, tolS);
+        }
+    gpuVariant(creator, Variant{1, 1, 2, 128, 128, 1, 1, 1, 1}, gpuSteps, 3e-3, 1e-4);  // fp16 g/beta/e
+    gpuVariant(creator, Variant{1, 1, 2, 256, 256, 0, 0, 0, 1}, gpuSteps, 1e-4, 1e-4);  // the wide tile
   }
   std::printf(gFailures ? "HARNESS FAILED (%d failures)\n" : "HARNESS OK\n", gFailures);
   return gFailures ? 1 : 0;

@@ -4,12 +4,17 @@
  *   S *= exp(g)                      gate: none | scalar (g [B, H, 1]) | per_key (g [B, H, d_k])
  *   u  = delta ? beta (v - S^T k) : v
  *   S += k u^T ;  o = S^T q
+ * With the erase gate (erase_flag = 1, delta rule only; Gated DeltaNet-2, e [B, H, d_k]):
+ *   p  = S^T k ;  S += beta k v^T - beta (e * k) p^T ;  o = S^T q
+ * (the delta rule reads with the whole key but erases only along e * k; e = 1 is the plain rule).
  * No torch or TensorRT type appears here: pointers, dims, element strides, flags and a stream.
  * The last dim of every tensor is contiguous; strides below are in elements, not bytes.
  * state_out may equal state_in (in-place update) or be another buffer (ping-pong).
  * g and beta have their own dtype, `aux_dtype` (float32 by default, the zero value): a half-precision
  * engine must not round its decay to fp16. aux_dtype is float32 or the same as `dtype`.
- * ABI version 2: aux_dtype added; callers check edgelin_step_abi_version() against the header.
+ * ABI version 2: aux_dtype added. ABI version 3: the erase gate (erase flag, erase pointer of
+ * aux_dtype, its strides) appended to the struct. Callers check edgelin_step_abi_version() against
+ * the header.
  */
 #ifndef EDGELIN_STEP_H
 #define EDGELIN_STEP_H
@@ -21,7 +26,7 @@
 extern "C" {
 #endif
 
-#define EDGELIN_STEP_ABI_VERSION 2
+#define EDGELIN_STEP_ABI_VERSION 3
 #define EDGELIN_STEP_MAX_HEAD_DIM 256
 
 typedef enum { EDGELIN_F32 = 0, EDGELIN_F16 = 1, EDGELIN_BF16 = 2 } EdgelinDtype;
@@ -29,9 +34,10 @@ typedef enum { EDGELIN_GATE_NONE = 0, EDGELIN_GATE_SCALAR = 1, EDGELIN_GATE_PER_
 
 typedef enum {
   EDGELIN_OK = 0,
-  EDGELIN_ERR_NULL = -1,      /* a required pointer is NULL */
+  EDGELIN_ERR_NULL = -1,      /* a required pointer is NULL (erase too, when the erase flag is on) */
   EDGELIN_ERR_DIMS = -2,      /* batch/heads < 1, or d_k / d_v outside 1..256 */
-  EDGELIN_ERR_FLAGS = -3,     /* unknown dtype or gate, delta not 0/1, aux_dtype neither f32 nor dtype */
+  EDGELIN_ERR_FLAGS = -3,     /* unknown dtype or gate, delta or erase not 0/1, erase without delta,
+                                 aux_dtype neither f32 nor dtype */
   EDGELIN_ERR_ALIGN = -4,     /* a pointer is not aligned to its element size */
   EDGELIN_ERR_GRID = -5       /* batch * heads * ceil(d_v / 32) exceeds the grid limit */
 } EdgelinStatus;
@@ -56,7 +62,11 @@ typedef struct EdgelinStepArgs {
   int32_t dtype; /* EdgelinDtype */
   int32_t gate;  /* EdgelinGate */
   int32_t delta; /* 0: additive rule, 1: delta rule (beta required) */
-  int32_t aux_dtype; /* EdgelinDtype of g and beta: EDGELIN_F32 (default) or `dtype` */
+  int32_t aux_dtype; /* EdgelinDtype of g, beta and erase: EDGELIN_F32 (default) or `dtype` */
+  /* ABI 3: the erase gate e [B, H, d_k] of `aux_dtype` (needs delta); NULL and 0 when absent */
+  const void* erase;
+  int64_t erase_stride_b, erase_stride_h;
+  int32_t erase_flag; /* 0: the delta rule erases along k; 1: along erase * k */
 } EdgelinStepArgs;
 
 /* Validates the arguments and enqueues the kernel on `stream`. Returns EDGELIN_OK, an

@@ -1,5 +1,5 @@
 // The plain-C launcher: validates EdgelinStepArgs, picks the template instance for the flags
-// (dtype x aux dtype x gate x delta x vectorised x CTA tile), and enqueues it on the caller's stream. No
+// (dtype x aux dtype x gate x delta x erase x vectorised x CTA tile), and enqueues it on the caller's stream. No
 // allocation, no synchronisation: safe inside CUDA-graph capture and from a TensorRT plugin's enqueue().
 #include <stdint.h>
 
@@ -29,27 +29,33 @@ bool can_vectorise(const EdgelinStepArgs& a) {
   return a.d_v % 4 == 0 && strides && aligned(a.state_in, 16) && aligned(a.state_out, 16);
 }
 
-template <class TL, typename T, typename TG, int GATE, bool DELTA, bool VEC>
+template <class TL, typename T, typename TG, int GATE, bool DELTA, bool ERASE, bool VEC>
 int launch_tile(const EdgelinStepArgs& a, cudaStream_t stream) {
   // 1-D grid, column tiles fastest: neighbouring CTAs stream one head's contiguous state together
   const unsigned tiles = static_cast<unsigned>((a.d_v + TL::kTileV - 1) / TL::kTileV);
   const dim3 grid(static_cast<unsigned>(a.batch) * static_cast<unsigned>(a.heads) * tiles);
-  edgelin::step_kernel<T, TG, GATE, DELTA, VEC, TL><<<grid, TL::kThreads, 0, stream>>>(a);
+  edgelin::step_kernel<T, TG, GATE, DELTA, ERASE, VEC, TL><<<grid, TL::kThreads, 0, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, typename TG, int GATE, bool DELTA>
+template <typename T, typename TG, int GATE, bool DELTA, bool ERASE = false>
 int launch_vec(const EdgelinStepArgs& a, cudaStream_t stream) {
-  if (!can_vectorise(a)) return launch_tile<WideTile, T, TG, GATE, DELTA, false>(a, stream);
-  if (a.d_k > LargeTile::kMaxK) return launch_tile<WideTile, T, TG, GATE, DELTA, true>(a, stream);
+  if (!can_vectorise(a)) return launch_tile<WideTile, T, TG, GATE, DELTA, ERASE, false>(a, stream);
+  if (a.d_k > LargeTile::kMaxK) return launch_tile<WideTile, T, TG, GATE, DELTA, ERASE, true>(a, stream);
   const int64_t tiles32 = static_cast<int64_t>(a.batch) * a.heads * ((a.d_v + kTileV - 1) / kTileV);
-  if (tiles32 < kLargeGrid) return launch_tile<SmallTile, T, TG, GATE, DELTA, true>(a, stream);
-  return launch_tile<LargeTile, T, TG, GATE, DELTA, true>(a, stream);
+  if (tiles32 < kLargeGrid) return launch_tile<SmallTile, T, TG, GATE, DELTA, ERASE, true>(a, stream);
+  return launch_tile<LargeTile, T, TG, GATE, DELTA, ERASE, true>(a, stream);
+}
+
+// the delta rule, with or without the erase gate (which needs it: checked by the launcher)
+template <typename T, typename TG, int GATE>
+int launch_rule(const EdgelinStepArgs& a, cudaStream_t stream) {
+  return a.erase_flag ? launch_vec<T, TG, GATE, true, true>(a, stream) : launch_vec<T, TG, GATE, true>(a, stream);
 }
 
 template <typename T, typename TG, int GATE>
 int launch_delta(const EdgelinStepArgs& a, cudaStream_t stream) {
-  return a.delta ? launch_vec<T, TG, GATE, true>(a, stream) : launch_vec<T, TG, GATE, false>(a, stream);
+  return a.delta ? launch_rule<T, TG, GATE>(a, stream) : launch_vec<T, TG, GATE, false>(a, stream);
 }
 
 template <typename T, typename TG>
@@ -58,12 +64,12 @@ int launch_gate(const EdgelinStepArgs& a, cudaStream_t stream) {
     case EDGELIN_GATE_SCALAR: return launch_delta<T, TG, EDGELIN_GATE_SCALAR>(a, stream);
     case EDGELIN_GATE_PER_KEY: return launch_delta<T, TG, EDGELIN_GATE_PER_KEY>(a, stream);
     // no gate: only beta can read TG, so the additive rule needs one instance per T alone
-    default: return a.delta ? launch_vec<T, TG, EDGELIN_GATE_NONE, true>(a, stream)
+    default: return a.delta ? launch_rule<T, TG, EDGELIN_GATE_NONE>(a, stream)
                             : launch_vec<T, T, EDGELIN_GATE_NONE, false>(a, stream);
   }
 }
 
-// g and beta in float32 (the default) or in the inputs' own dtype
+// g, beta and erase in float32 (the default) or in the inputs' own dtype
 template <typename T>
 int launch_aux(const EdgelinStepArgs& a, cudaStream_t stream) {
   return a.aux_dtype == EDGELIN_F32 ? launch_gate<T, float>(a, stream) : launch_gate<T, T>(a, stream);
@@ -79,15 +85,17 @@ extern "C" int edgelin_step_launch(const EdgelinStepArgs* args, cudaStream_t str
       a.d_v > EDGELIN_STEP_MAX_HEAD_DIM)
     return EDGELIN_ERR_DIMS;
   if (a.dtype < EDGELIN_F32 || a.dtype > EDGELIN_BF16 || a.gate < EDGELIN_GATE_NONE ||
-      a.gate > EDGELIN_GATE_PER_KEY || (a.delta != 0 && a.delta != 1) ||
-      (a.aux_dtype != EDGELIN_F32 && a.aux_dtype != a.dtype))
+      a.gate > EDGELIN_GATE_PER_KEY || (a.delta != 0 && a.delta != 1) || (a.erase_flag != 0 && a.erase_flag != 1) ||
+      (a.erase_flag && !a.delta) || (a.aux_dtype != EDGELIN_F32 && a.aux_dtype != a.dtype))
     return EDGELIN_ERR_FLAGS;
-  if ((a.gate != EDGELIN_GATE_NONE && !a.g) || (a.delta && !a.beta)) return EDGELIN_ERR_NULL;
+  if ((a.gate != EDGELIN_GATE_NONE && !a.g) || (a.delta && !a.beta) || (a.erase_flag && !a.erase))
+    return EDGELIN_ERR_NULL;
   const int64_t ctas = static_cast<int64_t>(a.batch) * a.heads * ((a.d_v + kTileV - 1) / kTileV);
   if (ctas > 0x7fffffffLL) return EDGELIN_ERR_GRID;
   const size_t elem = a.dtype == EDGELIN_F32 ? 4 : 2, aux = a.aux_dtype == EDGELIN_F32 ? 4 : 2;
   if (!aligned(a.q, elem) || !aligned(a.k, elem) || !aligned(a.v, elem) || !aligned(a.o, elem) ||
-      (a.g && !aligned(a.g, aux)) || (a.beta && !aligned(a.beta, aux)) || !aligned(a.state_in, 4) ||
+      (a.g && !aligned(a.g, aux)) || (a.beta && !aligned(a.beta, aux)) ||
+      (a.erase_flag && !aligned(a.erase, aux)) || !aligned(a.state_in, 4) ||
       !aligned(a.state_out, 4))
     return EDGELIN_ERR_ALIGN;
   switch (a.dtype) {
@@ -102,9 +110,11 @@ extern "C" int edgelin_step_abi_version(void) { return EDGELIN_STEP_ABI_VERSION;
 extern "C" const char* edgelin_step_status_string(int code) {
   switch (code) {
     case EDGELIN_OK: return "ok";
-    case EDGELIN_ERR_NULL: return "a required pointer is NULL (q, k, v, o, states; g or beta when flagged)";
+    case EDGELIN_ERR_NULL: return "a required pointer is NULL (q, k, v, o, states; g, beta or erase when flagged)";
     case EDGELIN_ERR_DIMS: return "batch and heads must be >= 1 and d_k, d_v within 1..256";
-    case EDGELIN_ERR_FLAGS: return "unknown dtype or gate, delta not 0/1, or aux_dtype neither float32 nor dtype";
+    case EDGELIN_ERR_FLAGS:
+      return "unknown dtype or gate, delta or erase_flag not 0/1, erase without delta, or aux_dtype neither float32 "
+             "nor dtype";
     case EDGELIN_ERR_ALIGN: return "a pointer is not aligned to its element size";
     case EDGELIN_ERR_GRID: return "batch * heads * ceil(d_v / 32) exceeds 2^31 - 1";
     default: return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown edgelin status";

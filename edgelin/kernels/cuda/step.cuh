@@ -17,6 +17,9 @@
 // at B=256, 3.2-4.5 us at B=1 on an H200). With (2) but per-row input loads, ptxas serialised those
 // loads behind the barrier instead (up to 16 dependent waits per CTA); (3) makes them one batch.
 // tests/test_kernels.py checks the order in the SASS of every arch.
+// The erase gate (ERASE, Gated DeltaNet-2) is one more per-key input loaded with q and k in (3); the
+// update then erases along e * k and writes along k: S += k (beta v)^T - (e * k)(beta S^T k)^T, one
+// more FMA per state element and no more state traffic.
 // Column sums over d_k (S^T k for the delta rule, S^T q for the readout) reduce in two steps:
 // shuffles across the rows of a warp, then shared memory across the warps.
 #pragma once
@@ -79,14 +82,16 @@ __device__ __forceinline__ void column_sums(float (&part)[kColsPerThread], float
   }
 }
 
-// T: q, k, v, o; TG: g and beta (float, or T); GATE: EdgelinGate; DELTA: delta rule;
-// VEC: 16-byte state accesses (d_v % 4 == 0, aligned rows); TL: the tile (d_k <= TL::kMaxK).
-template <typename T, typename TG, int GATE, bool DELTA, bool VEC, class TL>
+// T: q, k, v, o; TG: g, beta and erase (float, or T); GATE: EdgelinGate; DELTA: delta rule;
+// ERASE: the erase gate (DELTA only); VEC: 16-byte state accesses (d_v % 4 == 0, aligned rows);
+// TL: the tile (d_k <= TL::kMaxK).
+template <typename T, typename TG, int GATE, bool DELTA, bool ERASE, bool VEC, class TL>
 __global__ void __launch_bounds__(TL::kThreads, TL::kMinBlocks) step_kernel(const EdgelinStepArgs a) {
   constexpr int kRowsPerThread = TL::kRows, kRowGroups = TL::kRowGroups, kTileV = TL::kTileV;
   constexpr int kMaxK = TL::kMaxK, kThreads = TL::kThreads;
   // the inputs as float32, shared by the CTA: q, k, exp(g) per key, this tile's v, exp(g) and beta
   __shared__ float in_q[kMaxK], in_k[kMaxK], in_decay[GATE == EDGELIN_GATE_PER_KEY ? kMaxK : 1], in_v[kTileV];
+  __shared__ float in_erase[ERASE ? kMaxK : 1];
   __shared__ float in_head[2];
   __shared__ float scratch[2][TL::kWarps * kTileV];  // two buffers: no barrier between the two sums
   const int tiles = (a.d_v + kTileV - 1) / kTileV;
@@ -130,15 +135,17 @@ __global__ void __launch_bounds__(TL::kThreads, TL::kMinBlocks) step_kernel(cons
     const T* k = static_cast<const T*>(a.k) + b * a.k_stride_b + h * a.k_stride_h;
     const T* v = static_cast<const T*>(a.v) + b * a.v_stride_b + h * a.v_stride_h;
     const TG* g = static_cast<const TG*>(a.g) + b * a.g_stride_b + h * a.g_stride_h;
+    const TG* e = static_cast<const TG*>(a.erase) + b * a.erase_stride_b + h * a.erase_stride_h;
     constexpr int kPer = (kMaxK + kThreads - 1) / kThreads;
     T rq[kPer], rk[kPer];
-    TG rg[kPer];
+    TG rg[kPer], re[kPer];
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int i = min(static_cast<int>(threadIdx.x) + j * kThreads, K - 1);
       rq[j] = q[i];
       rk[j] = k[i];
       if (GATE == EDGELIN_GATE_PER_KEY) rg[j] = g[i];
+      if (ERASE) re[j] = e[i];
     }
     const int vi = tile * kTileV + static_cast<int>(threadIdx.x);
     const T rv = v[min(vi, V - 1)];
@@ -152,6 +159,7 @@ __global__ void __launch_bounds__(TL::kThreads, TL::kMinBlocks) step_kernel(cons
         in_q[i] = i < K ? to_float(rq[j]) : 0.f;
         in_k[i] = i < K ? to_float(rk[j]) : 0.f;
         if (GATE == EDGELIN_GATE_PER_KEY) in_decay[i] = i < K ? __expf(to_float(rg[j])) : 1.f;
+        if (ERASE) in_erase[i] = i < K ? to_float(re[j]) : 0.f;
       }
     }
     if (threadIdx.x < kTileV) in_v[threadIdx.x] = vi < V ? to_float(rv) : 0.f;
@@ -163,12 +171,14 @@ __global__ void __launch_bounds__(TL::kThreads, TL::kMinBlocks) step_kernel(cons
   __syncthreads();
 
   // 4. Decay, then the delta rule's correction u = beta (v - S^T k), then S += k u^T, o = S^T q.
-  float kv[kRowsPerThread], qv[kRowsPerThread];
+  // With the erase gate: p = S^T k, S += k (beta v)^T - (e * k)(beta p)^T, o = S^T q.
+  float kv[kRowsPerThread], qv[kRowsPerThread], ev[ERASE ? kRowsPerThread : 1];
 #pragma unroll
   for (int r = 0; r < kRowsPerThread; ++r) {
     const int kr = row + r * kRowGroups;
     kv[r] = in_k[kr];
     qv[r] = in_q[kr];
+    if (ERASE) ev[r] = -in_erase[kr] * kv[r];  // minus the erase direction
     const float d = GATE == EDGELIN_GATE_PER_KEY ? in_decay[kr] : in_head[0];
     if (GATE != EDGELIN_GATE_NONE) {
 #pragma unroll
@@ -176,7 +186,7 @@ __global__ void __launch_bounds__(TL::kThreads, TL::kMinBlocks) step_kernel(cons
     }
   }
 
-  float u[kColsPerThread];
+  float u[kColsPerThread], bp[kColsPerThread];  // bp: beta S^T k, what the erase gate subtracts
 #pragma unroll
   for (int c = 0; c < kColsPerThread; ++c) u[c] = in_v[col4 * kColsPerThread + c];
   if (DELTA) {
@@ -187,8 +197,13 @@ __global__ void __launch_bounds__(TL::kThreads, TL::kMinBlocks) step_kernel(cons
       for (int c = 0; c < kColsPerThread; ++c) part[c] = fmaf(s[r][c], kv[r], part[c]);
     column_sums<TL>(part, scratch[0], col4);
     const float beta = in_head[1];
+    if (ERASE) {
 #pragma unroll
-    for (int c = 0; c < kColsPerThread; ++c) u[c] = beta * (u[c] - part[c]);
+      for (int c = 0; c < kColsPerThread; ++c) u[c] = beta * u[c], bp[c] = beta * part[c];
+    } else {
+#pragma unroll
+      for (int c = 0; c < kColsPerThread; ++c) u[c] = beta * (u[c] - part[c]);
+    }
   }
 
   float out[kColsPerThread] = {0.f, 0.f, 0.f, 0.f};
@@ -199,6 +214,7 @@ __global__ void __launch_bounds__(TL::kThreads, TL::kMinBlocks) step_kernel(cons
     const int kr = row + r * kRowGroups;
 #pragma unroll
     for (int c = 0; c < kColsPerThread; ++c) {
+      if (ERASE) s[r][c] = fmaf(ev[r], bp[c], s[r][c]);
       s[r][c] = fmaf(kv[r], u[c], s[r][c]);
       out[c] = fmaf(s[r][c], qv[r], out[c]);
     }

@@ -18,9 +18,11 @@ int32_t dtype_code(const at::Tensor& t) {
   return -1;
 }
 
-// q, k [B, H, K]; v, o [B, H, V]; g [B, H, 1|K] or empty; beta [B, H] or empty; states [B, H, K, V].
+// q, k [B, H, K]; v, o [B, H, V]; g [B, H, 1|K] or empty; beta [B, H] or empty; states [B, H, K, V];
+// erase [B, H, K] or empty (the erase gate, delta rule only; g's and beta's dtype).
 void step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& g,
-          const c10::optional<at::Tensor>& beta, const at::Tensor& state_in, at::Tensor state_out, at::Tensor o) {
+          const c10::optional<at::Tensor>& beta, const at::Tensor& state_in, at::Tensor state_out, at::Tensor o,
+          const c10::optional<at::Tensor>& erase) {
   const c10::cuda::CUDAGuard guard(q.device());
   EdgelinStepArgs a{};
   a.q = q.data_ptr();
@@ -53,6 +55,11 @@ void step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c
     a.beta = beta->data_ptr();
     a.beta_stride_b = beta->stride(0), a.beta_stride_h = beta->stride(1);
   }
+  if (erase.has_value()) {
+    a.erase = erase->data_ptr();
+    a.erase_stride_b = erase->stride(0), a.erase_stride_h = erase->stride(1);
+    a.erase_flag = 1;
+  }
   const int code = edgelin_step_launch(&a, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(code == EDGELIN_OK, "edgelin_step_launch failed (", code, "): ", edgelin_step_status_string(code));
 }
@@ -60,7 +67,9 @@ void step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("step", &step, "edgelin fused decode step (CUDA)");
+  m.def("step", &step, "edgelin fused decode step (CUDA)", pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"),
+        pybind11::arg("g"), pybind11::arg("beta"), pybind11::arg("state_in"), pybind11::arg("state_out"),
+        pybind11::arg("o"), pybind11::arg("erase") = pybind11::none());
   // the header this binding was compiled with, and the launcher it links: equal by construction here
   m.attr("abi_version") = EDGELIN_STEP_ABI_VERSION;
   m.def("launcher_abi_version", &edgelin_step_abi_version, "EDGELIN_STEP_ABI_VERSION of the linked launcher");

@@ -9,7 +9,10 @@
 //
 // Tensors (all linear, contiguous; B dynamic):
 //   inputs : q [B,H,K], k [B,H,K], v [B,H,V] (dtype), g [B,H,1|K] (aux_dtype, when gate != 0),
-//            beta [B,H] (aux_dtype, when delta), state [B,H,K,V] float32
+//            beta [B,H] (aux_dtype, when delta), e [B,H,K] (aux_dtype, when erase: Gated DeltaNet-2's
+//            erase gate, delta rule only), state [B,H,K,V] float32
+//   `erase` (launcher ABI 3) defaults to 0 and then adds no input: a node of an older graph keeps its
+//   layout, so version "1" reads both.
 //   outputs: o [B,H,V] (dtype), state_out [B,H,K,V] float32 (aliases `state` when inplace = 1)
 #include <dlfcn.h>
 
@@ -78,10 +81,12 @@ struct Config {
   int32_t dtype = EDGELIN_F32;       // q, k, v, o
   int32_t aux_dtype = EDGELIN_F32;   // g, beta: float32 by default, or dtype
   int32_t inplace = 0;               // 1: state_out aliases the state input (preview feature)
+  int32_t erase = 0;                 // 1: the erase gate input (needs delta)
 
-  int32_t nbInputs() const { return 4 + (gate != EDGELIN_GATE_NONE ? 1 : 0) + (delta ? 1 : 0); }
+  int32_t nbInputs() const { return 4 + (gate != EDGELIN_GATE_NONE ? 1 : 0) + (delta ? 1 : 0) + (erase ? 1 : 0); }
   int32_t gIndex() const { return gate != EDGELIN_GATE_NONE ? 3 : -1; }
   int32_t betaIndex() const { return delta ? 3 + (gate != EDGELIN_GATE_NONE ? 1 : 0) : -1; }
+  int32_t eraseIndex() const { return erase ? stateIndex() - 1 : -1; }
   int32_t stateIndex() const { return nbInputs() - 1; }
   int32_t gWidth() const { return gate == EDGELIN_GATE_PER_KEY ? d_k : 1; }
 };
@@ -98,7 +103,7 @@ constexpr FieldSpec kFields[] = {
     {"heads", &Config::heads, 1, 65535, true},  {"d_k", &Config::d_k, 1, EDGELIN_STEP_MAX_HEAD_DIM, true},
     {"d_v", &Config::d_v, 1, EDGELIN_STEP_MAX_HEAD_DIM, true},
     {"dtype", &Config::dtype, 0, 2, false},     {"aux_dtype", &Config::aux_dtype, 0, 2, false},
-    {"inplace", &Config::inplace, 0, 1, false},
+    {"inplace", &Config::inplace, 0, 1, false}, {"erase", &Config::erase, 0, 1, false},
 };
 constexpr int32_t kNbFields = static_cast<int32_t>(sizeof(kFields) / sizeof(kFields[0]));
 
@@ -141,6 +146,10 @@ bool parseConfig(PluginFieldCollection const* fc, Config& cfg) noexcept {
   if (cfg.aux_dtype != EDGELIN_F32 && cfg.aux_dtype != cfg.dtype) {
     logError("aux_dtype must be 0 (float32) or equal dtype (" + std::to_string(cfg.dtype) + "), got " +
              std::to_string(cfg.aux_dtype));
+    return false;
+  }
+  if (cfg.erase && !cfg.delta) {
+    logError("erase = 1 needs delta = 1 (the erase gate splits the delta rule's update)");
     return false;
   }
   return true;
@@ -251,6 +260,8 @@ class StepPlugin final : public IPluginV3, public IPluginV3OneCore, public IPlug
     a.q = inputs[0], a.k = inputs[1], a.v = inputs[2], a.o = outputs[0];
     a.g = mCfg.gIndex() >= 0 ? inputs[mCfg.gIndex()] : nullptr;
     a.beta = mCfg.betaIndex() >= 0 ? inputs[mCfg.betaIndex()] : nullptr;
+    a.erase = mCfg.eraseIndex() >= 0 ? inputs[mCfg.eraseIndex()] : nullptr;
+    a.erase_flag = mCfg.erase, a.erase_stride_b = H * K, a.erase_stride_h = K;
     a.state_in = static_cast<float const*>(inputs[mCfg.stateIndex()]);
     a.state_out = static_cast<float*>(outputs[1]);
     a.batch = static_cast<int32_t>(batch), a.heads = mCfg.heads, a.d_k = mCfg.d_k, a.d_v = mCfg.d_v;
@@ -289,17 +300,21 @@ class StepPlugin final : public IPluginV3, public IPluginV3OneCore, public IPlug
   DataType expectedType(int32_t pos) const {
     int32_t const nbIn = mCfg.nbInputs();
     if (pos == mCfg.stateIndex() || pos == nbIn + 1) return DataType::kFLOAT;
-    if (pos == mCfg.gIndex() || pos == mCfg.betaIndex()) return trtType(mCfg.aux_dtype);
+    if (pos == mCfg.gIndex() || pos == mCfg.betaIndex() || pos == mCfg.eraseIndex()) return trtType(mCfg.aux_dtype);
     return trtType(mCfg.dtype);  // q, k, v, o
   }
 
   // Checks an input's rank and its fixed extents against the attributes; a dynamic extent (-1) is
   // allowed only in the batch axis, and when `concrete` (min/max/runtime shapes) none is allowed.
   bool checkDims(int32_t index, Dims const& dims, bool concrete) const noexcept {
-    static char const* const kRoles[] = {"q", "k", "v", "g", "beta", "state"};
-    int32_t role = index < 3 ? index : index == mCfg.gIndex() ? 3 : index == mCfg.betaIndex() ? 4 : 5;
+    static char const* const kRoles[] = {"q", "k", "v", "g", "beta", "state", "erase"};
+    int32_t role = index < 3                  ? index
+                   : index == mCfg.gIndex()     ? 3
+                   : index == mCfg.betaIndex()  ? 4
+                   : index == mCfg.eraseIndex() ? 6
+                                                : 5;
     std::vector<int64_t> want;
-    if (role <= 1) want = {mCfg.heads, mCfg.d_k};
+    if (role <= 1 || role == 6) want = {mCfg.heads, mCfg.d_k};
     else if (role == 2) want = {mCfg.heads, mCfg.d_v};
     else if (role == 3) want = {mCfg.heads, mCfg.gWidth()};
     else if (role == 4) want = {mCfg.heads};

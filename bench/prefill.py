@@ -1,0 +1,171 @@
+"""Chunked prefill: edgelin's Triton kernels against fla 0.6.0's chunk_* on one GPU (issue 12 goal 2).
+
+Method (issue 12 goal 1), per family and shape, in one run, the two libraries in alternating order
+(ours first on even cells, fla first on odd ones):
+  graph  GPU time: N calls captured in one CUDA graph, replayed R times, elapsed (events) / (N R)
+  events GPU time: events around N back-to-back eager calls / N (launch overhead included where
+         the GPU outruns the host)
+  wall   host wall time per call: N eager calls then a synchronize, / N
+plus million tokens/s (from graph time), the edgelin/fla ratio (> 1: edgelin faster), the max
+abs error of ours vs fla and of both vs the fp32 torch reference (`recurrence.chunked` on fp32
+copies of the same bf16 inputs; B=1, T=4096 only: it is a Python loop over chunks).
+gated_deltanet2 (erase gate) has no fla peer: it is timed against fla's gated_delta_rule on the same
+q, k, v, g, beta (the erase gate is extra work) and checked against the reference.
+
+    python bench/prefill.py [--json out.json] [--shapes 1x4096,1x32768,8x4096,8x32768] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DEV = "cuda"
+FAMILIES = {  # name: (gate, delta, erase)
+    "simple_gla": ("scalar", False, False), "gla": ("per_key", False, False), "delta_rule": ("none", True, False),
+    "gated_delta_rule": ("scalar", True, False), "kda": ("per_key", True, False),
+    "gated_deltanet2": ("scalar", True, True),
+}
+
+
+def make(b, t, h, k, v, gate, delta, erase, dtype=torch.bfloat16, seed=2):
+    torch.manual_seed(seed)
+    q = F.normalize(torch.randn(b, t, h, k, device=DEV), dim=-1).to(dtype)
+    kk = F.normalize(torch.randn(b, t, h, k, device=DEV), dim=-1).to(dtype)
+    vv = torch.randn(b, t, h, v, device=DEV).to(dtype)
+    g = {"none": None, "scalar": lambda: F.logsigmoid(torch.randn(b, t, h, 1, device=DEV) + 3),
+         "per_key": lambda: F.logsigmoid(torch.randn(b, t, h, k, device=DEV)) / 16}[gate]
+    g = g() if g else None
+    beta = torch.rand(b, t, h, device=DEV) if delta else None
+    e = torch.sigmoid(torch.randn(b, t, h, k, device=DEV) + 1) if erase else None
+    s0 = torch.randn(b, h, k, v, device=DEV) * 0.1
+    return q, kk, vv, g, beta, e, s0
+
+
+def fla_call(family):
+    if family == "simple_gla":
+        from fla.ops.simple_gla import chunk_simple_gla
+        return lambda q, k, v, g, b, s: chunk_simple_gla(q, k, v, g[..., 0], scale=1.0, initial_state=s,
+                                                         output_final_state=True)
+    if family == "gla":
+        from fla.ops.gla import chunk_gla
+        return lambda q, k, v, g, b, s: chunk_gla(q, k, v, g, scale=1.0, initial_state=s, output_final_state=True)
+    if family == "delta_rule":
+        from fla.ops.delta_rule import chunk_delta_rule
+        return lambda q, k, v, g, b, s: chunk_delta_rule(q, k, v, b.to(q.dtype), scale=1.0, initial_state=s,
+                                                         output_final_state=True)
+    if family in ("gated_delta_rule", "gated_deltanet2"):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        return lambda q, k, v, g, b, s: chunk_gated_delta_rule(q, k, v, g[..., 0], b.to(q.dtype), scale=1.0,
+                                                               initial_state=s, output_final_state=True)
+    from fla.ops.kda import chunk_kda
+    return lambda q, k, v, g, b, s: chunk_kda(q, k, v, g, b.to(q.dtype), scale=1.0, initial_state=s,
+                                              output_final_state=True)
+
+
+def timings(fn, n: int, replays: int) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(replays):
+        graph.replay()
+    z.record()
+    torch.cuda.synchronize()
+    graph_us = a.elapsed_time(z) * 1e3 / (n * replays)
+    del graph
+    began = time.perf_counter()
+    a.record()
+    for _ in range(n):
+        fn()
+    z.record()
+    torch.cuda.synchronize()
+    wall_us = (time.perf_counter() - began) * 1e6 / n
+    return {"graph_us": graph_us, "events_us": a.elapsed_time(z) * 1e3 / n, "wall_us": wall_us}
+
+
+def reference(q, k, v, g, beta, e, s0):
+    from edgelin.reference.recurrence import chunked
+
+    f = [None if x is None else x.float() for x in (s0, q, k, v, g, beta)]
+    return chunked(*f, erase=None if e is None else e.float())
+
+
+def main() -> None:
+    from edgelin import kernels
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--shapes", default="1x4096,1x32768,8x4096,8x32768")
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--profile", action="store_true", help="per-kernel CUDA time at the first shape")
+    args = parser.parse_args()
+    h, dk, dv = 16, 128, 128
+    results = {"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}, "cells": {}}
+    print(f"{'family':17} {'shape':9} {'edgelin graph/events/wall us':>30} {'fla graph/events/wall us':>28} "
+          f"{'Mtok/s ours':>11} {'fla':>7} {'ratio':>6} {'|ours-fla|':>10} {'ours-ref':>9} {'fla-ref':>9}", flush=True)
+    cell = 0
+    for shape in args.shapes.split(","):
+        b, t = map(int, shape.split("x"))
+        n = max(2, min(20, 2 ** 17 // (b * t)))
+        for family in args.families.split(","):
+            gate, delta, erase = FAMILIES[family]
+            q, k, v, g, beta, e, s0 = make(b, t, h, dk, dv, gate, delta, erase)
+            ours = lambda: kernels.chunk_prefill(q, k, v, g, beta, s0, erase=e)  # noqa: E731
+            fla = fla_call(family)
+            theirs = lambda: fla(q, k, v, g, beta, s0)  # noqa: E731
+            order = [("ours", ours), ("fla", theirs)]
+            res = {}
+            for name, fn in (order if cell % 2 == 0 else order[::-1]):
+                res[name] = timings(fn, n, 5)
+            cell += 1
+            o, s = ours()
+            o_f, _ = theirs()
+            entry = {"ours": res["ours"], "fla": res["fla"], "ratio": res["fla"]["graph_us"] / res["ours"]["graph_us"],
+                     "tokens": b * t}
+            if not erase:
+                entry["max_err_vs_fla"] = (o.float() - o_f.float()).abs().max().item()
+            if b == 1 and t == 4096:
+                o_r, s_r = reference(q, k, v, g, beta, e, s0)
+                entry["max_err_vs_ref"] = (o.float() - o_r).abs().max().item()
+                entry["state_err_vs_ref"] = (s - s_r).abs().max().item()
+                if not erase:
+                    entry["fla_max_err_vs_ref"] = (o_f.float() - o_r).abs().max().item()
+            results["cells"][f"{family}/B{b}xT{t}"] = entry
+            fmt = lambda r: f"{r['graph_us']:9.1f}/{r['events_us']:9.1f}/{r['wall_us']:8.1f}"  # noqa: E731
+            print(f"{family:17} {shape:9} {fmt(res['ours']):>30} {fmt(res['fla']):>28} "
+                  f"{b * t / res['ours']['graph_us']:11.1f} {b * t / res['fla']['graph_us']:7.1f} "
+                  f"{entry['ratio']:6.2f} {entry.get('max_err_vs_fla', float('nan')):10.2e} "
+                  f"{entry.get('max_err_vs_ref', float('nan')):9.2e} {entry.get('fla_max_err_vs_ref', float('nan')):9.2e}",
+                  flush=True)
+            if args.profile and shape == args.shapes.split(",")[0]:
+                from torch.profiler import ProfilerActivity, profile
+
+                for name, fn in order:
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(5):
+                            fn()
+                        torch.cuda.synchronize()
+                    rows = sorted(((ev.key, ev.device_time_total / 5) for ev in prof.key_averages()),
+                                  key=lambda r: -r[1])[:6]
+                    print(f"    {name} kernels (us/call): " + ", ".join(f"{key[:34]} {us:.0f}" for key, us in rows),
+                          flush=True)
+            q = k = v = g = beta = e = s0 = o = s = o_f = None  # free the cell before the next
+            torch.cuda.empty_cache()
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

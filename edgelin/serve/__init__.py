@@ -1,0 +1,1 @@
+"""Serving exports on existing inference servers (`edgelin export --serve triton`: edgelin.serve.triton)."""

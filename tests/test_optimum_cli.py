@@ -1,0 +1,85 @@
+"""`optimum-cli export edgelin`: registered through optimum's `optimum.commands.register` namespace package by
+edgelin's distribution, and the same export as `edgelin export`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgelin.errors import EdgelinError
+from helpers import make_checkpoint
+
+pytest.importorskip("optimum.commands.base", reason="optimum (the optimum or dev extra) is not installed")
+OPTIMUM_CLI = shutil.which("optimum-cli", path=str(Path(sys.executable).parent))
+
+
+def optimum_cli(args: list[str], capsys: pytest.CaptureFixture[str] | None = None) -> int:
+    """optimum-cli in this process (its main() reads sys.argv); the exit code."""
+    from optimum.commands.optimum_cli import main
+
+    argv = sys.argv
+    sys.argv = ["optimum-cli", *args]
+    try:
+        main()
+        return 0
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        sys.argv = argv
+
+
+@pytest.mark.skipif(OPTIMUM_CLI is None, reason="no optimum-cli next to this Python")
+def test_optimum_cli_lists_edgelin() -> None:
+    listed = subprocess.run([OPTIMUM_CLI, "export", "--help"], capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "edgelin" in listed.stdout, listed.stdout + listed.stderr
+    own = subprocess.run([OPTIMUM_CLI, "export", "edgelin", "--help"], capture_output=True, text=True, timeout=120)
+    assert own.returncode == 0
+    for flag in ("--model", "--task", "--device", "--dtype", "--target", "--device-profile", "output"):
+        assert flag in own.stdout, flag
+
+
+def test_arguments_map_onto_edgelin_export() -> None:
+    from optimum.commands.register.register_edgelin import edgelin_argv
+
+    assert edgelin_argv("ck", "out") == ["export", "ck", "--out", "out", "--target", "onnx"]
+    assert edgelin_argv("ck", "out", device="cuda", dtype="fp32") == \
+        ["export", "ck", "--out", "out", "--target", "onnx", "--device", "desktop-gpu", "--precision", "fp32"]
+    assert edgelin_argv("ck", "out", device="cpu", dtype="float16", target="tensorrt", serve="triton")[4:] == \
+        ["--target", "tensorrt", "--device", "desktop-cpu", "--precision", "fp16", "--serve", "triton"]
+    with pytest.raises(EdgelinError, match="--task text-classification: edgelin exports one task, "
+                                           "text-generation-with-past"):
+        edgelin_argv("ck", "out", task="text-classification")
+    with pytest.raises(EdgelinError, match="--dtype bf16"):
+        edgelin_argv("ck", "out", dtype="bf16")
+    with pytest.raises(EdgelinError, match="--device cuda with --device-profile desktop-cpu"):
+        edgelin_argv("ck", "out", device="cuda", device_profile="desktop-cpu")
+
+
+def test_other_task_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = optimum_cli(["export", "edgelin", "--model", str(tmp_path), str(tmp_path / "o"), "--task", "fill-mask"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: --task fill-mask: ") and "\n" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # two tiny exports
+def test_same_artifact_as_edgelin_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from edgelin.cli import app
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla", tokenizer=False)
+    assert optimum_cli(["export", "edgelin", "--model", str(ckpt), str(tmp_path / "via-optimum")]) == 0
+    with pytest.raises(SystemExit) as done:
+        app(args=["export", str(ckpt), "--out", str(tmp_path / "via-edgelin")])
+    assert done.value.code in (0, None)
+    capsys.readouterr()
+    a, b = tmp_path / "via-optimum", tmp_path / "via-edgelin"
+    ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (a, b))
+    assert ma == mb  # every manifest field: graphs, state, source (path, sha256), weights' account, reference's hash
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for name in ("weights.bin", "reference.npz", "step.onnx", "prefill.onnx"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name

@@ -1,0 +1,154 @@
+"""`export --serve triton`: the Triton Inference Server repository, checked against Triton's own config schema
+(tritonclient's ModelConfig) and run through ONNX Runtime (the server itself cannot run here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgelin.errors import EdgelinError
+from edgelin.export.manifest import Manifest
+from edgelin.export.pipeline import export_checkpoint
+from helpers import make_checkpoint
+
+pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] (the dev extra) is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+TYPES = {"float32": "TYPE_FP32", "int64": "TYPE_INT64"}  # Triton's names, written out here, not read from edgelin
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("serve")
+    ckpt = make_checkpoint(root / "tiny-hybrid", "hybrid", tokenizer=False)  # linear + sliding-window softmax
+    return export_checkpoint(ckpt, root / "out", serve="triton").folder
+
+
+def parse(path: Path):
+    from google.protobuf import text_format
+    from tritonclient.grpc.model_config_pb2 import DataType, ModelConfig, ModelInput, ModelSequenceBatching
+
+    config = text_format.Parse(path.read_text(), ModelConfig())
+    return config, DataType, ModelInput, ModelSequenceBatching
+
+
+@pytest.mark.slow  # the module's export: ~80 s on a busy 2-core machine (once per module)
+def test_config_feeds_back_what_the_manifest_and_graph_say(served: Path) -> None:
+    import onnx
+
+    manifest = Manifest.load(served)
+    config, DataType, _, Seq = parse(served / "triton" / "tiny-hybrid" / "config.pbtxt")
+    assert (config.name, config.backend, config.max_batch_size) == ("tiny-hybrid", "onnxruntime", 8)
+    graph = onnx.load(str(served / "triton" / "tiny-hybrid" / "1" / "model.onnx"), load_external_data=False).graph
+    dims = lambda vi: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]  # noqa: E731
+    g_in, g_out = {i.name: i for i in graph.input}, {o.name: o for o in graph.output}
+
+    # every past_key_values.* input is a state fed back from its present.* output, zero at START, and the
+    # position (the hybrid's softmax layer needs one) is a state too
+    want = [(s["input"], s["output"], TYPES[s["dtype"]], s["dims"][1:]) for s in manifest.to_dict()["state"]]
+    assert manifest.needs_position and len(want) == 5  # GDN: recurrent + conv; softmax: key + value; GLA: recurrent
+    want.append(("past_position", "present.position", "TYPE_INT64", [1]))
+    states = config.sequence_batching.state
+    assert [(s.input_name, s.output_name, DataType.Name(s.data_type), list(s.dims)) for s in states] == want
+    for s in states:
+        (init,) = s.initial_state
+        assert init.zero_data and list(init.dims) == list(s.dims) and init.data_type == s.data_type
+        assert s.input_name in g_in and s.output_name in g_out  # the graph has both ends, batch first
+        assert dims(g_in[s.input_name]) == dims(g_out[s.output_name]) == ["batch", *s.dims]
+    assert "position_ids" not in g_in  # fed from the state inside the graph
+
+    controls = {c.name: Seq.Control.Kind.Name(c.control[0].kind) for c in config.sequence_batching.control_input}
+    assert controls == {"START": "CONTROL_SEQUENCE_START", "READY": "CONTROL_SEQUENCE_READY",
+                        "CORRID": "CONTROL_SEQUENCE_CORRID"}
+    for name in controls:  # Triton's ONNX backend wants each control input shaped [batch, 1]
+        assert dims(g_in[name]) == ["batch", 1]
+    # the backend's count: config inputs + controls + states == the model's inputs
+    assert len(config.input) + len(controls) + len(states) == len(graph.input)
+    (ids,) = config.input
+    assert (ids.name, DataType.Name(ids.data_type), list(ids.dims), list(ids.reshape.shape)) == \
+        ("input_ids", "TYPE_INT64", [1], [])
+    (logits,) = config.output
+    assert (logits.name, list(logits.dims)) == ("logits", [manifest.vocab_size])
+    oldest = config.sequence_batching.oldest
+    assert (oldest.max_candidate_sequences, list(oldest.preferred_batch_size)) == (64, [4, 8])
+
+
+def test_serving_graph_steps_like_step_onnx(served: Path) -> None:
+    import onnxruntime as ort
+
+    manifest = Manifest.load(served)
+    version = served / "triton" / "tiny-hybrid" / "1"
+    weights = served / "weights.bin"
+    assert (version / "weights.bin").stat().st_ino == weights.stat().st_ino  # a hard link, not a second copy
+    assert "triton" in manifest.files and manifest.extra["serve"]["triton"]["model"] == "tiny-hybrid"
+    rng = np.random.default_rng(0)
+    state = {k: rng.standard_normal(v.shape).astype(v.dtype) * 0.1 for k, v in manifest.initial_state(2).items()}
+    ids = np.array([5, 9], np.int64)
+    step = ort.InferenceSession(str(served / "step.onnx"))
+    serve = ort.InferenceSession(str(version / "model.onnx"))
+    names = [o.name for o in serve.get_outputs()]
+    # row 0 continues at position 3; row 1 starts a sequence (START=1: position 0 whatever the state said)
+    got = dict(zip(names, serve.run(None, {"input_ids": ids, **state, "past_position": np.array([[3], [7]]),
+                                           "START": np.array([[0], [1]], np.int32),
+                                           "READY": np.array([[1], [1]], np.int32),
+                                           "CORRID": np.array([[11], [12]], np.uint64)})))
+    want = dict(zip([o.name for o in step.get_outputs()],
+                    step.run(None, {"input_ids": ids, "position_ids": np.array([3, 0]), **state})))
+    np.testing.assert_array_equal(got["present.position"], [[4], [1]])
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+def test_shipped_model_config_for_a_gpu_profile(tmp_path: Path) -> None:
+    """The shipped model's repository config (from its checkpoint, no export) against the schema, with the
+    desktop-gpu profile's [serving] limits."""
+    from edgelin.checkpoint import load_model
+    from edgelin.devices import get_device
+    from edgelin.export.pipeline import build_manifest
+    from edgelin.serve.triton import config_text
+
+    model, _ = load_model(ROOT / "recipes" / "tiny-gdn-hybrid")
+    manifest = build_manifest(model, "onnx", "fp32", {"step": "step.onnx", "prefill": "prefill.onnx"}, {}, None)
+    gpu = get_device("desktop-gpu")
+    (tmp_path / "config.pbtxt").write_text(config_text(manifest, "tiny-gdn-hybrid", gpu.serving, "onnxruntime", True))
+    config, _, _, _ = parse(tmp_path / "config.pbtxt")
+    assert config.max_batch_size == 32 and config.sequence_batching.oldest.max_candidate_sequences == 256
+    assert [g.kind for g in config.instance_group] == [1]  # KIND_GPU
+    inputs = [s.input_name for s in config.sequence_batching.state]
+    assert inputs == [t.name for t in manifest.state_inputs] + ["past_position"]
+    assert list(config.sequence_batching.state[0].dims) == [4, 64, 64]  # the shipped GDN layer's 4 heads of 64x64
+    # a tensorrt export: platform tensorrt_plan (the user builds model.plan), and only the controls the graph
+    # reads (TensorRT drops unread inputs, and Triton would then miss CORRID)
+    trt = build_manifest(model, "tensorrt", "fp16", {"step": "step.onnx", "prefill": "prefill.onnx"}, {}, None)
+    (tmp_path / "config.pbtxt").write_text(config_text(trt, "tiny-gdn-hybrid", gpu.serving, "tensorrt", True))
+    config, _, _, _ = parse(tmp_path / "config.pbtxt")
+    assert (config.platform, config.backend, config.default_model_filename) == ("tensorrt_plan", "", "model.plan")
+    assert [c.name for c in config.sequence_batching.control_input] == ["START", "READY"]
+
+
+def test_growing_state_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from edgelin.model.config import AttentionConfig
+
+    attention = AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, window=None)  # a full KV cache
+    ckpt = make_checkpoint(tmp_path / "full", "hybrid", tokenizer=False, attention=attention)
+    with pytest.raises(EdgelinError, match=r"--serve triton: state past_key_values\.1\.key has dims .*past_sequence"
+                                           r".* grows with the context"):
+        export_checkpoint(ckpt, tmp_path / "out", serve="triton")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_serving_table_is_refused() -> None:
+    from edgelin.devices import DeviceProfile
+
+    base = {"title": "t", "kind": "server", "targets": ["onnx"], "compute": "cpu", "precision": "fp32",
+            "state_dtype": "float32", "memory_gib": 4}
+    with pytest.raises(EdgelinError, match="preferred_batch_sizes .16. must ascend, without repeats, up to "
+                                           "max_batch_size"):
+        DeviceProfile.from_dict("x", {**base, "serving": {"max_batch_size": 8, "preferred_batch_sizes": [16]}}, "x")
+    with pytest.raises(EdgelinError, match="unknown key 'max_batch'"):
+        DeviceProfile.from_dict("x", {**base, "serving": {"max_batch": 8}}, "x")
+    ok = DeviceProfile.from_dict("x", {**base, "serving": {"max_batch_size": 2, "preferred_batch_sizes": [1, 2]}}, "x")
+    assert (ok.serving.max_batch_size, ok.serving.preferred_batch_sizes, ok.serving.max_candidate_sequences) == \
+        (2, (1, 2), 64)
