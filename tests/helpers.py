@@ -65,10 +65,13 @@ def make_tokenizer(path: Path, vocab_size: int = 97) -> Path:
     return path
 
 
-def make_checkpoint(folder: Path, family: str = "hybrid", tokenizer: bool = True, seed: int = 0, **changes) -> Path:
+def make_checkpoint(folder: Path, family: str = "hybrid", tokenizer: bool = True, seed: int = 0,
+                    layers: tuple[str, ...] | None = None, **changes) -> Path:
+    """`layers`: the layer types (default: two of `family`, or the hybrid's three)."""
     torch.manual_seed(seed)
     vocab = changes.pop("vocab_size", 97)
-    model = CausalLM(tiny_config(family_layers(family), vocab_size=max(vocab, 256 if tokenizer else vocab), **changes))
+    model = CausalLM(tiny_config(layers or family_layers(family), vocab_size=max(vocab, 256 if tokenizer else vocab),
+                                 **changes))
     tok = make_tokenizer(folder.parent / f"{folder.name}-tokenizer.json", model.config.vocab_size) if tokenizer else None
     return save_checkpoint(model, folder, tok)
 

@@ -26,7 +26,7 @@ def exports(tmp_path_factory):
     # One layer per family (the export's cost is tracing, which grows with the layers); the hybrid's
     # three layers cover stacking: per-layer state names, two linear layers around a softmax one.
     root = tmp_path_factory.mktemp("onnx")
-    return {family: export_family(root, family) if family == "hybrid" else export_family(root, family, layer_types=(family,))
+    return {family: export_family(root, family, layers=None if family == "hybrid" else (family,))
             for family in FAMILIES_AND_HYBRID}
 
 
