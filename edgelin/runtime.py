@@ -3,6 +3,8 @@ measure memory. Imports no torch: this is what a runtime-only install (edgelin[r
 
 from __future__ import annotations
 
+import math
+
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,10 +61,24 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
         raise EdgelinError(f"prefill chunk {chunk}", "a piece holds at least one token", "pass chunk >= 1")
     batch = ids.shape[0]
     state = runner.new_state(batch) if state is None else state
-    logits = None
-    for lo in range(0, ids.shape[1], chunk):
-        logits = runner.prefill(ids[:, lo:lo + chunk], state, np.full(batch, start + lo, np.int64))
+    logits, lo, growing = None, 0, not runner.manifest.constant_memory
+    while lo < ids.shape[1]:
+        n = piece_length(chunk, start + lo) if growing else chunk
+        logits = runner.prefill(ids[:, lo:lo + n], state, np.full(batch, start + lo, np.int64))
+        lo += n
     return logits, state
+
+
+# A growing KV cache's prefill graph holds [heads, piece, past + piece] attention scores (and the
+# softmax's copies of them): pieces shrink as the context grows, so that piece x (past + piece)
+# stays under this many token pairs (32 MiB of float32 scores per head) at any position.
+ATTENTION_PAIRS = 1 << 23
+
+
+def piece_length(chunk: int, past: int) -> int:
+    """The longest piece n <= chunk with n * (past + n) <= ATTENTION_PAIRS (at least one token)."""
+    n = int((math.sqrt(past * past + 4 * ATTENTION_PAIRS) - past) / 2)
+    return max(1, min(chunk, n))
 
 
 def rss_bytes() -> int:

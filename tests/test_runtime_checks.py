@@ -510,3 +510,35 @@ def test_bench_prompt_ids_are_drawn_piecewise():
     assert [ids.shape for _, ids in pieces] == [(2, 256)] * 3 + [(2, 232)]
     again = list(random_pieces(3, 97, 2, 1000, 256))
     assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(pieces, again))
+
+
+def test_piece_length_bounds_the_attention_scores():
+    """piece x (past + piece) <= ATTENTION_PAIRS (2^23): 2048 (the chunk) from an empty cache, 254 at
+    32k, 1 token past 8M; never more than the chunk."""
+    from edgelin.runtime import ATTENTION_PAIRS, piece_length
+
+    assert ATTENTION_PAIRS == 1 << 23
+    assert piece_length(2048, 0) == 2048 and piece_length(4096, 0) == 2896
+    assert piece_length(2048, 32768) == 254 and 254 * (32768 + 254) <= 1 << 23 < 255 * (32768 + 255)
+    assert piece_length(2048, 1 << 24) == 1
+
+
+def test_growing_cache_prefill_shrinks_its_pieces_and_keeps_the_logits(growing, monkeypatch):
+    """A growing KV cache is prefilled in pieces that shrink with the context (bounded attention
+    scores), with the logits and state of one whole-prompt call; a constant-memory export keeps
+    whole chunks."""
+    import edgelin.runtime as runtime_module
+
+    runner = open_runner(growing)
+    ids = np.random.default_rng(5).integers(0, runner.manifest.vocab_size, (2, 40))
+    whole = runner.new_state(2)
+    want = runner.prefill(ids, whole, np.zeros(2, np.int64))
+    pieces = []
+    real = runner.prefill
+    monkeypatch.setattr(runner, "prefill", lambda piece, *a: pieces.append(piece.shape[1]) or real(piece, *a))
+    monkeypatch.setattr(runtime_module, "ATTENTION_PAIRS", 100)  # n (past + n) <= 100
+    got, handle = prefill(runner, ids)
+    assert pieces == [10, 6, 4, 4, 3, 3, 3, 2, 2, 2, 1]  # the largest n with n (past + n) <= 100, then the rest
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for name, value in runner.read_state(handle).items():
+        np.testing.assert_allclose(value, runner.read_state(whole)[name], rtol=1e-5, atol=1e-5)
