@@ -90,3 +90,17 @@ def test_manifest_contract(exports):
     # By hand, fp32 (tiny_config: 2 heads of 8x8, conv 4, window 8, one KV head of 16):
     # gated_deltanet 2*8*8 + (16+16+16)*3 = 272; softmax key+value 2*8*16 = 256; gla 2*8*8 = 128.
     assert data["source"]["sha256"] and data["model"]["state_bytes_per_sequence"] == (272 + 256 + 128) * 4
+
+
+def test_onnx_runtime_fuses_every_rmsnorm_of_the_step(exports, tmp_path):
+    """The model writes RMSNorm as x / sqrt(mean(x^2) + eps) * w, the form ONNX Runtime's optimiser
+    fuses into one SimplifiedLayerNormalization node (x * rsqrt(...) stays six nodes): the block norms
+    (2 per layer), the final norm and the mixers' output norms of the hybrid's step graph."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "step-optimized.onnx")
+    ort.InferenceSession(str(exports["hybrid"] / "step.onnx"), options, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "step-optimized.onnx"), load_external_data=False).graph.node]
+    layers = len(Manifest.load(exports["hybrid"]).layers)
+    assert ops.count("SimplifiedLayerNormalization") >= 2 * layers + 1, sorted(set(ops))

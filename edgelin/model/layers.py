@@ -17,8 +17,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # The mean of squares in float32 (fp16 graphs: x^2 overflows fp16 from |x| = 256); a no-op for fp32.
+        # x / sqrt(.), not x * rsqrt(.): ONNX Runtime fuses this form (Pow, ReduceMean, Add, Sqrt, Div, Mul)
+        # into one SimplifiedLayerNormalization node; the rsqrt form stays six nodes in every step graph.
         wide = x.float()
-        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return (wide / torch.sqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 class GroupRMSNorm(nn.Module):
@@ -31,7 +33,7 @@ class GroupRMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         grouped = x.reshape(*x.shape[:-1], self.groups, -1).float()  # float32 statistics, as RMSNorm
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        grouped = grouped / torch.sqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)  # as RMSNorm
         return grouped.reshape(x.shape).to(x.dtype) * self.weight
 
 
