@@ -22,7 +22,6 @@ No torch at module level (the registry imports this module on a runtime-only ins
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,9 +88,6 @@ class TorchTarget(Target):
 
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
                options: TorchOptions, folder: Path) -> dict[str, str]:
-        if not isinstance(options, TorchOptions):
-            raise EdgelinError(f"torch export options of type {type(options).__name__}",
-                               "the torch target takes TorchOptions", "pass TorchOptions() or nothing")
         if settings.precision not in PRECISIONS:
             raise EdgelinError(f"torch precision {settings.precision!r}",
                                f"this target writes {'/'.join(PRECISIONS)} weights", "use --precision fp32 or fp16")
@@ -119,6 +115,7 @@ def write_model(model: "CausalLM", precision: str, folder: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
+    from edgelin.export.reference_vectors import sha256_of
     from edgelin.model.lm import with_compute_dtype
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[precision]
@@ -134,18 +131,11 @@ def write_model(model: "CausalLM", precision: str, folder: Path) -> dict:
         key = str(value.dtype).removeprefix("torch.")
         by_dtype[key] = by_dtype.get(key, 0) + value.numel() * value.element_size()
     contract = {"format": CONTRACT_FORMAT, "version": CONTRACT_VERSION, "precision": precision, "config": CONFIG,
-                "weights": WEIGHTS, "bytes": (folder / WEIGHTS).stat().st_size, "sha256": _sha256(folder / WEIGHTS),
-                "config_sha256": _sha256(folder / CONFIG), "tensor_bytes": dict(sorted(by_dtype.items()))}
+                "weights": WEIGHTS, "bytes": (folder / WEIGHTS).stat().st_size, "sha256": sha256_of(folder / WEIGHTS),
+                "config_sha256": sha256_of(folder / CONFIG), "tensor_bytes": dict(sorted(by_dtype.items()))}
     (folder / CONTRACT).write_text(json.dumps(contract, indent=2) + "\n")
     return contract
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_contract(folder: Path) -> dict:
