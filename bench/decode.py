@@ -1,6 +1,7 @@
 """Whole-model GPU decode (issue 12 goal 3): unfused GraphDecoder vs the fused decode, one run.
 
     python bench/decode.py [--commit SHA] [--json out.json] [--batches 1,8,64,256] [--steps 200]
+                           [--tuning '{"bn_in": 8}' | --tuning tuning.json] [--skip-unfused-above B]
 
 Model: gated_deltanet x16, hidden 768, 6 heads of K=V=128, MLP 2048, vocab 32000, tied embeddings,
 fp16 weights (147.6M parameters), random init (seed 0). For each batch B and decoder (unfused:
@@ -11,7 +12,8 @@ Floors: weight-read floor = weight bytes / copy bandwidth (per step, shared by t
 = state bytes read + written / copy bandwidth; copy bandwidth = a 2 GiB device-to-device copy (read +
 write bytes / time), measured at the start of this run. Kernels per token: torch.profiler over one
 eager step (every CUDA kernel and memcpy/memset). Exactness: 64 greedy steps at B=1 of the fused
-decode, the unfused fp16 model and the fp32 model, from the same token.
+decode, the unfused fp16 model and the fp32 model, from the same token. --tuning: the fused decode's
+launch parameters (edgelin.kernels.fused_decode_gemv.DecodeTuning fields; the defaults otherwise).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgelin.kernels.fused_decode import FusedDecoder  # noqa: E402
+from edgelin.kernels.fused_decode import DecodeTuning, FusedDecoder  # noqa: E402
 from edgelin.kernels.graph_decode import GraphDecoder  # noqa: E402
 
 DEV = "cuda"
@@ -102,12 +104,60 @@ def kernels_per_step(fn, breakdown: bool = False) -> int:
     return len(events)
 
 
-def exactness(model, steps: int = 64) -> dict:
+def role_profile(model, tuning: DecodeTuning, bandwidth: float) -> dict:
+    """B=1, one eager fused step without PDL (with PDL a kernel's span includes its wait for the one
+    before): GPU time per kernel role (in-proj, mixer, o_proj, gate/up, down, LM head) from
+    torch.profiler, and the weight bytes each role reads / its time, against copy bandwidth."""
+    from dataclasses import replace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = FusedDecoder(model, batch=1, graph=False, tuning=replace(tuning, pdl=False))
+    token = torch.zeros(1, dtype=torch.long, device=DEV)
+    for _ in range(2):
+        decoder.step(token)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decoder.step(token)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and "emcpy" not in e.name and "emset" not in e.name), key=lambda e: e.time_range.start)
+    roles = ("in-proj (+norm)", "mixer", "o_proj (+gated norm, residual)", "gate/up (+norm, SwiGLU)",
+             "down (+residual)")
+    layers = decoder.layers
+    if len(kernels) != 5 * len(layers) + 1:
+        say(f"  role profile: {len(kernels)} kernels, not 5 per layer + 1; skipped")
+        return {}
+    nbytes = {"in-proj (+norm)": layers[0].w_in, "o_proj (+gated norm, residual)": layers[0].w_o,
+              "gate/up (+norm, SwiGLU)": layers[0].w_gu, "down (+residual)": layers[0].w_down}
+    out: dict[str, dict] = {}
+    for i, event in enumerate(kernels):
+        role = "LM head (+final norm)" if i == len(kernels) - 1 else roles[i % 5]
+        spent = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        entry = out.setdefault(role, {"calls": 0, "us": 0.0})
+        entry["calls"] += 1
+        entry["us"] += spent
+    nbytes["LM head (+final norm)"] = decoder.head
+    total = sum(e["us"] for e in out.values())
+    say(f"  per-kernel profile (B=1, eager, no PDL, torch.profiler): {len(kernels)} kernels, {total:.1f} us")
+    for role, entry in out.items():
+        w = nbytes.get(role)
+        mean = entry["us"] / entry["calls"]
+        entry["us_per_call"] = mean
+        if w is not None:
+            entry["weight_bytes_per_call"] = w.numel() * w.element_size()
+            entry["pct_copy_bw"] = 100 * entry["weight_bytes_per_call"] / (mean * 1e-6) / bandwidth
+        pct = f"{entry['pct_copy_bw']:.0f}% of copy bandwidth" if w is not None else ""
+        say(f"    {entry['us']:8.1f} us  x{entry['calls']:3d}  {mean:6.2f} us/call  {role}  {pct}")
+    return out
+
+
+def exactness(model, steps: int = 64, tuning: DecodeTuning | None = None) -> dict:
     """Greedy B=1: fused vs unfused fp16 eager vs fp32 eager, each feeding its own argmax."""
     import copy
 
     ref32 = copy.deepcopy(model).float()
-    fused = FusedDecoder(model, batch=1)
+    fused = FusedDecoder(model, batch=1, tuning=tuning)
     first = torch.tensor([17], device=DEV)
     runs = {}
     with torch.no_grad():
@@ -150,9 +200,12 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--skip-unfused-above", type=int, default=256, help="unfused decoders only up to this B")
+    parser.add_argument("--tuning", default="{}", help="DecodeTuning fields as JSON, or a JSON file")
     args = parser.parse_args()
+    text = Path(args.tuning).read_text() if not args.tuning.lstrip().startswith("{") else args.tuning
+    tuning = DecodeTuning(**json.loads(text))
     RESULTS["env"] = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "python": platform.python_version(), "commit": args.commit}
+                      "python": platform.python_version(), "commit": args.commit, "tuning": tuning.__dict__}
     say(f"decode bench: {RESULTS['env']}")
     bw = copy_bandwidth()
     RESULTS["copy_TBps"] = bw / 1e12
@@ -162,8 +215,12 @@ def main() -> None:
     say(f"copy bandwidth {bw / 1e12:.2f} TB/s; {model.num_parameters() / 1e6:.1f}M params, "
         f"{weight_bytes / 1e6:.0f} MB fp16 weights")
     began = time.time()
-    RESULTS["exactness"] = exactness(model)
+    RESULTS["exactness"] = exactness(model, tuning=tuning)
     say(f"exactness (64 greedy steps, B=1): {RESULTS['exactness']}  [{time.time() - began:.0f} s]")
+    try:
+        RESULTS["role_profile"] = role_profile(model, tuning, bw)
+    except Exception as exc:  # a profiler quirk must not cost the table
+        say(f"  role profile failed: {exc!r}")
     say("| B | decoder | kernels/step | GPU us/step | wall us/step | tokens/s | weight floor us | state floor us "
         "| x (weights+state) floor |")
     RESULTS["rows"] = []
@@ -172,7 +229,7 @@ def main() -> None:
             if name == "unfused" and batch > args.skip_unfused_above:
                 continue
             began = time.time()
-            decoder = cls(model, batch=batch)
+            decoder = cls(model, batch=batch, tuning=tuning) if name == "fused" else cls(model, batch=batch)
             state_bytes = sum(t.numel() * t.element_size() for layer in decoder.state for t in layer.values())
             gpu_us, wall_us = time_decoder(decoder, batch, args.steps)
             token = torch.zeros(batch, dtype=torch.long, device=DEV)

@@ -37,7 +37,7 @@ PY = {"edgelin": sys.executable, "transformers": sys.executable,
       "llama": str(PEERS / "venv-llama" / "bin" / "python"), "executorch": str(PEERS / "venv-et" / "bin" / "python")}
 PROMPT = "def main("
 MEM_LIMIT = 12 << 30  # address-space cap per worker: a runtime that would take more fails in its cell, no OOM kill
-RUNTIMES = ["edgelin-fp32", "edgelin-fp16", "edgelin-int8", "edgelin-int4", "llama-f32", "llama-f16", "llama-q8_0",
+RUNTIMES = ["edgelin-fp32", "edgelin-fp32-prepack", "edgelin-fp16", "edgelin-int8", "edgelin-int4", "llama-f32", "llama-f16", "llama-q8_0",
             "llama-q4_0", "executorch-fp32", "transformers-fp32"]
 PRECISION = {"fp32": "fp32", "f32": "fp32", "fp16": "fp16", "f16": "fp16", "int8": "8-bit", "q8_0": "8-bit",
              "int4": "4-bit", "q4_0": "4-bit"}
@@ -313,14 +313,21 @@ def _executorch_export(ckpt: Path, work: Path, pte: Path, log: Path) -> tuple[bo
     return ok and pte.is_file(), err
 
 
-def prepare(kind: str, ckpt: Path, work: Path) -> tuple[Path | None, str]:
-    """(artifact, '') or (None, the exact error). Cached in work/."""
+def prepare(kind: str, ckpt: Path, work: Path, context: int | None = None) -> tuple[Path | None, str]:
+    """(artifact, '') or (None, the exact error). Cached in work/. `context`: edgelin exports a model with
+    full attention layers with an in-place KV cache of that many tokens (--kv-cache static; not fp16, whose
+    graphs cast the cache), in work/<kind>-kv<context>."""
+    kind = kind.removesuffix("-prepack")  # the same export, run with prepacking on
     out = work / kind
     log = work / f"{kind}.log"
     if kind.startswith("edgelin"):
+        static = context is not None and not kind.endswith("fp16") and "full_attention" in json.loads(
+            (ckpt / "config.json").read_text()).get("layer_types", [])
+        out = work / f"{kind}-kv{context}" if static else out
         if not (out / "manifest.json").is_file():
             flag = {"fp32": [], "fp16": ["--precision", "fp16"], "int8": ["--quantize", "int8"],
                     "int4": ["--quantize", "int4"]}[kind.split("-")[1]]
+            flag += ["--kv-cache", "static", "--context", str(context)] if static else []
             ok, err = _run([str(Path(sys.executable).parent / "edgelin"), "export", str(ckpt), "--target", "onnx",
                             "--out", str(out), *flag], log)
             if not ok:
@@ -388,6 +395,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--prepare-only", action="store_true", help="build the artifacts, time nothing")
+    parser.add_argument("--edgelin-kv", choices=("static", "growing"), default="static",
+                        help="edgelin's KV cache for models with full attention (export --kv-cache)")
     args = parser.parse_args()
     ckpt = args.checkpoint.resolve()
     work = (args.work or PEERS / "work" / ckpt.name).resolve()
@@ -399,9 +408,12 @@ def main() -> None:
     vocab = json.loads((ckpt / "config.json").read_text())["vocab_size"]
     meta = versions()
     rows, artifacts = [], {}
+    # edgelin's in-place KV cache holds what the timed run feeds (as llama.cpp's n_ctx), unless --edgelin-kv growing
+    positions = [int(p) for p in args.positions.split(",")]
+    context = None if args.edgelin_kv == "growing" else max(positions) + 2 * args.iters + 2048 + 64
     for kind in args.runtimes.split(","):  # every artifact first (under nice), then the timed runs back to back
         t = time.perf_counter()
-        artifacts[kind], err = prepare(kind, ckpt, work)
+        artifacts[kind], err = prepare(kind, ckpt, work, context)
         rows.append({"runtime": kind, "prepare_s": round(time.perf_counter() - t, 1), "error": err, "runs": {}})
         print(f"{kind}: " + (f"cannot prepare: {err}" if artifacts[kind] is None else f"{artifacts[kind]}"), flush=True)
     if args.prepare_only:
@@ -418,6 +430,8 @@ def main() -> None:
                     "positions": [int(p) for p in args.positions.split(",")]}
             env = {**os.environ, "PYTHONPATH": str(ROOT), **{v: str(threads) for v in (
                 "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
+            if kind.startswith("edgelin"):  # "-prepack": the same folder with ONNX Runtime's weight prepacking on
+                env["EDGELIN_ORT_PREPACK"] = "1" if kind.endswith("-prepack") else "0"  # (`edgelin bench --prepack`)
             py = PY[kind.split("-")[0]]
             try:
                 proc = subprocess.run([py, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], env=env,

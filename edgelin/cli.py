@@ -154,6 +154,11 @@ def export(
     deployment_target: Optional[str] = typer.Option(
         None, "--deployment-target", help="coreml: iOS18 (default; one package, shared weights), iOS16/iOS17/"
                                           "macOS13/macOS14 (explicit style; one package per function), macOS15."),
+    kv_cache: Optional[str] = typer.Option(
+        None, "--kv-cache", help="onnx: the attention layers' KV cache: growing (default; concatenated each call) or "
+                                 "static (one buffer of --context tokens updated in place: GroupQueryAttention)."),
+    context: Optional[int] = typer.Option(None, "--context", help="onnx, with --kv-cache static: the cache's "
+                                                                 "capacity in tokens (a longer sequence is refused)."),
     as_json: bool = JSON,
 ) -> None:
     """Export step + prefill graphs, reference vectors and manifest.json for a target."""
@@ -185,6 +190,15 @@ def export(
         from edgelin.export.onnx_target import OnnxOptions
 
         options = OnnxOptions(quantize_embeddings=False)
+    if kv_cache is not None or context is not None:
+        if target != "onnx":
+            raise EdgelinError(f"--kv-cache/--context apply to --target onnx only, not {target}",
+                               "the fixed-capacity cache is ONNX Runtime's GroupQueryAttention", "drop them")
+        import dataclasses
+
+        from edgelin.export.onnx_target import OnnxOptions
+
+        options = dataclasses.replace(options or OnnxOptions(), kv_cache=kv_cache or "growing", context=context)
     if trt_inplace:
         if target != "tensorrt":
             raise EdgelinError(f"--trt-inplace applies to --target tensorrt only, not {target}",
@@ -216,7 +230,8 @@ def export(
     out.table(f"Exported {checkpoint} -> {result.folder}", ["graph", "file", "inputs", "outputs"],
               [[kind, g.file, len(g.inputs), len(g.outputs)] for kind, g in m.graphs.items()])
     out.line(f"state per sequence: {human_bytes(m.state_bytes(1))} "
-             f"({'constant' if m.constant_memory else 'grows with context'}); "
+             f"({'constant' if m.constant_memory else 'grows with context'}"
+             f"{f', in place up to {m.kv_capacity:,} tokens' if m.kv_capacity else ''}); "
              f"layers: {', '.join(layer['type'] for layer in m.layers)}")
     weights, precision = m.extra.get("weights"), m.extra.get("precision", {})
     if weights:

@@ -157,7 +157,11 @@ def invocation() -> str | None:
     if ctx is None:
         return shlex.join(["edgelin" if Path(sys.argv[0]).stem in ("edgelin", "cli") else sys.argv[0],
                            *sys.argv[1:]])
-    words = ["edgelin", *ctx.command_path.split()[1:]]
+    names, node = [], ctx
+    while node.parent is not None:  # the root's name is the program ("python -m edgelin.cli" too)
+        names.insert(0, node.info_name)
+        node = node.parent
+    words = ["edgelin", *names]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
         if getattr(param, "param_type_name", "") == "argument":

@@ -50,6 +50,8 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
             chunk: int = 2048) -> tuple[np.ndarray, StateHandle]:
     """Prefill ids [B, T] in pieces of at most `chunk` tokens (bounded memory for any T), from `state`
     (a new zero state when None), which is advanced in place; returns (last logits, the handle).
+    Pieces are shorter still where that costs nothing: at most CONSTANT_PIECE tokens for a constant-memory
+    model, and shrinking with the context for a growing KV cache (`piece_length`).
     runner.prefill checks every piece (ids, positions, the handle) before it reaches the runtime."""
     ids = np.asarray(ids)
     if ids.ndim != 2:
@@ -61,13 +63,21 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
         raise EdgelinError(f"prefill chunk {chunk}", "a piece holds at least one token", "pass chunk >= 1")
     batch = ids.shape[0]
     state = runner.new_state(batch) if state is None else state
-    logits, lo, growing = None, 0, not runner.manifest.constant_memory
+    # a static KV cache (export --kv-cache static) holds no [piece, past + piece] scores: pieces as for constant memory
+    logits, lo, growing = None, 0, not runner.manifest.constant_memory and runner.manifest.kv_capacity is None
     while lo < ids.shape[1]:
-        n = piece_length(chunk, start + lo) if growing else chunk
+        n = piece_length(chunk, start + lo) if growing else min(chunk, CONSTANT_PIECE)
         logits = runner.prefill(ids[:, lo:lo + n], state, np.full(batch, start + lo, np.int64))
         lo += n
     return logits, state
 
+
+# A constant-memory model's prefill graph holds its activations for a whole piece (ONNX Runtime keeps
+# them in its arena after the call): pieces of 256 tokens instead of 2,048 cut the Mamba2 peer checkpoint's
+# (12.1 M parameters) peak RSS for a 2,048-token prompt from 643 to 237 MiB at 1 thread, and prefill got no
+# slower (4,200 -> 4,700-5,000 tokens/s: the chunk scan's working set stays in cache); 128 saves another
+# 30 MiB for ~5% of the speed, 64 and below lose 20-50%.
+CONSTANT_PIECE = 256
 
 # A growing KV cache's prefill graph holds [heads, piece, past + piece] attention scores (and the
 # softmax's copies of them): pieces shrink as the context grows, so that piece x (past + piece)

@@ -215,6 +215,19 @@ def test_chunk_prefill_without_initial_state(gate, delta):
     assert_close(s, s_ref, 1e-5)
 
 
+@pytest.mark.parametrize("gate", GATES)
+def test_chunk_prefill_32_row_chunks(gate):
+    """fp32 with d_k > 64 takes 32-row chunks: the WY inverse's two-block path (64-row chunks take four)."""
+    from edgelin.kernels.chunk import chunk_config
+
+    s0, q, k, v, g, beta = make(1, 45, 1, 96, 8, gate, True, seed=6)
+    assert chunk_config(1, 96, 8, torch.float32, q.device, True)["BT"] == 32
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kernels.chunk_prefill(q, k, v, g, beta, s0)
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
+
+
 @pytest.mark.parametrize("gate", ["scalar", "per_key"])
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
 def test_chunk_prefill_strong_decay_stays_finite(gate, delta):

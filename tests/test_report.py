@@ -56,8 +56,10 @@ def benched(tmp_path_factory):
         patch.undo()
     files = []
     for threads in (1, 2):
-        result = run("bench", folder, "--positions", "1,48", "--iters", "3", "--warmup", "1", "--prefill-tokens", "16",
-                     "--threads", threads, "--json")
+        args = ["bench", folder, "--positions", "1,48", "--iters", "3", "--warmup", "1", "--prefill-tokens", "16",
+                "--threads", threads, "--json"]
+        # the second as `python -m edgelin.cli` names itself: the recorded command still reads `edgelin bench ...`
+        result = cli.invoke(app, [str(a) for a in args], prog_name="edgelin" if threads == 1 else "python -m edgelin.cli")
         assert result.exit_code == 0, result.output
         path = root / f"bench-t{threads}.json"
         path.write_text(result.stdout)  # json.loads below: stdout holds the JSON only, progress bars or not

@@ -171,7 +171,7 @@ class CoremlTarget(Target):
         assert set(by_function.values()) == set(packages), (by_function, packages)
         return {"step": by_function["step"], "prefill": by_function[plans[-1].name]}
 
-    def finish_export(self, folder: Path, manifest: "Manifest") -> None:
+    def finish_export(self, folder: Path, manifest: "Manifest", options: object = None) -> None:
         """Once the manifest exists (the pipeline calls this): the source hash and edgelin's version
         into every package's metadata, then the Linux contract check of what was written."""
         from edgelin.export.coreml_check import check_folder

@@ -63,8 +63,60 @@ def register_lowering(entry: Lowering) -> Lowering:
     return entry
 
 
-register_lowering(Lowering("onnx", TorchEngine(name="onnx-scan", loop=scan_loop),
-                           "torch forms; the chunk loop is torch's scan (one ONNX Scan, dynamic count)"))
+def softplus(x: Tensor) -> Tensor:
+    """softplus as the one ONNX Softplus node while exporting (torch's form adds its threshold as
+    Greater + Where; ONNX Runtime's Softplus is log1p(exp(-|x|)) + max(x, 0), exact for large x too)."""
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic("Softplus", (x,), dtype=x.dtype, shape=x.shape, version=1)
+    return torch.nn.functional.softplus(x)
+
+
+@dataclass(frozen=True)
+class OnnxEngine(TorchEngine):
+    """The torch forms with the chunk loop as a scan, plus what the step graph needs to stay small
+    (ONNX Runtime pays a few microseconds per node, about as much as the step's arithmetic): a one-token
+    step that keeps the time axis (`step_t1`: reshapes instead of Gather / Unsqueeze / Squeeze) and
+    broadcasts grouped key heads instead of repeating them, and `softplus` as one node. The mixer
+    (edgelin.model.mixer) uses `step_t1` for a T = 1 step of layers without a normaliser or erase gate."""
+
+    def step_t1(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
+                beta: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """recurrence.recurrent_step for one token, time axis kept: q, k [B, 1, Hk, d_k] (Hk key heads,
+        dividing H), v [B, 1, H, d_v], g [B, 1, H, 1 | d_k], beta [B, 1, H], state [B, H, d_k, d_v]
+        -> (o [B, 1, H, d_v], state)."""
+        heads, d_k, d_v = state.shape[1:]
+        key_heads = q.shape[2]
+        grouped = key_heads not in (1, heads)  # then S is viewed [B, Hk, H/Hk, d_k, d_v]
+        lead = (-1, key_heads, 1) if grouped else (-1, key_heads)  # a key head, broadcast over its value heads
+        each = (-1, key_heads, heads // key_heads) if grouped else (-1, heads)
+        s = state.reshape(-1, key_heads, heads // key_heads, d_k, d_v) if grouped else state
+        if g is not None:
+            s = s * g.exp().reshape(*each, g.shape[-1], 1)
+        v = v.reshape(*each, 1, d_v)
+        if beta is not None:  # v <- beta (v - k^T S)
+            v = beta.reshape(*each, 1, 1) * (v - k.reshape(*lead, 1, d_k) @ s)
+        s = s + k.reshape(*lead, d_k, 1) * v
+        o = q.reshape(*lead, 1, d_k) @ s  # [.., 1, d_v]
+        return o.reshape(-1, 1, heads, d_v), (s.reshape(-1, heads, d_k, d_v) if grouped else s)
+
+    @staticmethod
+    def softplus(x: Tensor) -> Tensor:
+        return softplus(x)
+
+    @staticmethod
+    def l2_normalize(x: Tensor, eps: float, scale: float = 1.0) -> Tensor:
+        """scale * x / sqrt(|x|^2 + eps) written as RMSNorm (x / sqrt(mean(x^2) + eps / d) * w with
+        w = scale / sqrt(d): the same value), which ONNX Runtime fuses into one SimplifiedLayerNormalization
+        node; the sum-and-rsqrt form stays six. Statistics in float32 (fp16 graphs), as RMSNorm."""
+        d = x.shape[-1]
+        wide = x.float()
+        weight = torch.full((d,), scale * d**-0.5, dtype=torch.float32)
+        return (wide / torch.sqrt(wide.pow(2).mean(-1, keepdim=True) + eps / d) * weight).to(x.dtype)
+
+
+register_lowering(Lowering("onnx", OnnxEngine(name="onnx-scan", loop=scan_loop),
+                           "torch forms; the chunk loop is torch's scan (one ONNX Scan, dynamic count); "
+                           "a small one-token step"))
 
 
 @dataclass(frozen=True)

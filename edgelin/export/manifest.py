@@ -69,6 +69,13 @@ class Manifest:
     def constant_memory(self) -> bool:
         return not any(isinstance(d, str) and d != "batch" for t in self.state_inputs for d in t.dims)
 
+    @property
+    def kv_capacity(self) -> int | None:
+        """A static KV cache's capacity in tokens (`export --kv-cache static --context N`: the runner keeps
+        each growing state tensor in one buffer of this many positions); None: a growing cache, or none."""
+        entry = self.extra.get("kv_cache")
+        return entry["capacity"] if entry else None
+
     # ---- file ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,7 +99,8 @@ class Manifest:
             "graphs": {kind: g.to_dict() for kind, g in self.graphs.items()},
             "state": [
                 {"input": t.name, "output": state_output_name(t.layer, t.state_name), "layer": t.layer,
-                 "name": t.state_name, "dims": list(t.dims), "dtype": t.dtype, "init": "zeros"}
+                 "name": t.state_name, "dims": list(t.dims), "dtype": t.dtype, "init": "zeros",
+                 **({"capacity": self.kv_capacity} if self.kv_capacity and _STATE_DIMS[1] in t.dims else {})}
                 for t in self.state_inputs
             ],
             "extra": self.extra,
@@ -233,6 +241,19 @@ def check_consistency(data: dict[str, Any]) -> None:
            [layer["state"] for layer in layers], "graphs.step.inputs", by_layer)
     _agree("manifest and step graph disagree", "the number of state inputs", "model.layers",
            sum(map(len, by_layer)), "graphs.step.inputs", len(step))
+
+    extra = data.get("extra", {})
+    kv_cache = extra.get("kv_cache") if isinstance(extra, dict) else None
+    growing = [entry for entry in listed if _STATE_DIMS[1] in entry["dims"]]
+    if kv_cache is not None:
+        capacity = kv_cache.get("capacity") if isinstance(kv_cache, dict) else None
+        if not isinstance(kv_cache, dict) or kv_cache.get("layout") != "static" or isinstance(capacity, bool) \
+                or not isinstance(capacity, int) or capacity < 1 or not growing:
+            raise ValueError(f"extra.kv_cache {kv_cache!r} (a static cache: layout \"static\", a capacity >= 1, "
+                             "and state tensors that grow)")
+    for entry in growing:
+        _agree("manifest is inconsistent", f"the capacity of {entry['input']}", "state[]", entry.get("capacity"),
+               "extra.kv_cache", kv_cache and kv_cache["capacity"])
 
     probe = Manifest("", "", graphs, (), vocab, needs_position, {})
     _agree("manifest is inconsistent", "state_bytes_per_sequence", "model", model["state_bytes_per_sequence"],

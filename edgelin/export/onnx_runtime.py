@@ -9,6 +9,11 @@ and each step binds one set as the past inputs and the other as the present outp
 once per handle, and a step only writes the token and position into their bound buffers. A growing KV
 cache changes shape every call: its outputs are allocated by ONNX Runtime and kept as the next
 inputs (still no numpy round trip). Only read_state / write_state copy state to or from numpy.
+
+A static KV cache (`export --kv-cache static --context N`, manifest.kv_capacity): each growing state
+tensor lives in one buffer of N positions, bound as both its past input and its present output, which
+the graphs' GroupQueryAttention updates in place; the handle counts the tokens the cache holds (a
+position must continue it), read_state returns the valid part, and a call past N is refused.
 """
 
 from __future__ import annotations
@@ -56,18 +61,23 @@ class _Buffers:
     """A handle's contents: the current state (OrtValues in the runner's state order) and, for a
     constant-memory model, the spare set the next call writes into plus that handle's step bindings."""
 
-    __slots__ = ("current", "spare", "ids", "position", "logits", "bindings")
+    __slots__ = ("current", "spare", "ids", "position", "logits", "bindings", "arrays", "length")
 
-    def __init__(self, current: list, spare: list | None):
+    def __init__(self, current: list, spare: list | None, arrays: list | None = None):
         self.current, self.spare = current, spare
         self.ids = self.position = self.logits = None  # the step's bound input/output buffers
         self.bindings: list | None = None  # [current -> spare, spare -> current], built on the first step
+        # A static KV cache: the numpy arrays behind [current, spare] (a KV buffer is in both) and the
+        # number of tokens its cache holds.
+        self.arrays, self.length = arrays, 0
 
     def swap(self) -> None:
         """The present just written is the next past; the next call writes over the old past."""
         self.current, self.spare = self.spare, self.current
         if self.bindings is not None:
             self.bindings.reverse()
+        if self.arrays is not None:
+            self.arrays.reverse()
 
 
 class OnnxRunner(Runner):
@@ -106,7 +116,14 @@ class OnnxRunner(Runner):
         self._dtypes = [NUMPY_DTYPES[t.dtype] for t in manifest.state_inputs]
         feeds = outputs_by_input(manifest.graphs["step"].outputs)  # the manifest checked prefill's agree
         self.present_names = [feeds[name] for name in self.state_names]
-        self._fixed = manifest.constant_memory  # fixed shapes: preallocated ping-pong buffers
+        self.capacity = manifest.kv_capacity  # a static KV cache: its buffers' length (None: none)
+        if self.capacity is not None:
+            _check_capacity(self.sessions, self.capacity)
+        # The growing tensors' past_sequence axis (a static cache keeps them at the capacity), else None.
+        self._kv_axis = [t.dims.index("past_sequence") if "past_sequence" in t.dims else None
+                         for t in manifest.state_inputs]
+        # fixed shapes: preallocated ping-pong buffers (a static cache's KV buffers: one, bound both ways)
+        self._fixed = manifest.constant_memory or self.capacity is not None
 
     # ---- handles ---------------------------------------------------------------------------------
     def _ortvalue(self, array: np.ndarray):
@@ -114,6 +131,9 @@ class OnnxRunner(Runner):
         return self._ort.OrtValue.ortvalue_from_numpy(array)
 
     def _new(self, batch: int) -> _Buffers:
+        if self.capacity is not None:
+            return self._static([_filled(s.shape, s.dtype) for s in self.manifest.initial_state(batch, self.capacity)
+                                 .values()], 0, batch)
         return self._buffers([_filled(tuple(v.shape), v.dtype) for v in self.manifest.initial_state(batch).values()])
 
     def _buffers(self, arrays: list[np.ndarray]) -> _Buffers:
@@ -121,11 +141,38 @@ class OnnxRunner(Runner):
         spare = [self._ortvalue(_filled(a.shape, a.dtype)) for a in arrays] if self._fixed else None
         return _Buffers(current, spare)
 
+    def _static(self, arrays: list[np.ndarray], length: int, batch: int) -> _Buffers:
+        """A static-cache handle on `arrays` (owned): each KV buffer is its own past and present; the other
+        state tensors ping-pong. Its step bindings are built here, outside any timed step."""
+        spare = [a if axis is not None else _filled(a.shape, a.dtype) for a, axis in zip(arrays, self._kv_axis)]
+        buffers = _Buffers([self._ortvalue(a) for a in arrays], None, [arrays, spare])
+        buffers.spare = [c if axis is not None else self._ortvalue(a)
+                         for c, a, axis in zip(buffers.current, spare, self._kv_axis)]
+        buffers.length = length
+        self._bind_step(buffers, batch)
+        return buffers
+
+    def _valid(self, array: np.ndarray, axis: int | None, length: int) -> np.ndarray:
+        """A static KV buffer's first `length` positions (the whole array for any other state tensor)."""
+        return array if axis is None else array[(slice(None),) * axis + (slice(0, length),)]
+
     def _read(self, state: StateHandle) -> State:
-        return {name: np.array(value.numpy(), copy=True) for name, value in zip(self.state_names, state._value.current)}
+        buffers: _Buffers = state._value
+        if self.capacity is not None:
+            return {name: np.array(self._valid(a, axis, buffers.length), copy=True)
+                    for name, a, axis in zip(self.state_names, buffers.arrays[0], self._kv_axis)}
+        return {name: np.array(value.numpy(), copy=True) for name, value in zip(self.state_names, buffers.current)}
 
     def _write(self, state: StateHandle, values: State) -> None:
         buffers: _Buffers = state._value
+        if self.capacity is not None:  # check_state made the growing tensors' lengths agree
+            lengths = {values[n].shape[axis] for n, axis in zip(self.state_names, self._kv_axis) if axis is not None}
+            length = lengths.pop()
+            self._check_room("write_state", length, 0)
+            for name, array, axis in zip(self.state_names, buffers.arrays[0], self._kv_axis):
+                self._valid(array, axis, length)[...] = values[name]
+            buffers.length = length
+            return
         if self._fixed:  # same shapes (write_state checked them): copy into the bound buffers
             for value, name, dtype in zip(buffers.current, self.state_names, self._dtypes):
                 value.update_inplace(np.ascontiguousarray(values[name], dtype))
@@ -134,6 +181,9 @@ class OnnxRunner(Runner):
                                for name, dtype in zip(self.state_names, self._dtypes)]
 
     def _copy(self, state: StateHandle) -> _Buffers:
+        if self.capacity is not None:
+            buffers: _Buffers = state._value
+            return self._static([np.array(a, copy=True) for a in buffers.arrays[0]], buffers.length, state.batch)
         if not self._fixed:  # nothing writes into a growing cache's OrtValues (each call allocates new
             return _Buffers(list(state._value.current), None)  # ones; write_state replaces them): share them
         return self._buffers([np.array(v.numpy(), copy=True) for v in state._value.current])
@@ -144,6 +194,8 @@ class OnnxRunner(Runner):
         ids = np.ascontiguousarray(input_ids, np.int64)
         if position is not None:
             position = np.ascontiguousarray(position, np.int64)
+        if self.capacity is not None:
+            return self._static_run(kind, buffers, ids, position)
         if kind == "step" and self._fixed:
             return self._fixed_step(buffers, ids, position)
         binding = self.sessions[kind].io_binding()
@@ -165,6 +217,65 @@ class OnnxRunner(Runner):
         else:
             buffers.current = list(outputs[1:])
         return np.array(outputs[0].numpy(), copy=True)
+
+    def _static_run(self, kind: str, buffers: _Buffers, ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """A call on a static cache: the new tokens go to rows length .. length + n - 1 of each KV buffer."""
+        n = 1 if kind == "step" else ids.shape[1]
+        self._check_room(kind, buffers.length, n)
+        if position is None or not (position == buffers.length).all():
+            what = "position_ids" if kind == "step" else "start"
+            raise EdgelinError(f"{kind} {what} {position.tolist() if position is not None else None} on a KV cache "
+                               f"holding {buffers.length} tokens", "a fixed-capacity cache writes each token at its "
+                               "position, so the positions must continue the cache",
+                               f"pass {what} = {buffers.length} (the tokens fed so far) for every sequence")
+        if kind == "step":
+            logits = self._fixed_step(buffers, ids, position)
+        elif len(ids) > 1 and buffers.length > 0:  # GroupQueryAttention takes a prompt after a past at batch 1 only
+            logits = self._prefill_rows(buffers, ids, position)
+        else:
+            logits = self._prefill_bound(buffers, ids, position)
+        buffers.length += n
+        return logits
+
+    def _check_room(self, kind: str, length: int, n: int) -> None:
+        if length + n > self.capacity:
+            raise EdgelinError(f"{kind} of {n} token(s) after {length}" if n else f"{kind} of a {length}-token cache",
+                               f"the export's fixed-capacity KV cache holds {self.capacity} tokens (exported with "
+                               f"--kv-cache static --context {self.capacity})",
+                               f"re-export with a larger --context (at least {length + n}), or start a new sequence")
+
+    def _prefill_bound(self, buffers: _Buffers, ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        session = self.sessions["prefill"]
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("position_ids", position)
+        for name, past in zip(self.state_names, buffers.current):
+            binding.bind_ortvalue_input(name, past)
+        binding.bind_output("logits", "cpu")
+        for name, present in zip(self.present_names, buffers.spare):
+            binding.bind_ortvalue_output(name, present)
+        session.run_with_iobinding(binding)
+        logits = np.array(binding.get_outputs()[0].numpy(), copy=True)
+        buffers.swap()
+        return logits
+
+    def _prefill_rows(self, buffers: _Buffers, ids: np.ndarray, position: np.ndarray) -> np.ndarray:
+        """One prefill call per sequence, each on its rows of the buffers (views: still in place)."""
+        session, logits = self.sessions["prefill"], []
+        current, spare = buffers.arrays
+        for row in range(len(ids)):
+            binding = session.io_binding()
+            binding.bind_cpu_input("input_ids", ids[row:row + 1])
+            binding.bind_cpu_input("position_ids", position[row:row + 1])
+            for name, array in zip(self.state_names, current):
+                binding.bind_ortvalue_input(name, self._ortvalue(array[row:row + 1]))
+            binding.bind_output("logits", "cpu")
+            for name, array in zip(self.present_names, spare):
+                binding.bind_ortvalue_output(name, self._ortvalue(array[row:row + 1]))
+            session.run_with_iobinding(binding)
+            logits.append(np.array(binding.get_outputs()[0].numpy(), copy=True))
+        buffers.swap()
+        return np.concatenate(logits)
 
     def _fixed_step(self, buffers: _Buffers, ids: np.ndarray, position: np.ndarray | None) -> np.ndarray:
         if buffers.bindings is None:
@@ -212,6 +323,18 @@ def _check_weights(folder: Path, entry: dict) -> None:
     if actual != size:
         raise EdgelinError(f"{path} has {actual} bytes, the manifest says {size}",
                            "the file is truncated or belongs to another export", "re-run `edgelin export`")
+
+
+def _check_capacity(sessions: dict, capacity: int) -> None:
+    """A static-cache manifest needs graphs exported for it (GroupQueryAttention at that capacity)."""
+    from edgelin.export.onnx_target import KV_CAPACITY_KEY
+
+    for kind, session in sessions.items():
+        recorded = session.get_modelmeta().custom_metadata_map.get(KV_CAPACITY_KEY)
+        if recorded != str(capacity):
+            raise EdgelinError(f"manifest and {kind} graph disagree: the KV cache capacity is {capacity} in the "
+                               f"manifest but {recorded or 'none (a growing cache)'} in the graph",
+                               "the folder was edited or mixed with another export", "re-run `edgelin export`")
 
 
 def _ort_errors() -> tuple[type[BaseException], ...]:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from edgelin.devices import DeviceProfile, ExportSettings
+    from edgelin.export.manifest import Manifest
     from edgelin.export.onnx_runtime import OnnxRunner
     from edgelin.model.lm import CausalLM
 
@@ -196,6 +197,31 @@ class OnnxOptions:
     # --quantize: also quantise the embedding table and LM head (GatherBlockQuantized / MatMulNBits);
     # False: --keep-embeddings-float. No effect without --quantize.
     quantize_embeddings: bool = True
+    # --kv-cache static --context N: full-context attention layers export as GroupQueryAttention and the
+    # runner keeps their KV cache in one buffer of N positions per tensor, updated in place (KV_CACHES).
+    kv_cache: str = "growing"
+    context: int | None = None  # the static cache's capacity in tokens (required with kv_cache="static")
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in KV_CACHES:
+            raise EdgelinError(f"--kv-cache {self.kv_cache}", f"the ONNX target's KV caches are {', '.join(KV_CACHES)}",
+                               "pass --kv-cache growing or --kv-cache static --context N")
+        if self.kv_cache == "static" and (isinstance(self.context, bool) or not isinstance(self.context, int)
+                                          or not 1 <= self.context <= MAX_CONTEXT):
+            given = "without --context" if self.context is None else f"with --context {self.context}"
+            raise EdgelinError(f"--kv-cache static {given}",
+                               f"a fixed-capacity cache needs its capacity in tokens, 1..{MAX_CONTEXT}",
+                               "pass --context N (the longest sequence the export will hold, e.g. 32768)")
+        if self.kv_cache == "growing" and self.context is not None:
+            raise EdgelinError(f"--context {self.context} without --kv-cache static",
+                               "a growing KV cache has no capacity", "add --kv-cache static, or drop --context")
+
+
+# growing: past/present are graph inputs/outputs, concatenated each call (the default); static: an in-place
+# fixed-capacity cache (GroupQueryAttention, one bound buffer; README "Fixed-capacity KV cache").
+KV_CACHES = ("growing", "static")
+MAX_CONTEXT = (1 << 31) - 1  # GroupQueryAttention's sequence lengths are int32
+KV_CAPACITY_KEY = "edgelin.kv_capacity"  # the graphs' metadata_props entry a static-cache export carries
 
 
 # The modules each phase imports (import names; the distributions are the extras in pyproject.toml).
@@ -203,6 +229,59 @@ _EXPORT_NEEDS = ("torch", "onnx", "onnxscript", "onnxruntime")
 _RUN_NEEDS = ("onnxruntime",)
 
 
+
+
+def check_static_cache(model: "CausalLM", target: str, settings: "ExportSettings") -> None:
+    """--kv-cache static is for ONNX Runtime, fp32 graphs and a model with a growing KV cache."""
+    from edgelin.model.attention import SoftmaxAttention
+
+    if target != "onnx":
+        raise EdgelinError(f"--kv-cache static with --target {target}", "the fixed-capacity cache is ONNX Runtime's "
+                           "GroupQueryAttention contrib op", "export with --target onnx, or drop --kv-cache")
+    if settings.precision != "fp32":
+        raise EdgelinError(f"--kv-cache static with --precision {settings.precision}", "the in-place cache binds the "
+                           "graphs' float32 KV state directly to GroupQueryAttention (an fp16 graph casts it)",
+                           "export with --precision fp32 (--quantize int4/int8 keeps fp32 graphs)")
+    if not any(isinstance(m, SoftmaxAttention) and m.cfg.window is None for m in model.modules()):
+        raise EdgelinError("--kv-cache static on a model without a growing KV cache", "its state is constant-size "
+                           "already (linear layers, sliding-window attention)", "drop --kv-cache static")
+
+
+def mark_static_cache(path: Path, outputs: list[TensorIO], layers: int, capacity: int) -> None:
+    """Check that each GroupQueryAttention node reads its past KV from a graph input and writes its present
+    straight to the graph output that feeds that input (what lets the runner bind one buffer to both: in
+    place, nothing between them to copy), then record the capacity in the graph's metadata."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)  # weights stay where they are (weights.bin)
+    graph_inputs = {v.name for v in proto.graph.input}
+    feeds = {t.name: t.feeds for t in outputs if t.feeds is not None}
+    nodes = [n for n in proto.graph.node if n.domain == "com.microsoft" and n.op_type == "GroupQueryAttention"]
+    in_place = [n for n in nodes if all(n.input[3 + i] in graph_inputs and feeds.get(n.output[1 + i]) == n.input[3 + i]
+                                        for i in (0, 1))]
+    if len(nodes) != layers or len(in_place) != layers:
+        raise EdgelinError(f"{path.name}: {len(in_place)} of {layers} attention layers export as an in-place "
+                           "GroupQueryAttention", "the exporter put other nodes between the KV state and the op",
+                           "report this model config as an edgelin bug; export without --kv-cache static meanwhile")
+    kept = [p for p in proto.metadata_props if p.key != KV_CAPACITY_KEY]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    proto.metadata_props.add(key=KV_CAPACITY_KEY, value=str(capacity))
+    onnx.save(proto, str(path))
+
+
+def static_capacity(path: Path) -> int | None:
+    """The static KV cache capacity a graph file records (None: a growing cache)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    value = {p.key: p.value for p in proto.metadata_props}.get(KV_CAPACITY_KEY)
+    return int(value) if value is not None else None
+
+
+def kv_cache_entry(capacity: int) -> dict:
+    """manifest extra["kv_cache"] of a static-cache export (edgelin.export.manifest reads it)."""
+    return {"layout": "static", "capacity": capacity, "op": "com.microsoft.GroupQueryAttention"}
 
 
 class OnnxTarget(Target):
@@ -240,17 +319,38 @@ class OnnxTarget(Target):
                                "export with state dtype float32 (pick a device profile whose state_dtype is float32)")
         from edgelin.export.graphs import graph_io
         from edgelin.export.lowering import lowering
+        from edgelin.model.attention import grouped_query_attention
 
-        files = {}
+        static = options.kv_cache == "static"
+        if static:
+            check_static_cache(model, self.name, settings)
+        files, written = {}, {}
         modules = graph_modules(model, settings.precision)
-        with lowering(self.name):  # the ONNX forms of the recurrences (chunk loop -> one Scan)
+        attention = grouped_query_attention(model) if static else contextlib.nullcontext(0)
+        with lowering(self.name), attention as layers:  # the ONNX forms of the recurrences (chunk loop -> one Scan)
             for kind, module in modules.items():
                 inputs, outputs = graph_io(model, kind, settings.state_dtype)
-                files[kind] = f"{kind}.onnx"
+                files[kind], written[kind] = f"{kind}.onnx", outputs
                 export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)
-        files.update(finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS,
-                                   embeddings=options.quantize_embeddings))
-        return files
+        shared = finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS,
+                               embeddings=options.quantize_embeddings)
+        if static:  # on the graphs as written (quantised, weights shared)
+            for kind, outputs in written.items():
+                mark_static_cache(Path(folder) / files[kind], outputs, layers, options.context)
+        return {**files, **shared}
+
+    def finish_export(self, folder: Path, manifest: "Manifest", options: OnnxOptions | None = None) -> "Manifest | None":
+        """Once the manifest exists (the pipeline calls this): a static-cache export's capacity, read from
+        its graphs' metadata, goes into the manifest's state contract (extra["kv_cache"]), before the
+        reference vectors are recorded through the runner that reads it. Other exports: nothing to add."""
+        import dataclasses
+
+        if not isinstance(options, OnnxOptions) or options.kv_cache != "static":
+            return None
+        capacity = static_capacity(Path(folder) / manifest.graphs["step"].file)
+        if capacity is None:
+            return None
+        return dataclasses.replace(manifest, extra={**manifest.extra, "kv_cache": kv_cache_entry(capacity)})
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
                threads: int | None = None) -> "OnnxRunner":

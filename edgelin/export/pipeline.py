@@ -150,8 +150,8 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         manifest = build_manifest(model, target.name, settings.precision, files, source,
                                   TOKENIZER if tokenizer is not None else None, settings.state_dtype)
         finish = getattr(target, "finish_export", None)  # e.g. Core ML: source hash into the package, checks
-        if finish is not None:
-            finish(tmp, manifest)
+        if finish is not None:  # it may return the manifest with more recorded (ONNX: a static KV cache's capacity)
+            manifest = finish(tmp, manifest, options) or manifest
         # The weights' account first: the reference's meta and the quality gate read the quantisation from it.
         weights_recorded = weights_entries(tmp, files, settings)
         manifest = dataclasses.replace(manifest, extra={**manifest.extra, **weights_recorded})

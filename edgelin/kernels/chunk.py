@@ -1,20 +1,28 @@
 """Triton chunked prefill (forward only): outputs + final state for every gate kind and rule, Gated
 DeltaNet-2's erase gate included, fixed-length batches or varlen (`cu_seqlens`) in one call.
 
-Three kernels, the chunked form of `edgelin.reference.recurrence.chunked` (same notation):
-1. `_chunk_prep_kernel`, parallel over every chunk of every head: cumulative log-decay b, the
-   intra-chunk readout P[i, j] = q_i^T R[i, j] k_j (j <= i) and, for the delta rule, the chunk's
-   WY form: T = (I + A)^-1 (`_unit_lower_inverse`: 16-row diagonal blocks by forward substitution,
-   all at once, then the off-diagonal blocks by small matmuls), W = T diag(beta) (K * e^b),
+The chunked form of `edgelin.reference.recurrence.chunked` (same notation), in two to five kernels
+(tile sizes: `chunk_config`):
+0. `chunk_intra._chunk_cumsum_kernel`: the cumulative log-decay b within each chunk (`gc`), for a
+   per-key decay and the additive rule's scalar decay (the delta rule's prep stores a scalar b itself);
+1. `_chunk_prep_kernel` (the delta rule only), parallel over every chunk of every head: with no or a
+   scalar decay A = diag(beta) (K K^T * R) (and P with an erase gate: else the output kernel forms P
+   itself), then the chunk's WY form: T = (I + A)^-1 (`_unit_lower_inverse`: 16-row diagonal blocks by
+   forward substitution, all at once, then the off-diagonal blocks by small matmuls in registers),
+   W = T diag(beta) (K * e^b),
    U0 = T diag(beta) V. With an erase gate (f = e * k): A = diag(beta) A_kf, P = P_qf,
    U0 = beta V - T diag(beta) A_kk diag(beta) V and the S-free readout (P_qk - P_qf) beta V.
 2. `chunk_ho._chunk_h_kernel`, sequential over chunks, parallel over heads x d_v tiles (x d_k tiles
    for the additive rule): stores the state entering each chunk; U = U0 - W S; S = e^{b_C} S + K_end^T U.
 3. `chunk_ho._chunk_o_kernel`, parallel over every chunk x head x d_v tile: O = (Q * e^b) h + P U.
+The additive rule (linear attention, RetNet, simple GLA) runs kernels 2 and 3 (and 0 for a decay),
+the delta rule 1, 2, 3 (Gated DeltaNet, DeltaNet, Gated DeltaNet-2), GLA 0, 0b, 2, 3 and KDA all.
 Only kernel 2 is sequential, with two small matmuls per chunk and no output work (fla's design:
 per-chunk states in one kernel, the outputs of all chunks in parallel in another).
-Per-key decays never form e^{+b}: off-diagonal 16x16 sub-blocks factor exp(b_i - b_j) through the
-row block's first row, diagonal sub-blocks take the exact exponent (as fla's chunk_gla does).
+0b. Per-key decays: `chunk_intra._chunk_intra_kernel` (one program per 16-row block of a chunk) stores
+P and A (the delta rule) before kernel 1. It never forms e^{+b}: earlier columns factor exp(b_i - b_j)
+through the row block's first row, the diagonal 16x16 block takes the exact exponent (as fla's
+chunk_gla does).
 Requires g <= 0 (a decay), which every family's gate guarantees.
 """
 
@@ -36,11 +44,27 @@ SUB = 16  # sub-block of the per-key intra-chunk products (tl.dot's smallest til
 
 
 @triton.jit
+def _ld_blk(A, row0, t0, length, H, i: tl.constexpr, j: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Block (i, j) (BC x BC) of this chunk's [BT, BT] scratch matrix (rows past the sequence end: 0)."""
+    o_c = tl.arange(0, BC)
+    r = i * BC + o_c
+    return tl.load(A + (row0 + r[:, None] * H) * BT + (j * BC + o_c)[None, :], mask=(t0 + r < length)[:, None],
+                   other=0.0)
+
+
+@triton.jit
+def _st_blk(A, row0, t0, length, H, x, i: tl.constexpr, j: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    o_c = tl.arange(0, BC)
+    r = i * BC + o_c
+    tl.store(A + (row0 + r[:, None] * H) * BT + (j * BC + o_c)[None, :], x, mask=(t0 + r < length)[:, None])
+
+
+@triton.jit
 def _unit_lower_inverse(A, row0, t0, length, H, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """T = (I + A)^-1 for this chunk's strictly lower A (scratch rows row0 + i * H, BT wide), by BC-row
-    blocks: the diagonal blocks all at once by forward substitution (BC - 1 steps, not BT - 1), then
-    T_ij = -T_ii sum_{j<=m<i} A_im T_mj, written over A block row by block row (ascending j: T_ij
-    needs only A_im with m >= j). Returns T [BT, BT] float32 (rows past the sequence end: 0)."""
+    """T = (I + A)^-1 for this chunk's strictly lower A (scratch rows row0 + i * H, BT wide; BT = 2 or 4
+    BC-row blocks): the diagonal blocks all at once by forward substitution (BC - 1 steps, not BT - 1),
+    then the off-diagonal blocks in registers, T_ij = -T_ii sum_{j<=m<i} A_im T_mj (block rows in
+    order; no round trip through memory between them), written over A. Returns T [BT, BT] float32."""
     NB: tl.constexpr = BT // BC
     o_c = tl.arange(0, BC)
     blk = tl.arange(0, NB)
@@ -56,22 +80,36 @@ def _unit_lower_inverse(A, row0, t0, length, H, BT: tl.constexpr, BC: tl.constex
     cc = blk[:, None, None] * BC + o_c[None, None, :]
     tl.debug_barrier()  # every thread has read the diagonal blocks of A
     tl.store(A + (row0 + rr * H) * BT + cc, l3, mask=t0 + rr < length)
-    for i in tl.static_range(1, NB):
-        r_i = i * BC + o_c
-        m_i = (t0 + r_i < length)[:, None]
-        tl.debug_barrier()  # T's earlier block rows are stored
-        t_ii = tl.load(A + (row0 + r_i[:, None] * H) * BT + (i * BC + o_c)[None, :], mask=m_i, other=0.0)
-        for j in tl.static_range(0, i):
-            acc = tl.zeros([BC, BC], dtype=tl.float32)
-            for mm in tl.static_range(j, i):
-                r_m = mm * BC + o_c
-                a_im = tl.load(A + (row0 + r_i[:, None] * H) * BT + r_m[None, :], mask=m_i, other=0.0)
-                t_mj = tl.load(A + (row0 + r_m[:, None] * H) * BT + (j * BC + o_c)[None, :],
-                               mask=(t0 + r_m < length)[:, None], other=0.0)
-                acc += tl.dot(a_im, t_mj, input_precision=PREC)
-            t_ij = -tl.dot(t_ii, acc, input_precision=PREC)
-            tl.debug_barrier()  # A_ij is read by every thread before T_ij replaces it
-            tl.store(A + (row0 + r_i[:, None] * H) * BT + (j * BC + o_c)[None, :], t_ij, mask=m_i)
+    tl.debug_barrier()  # the diagonal inverses are stored
+    t11 = _ld_blk(A, row0, t0, length, H, 0, 0, BT, BC)
+    t22 = _ld_blk(A, row0, t0, length, H, 1, 1, BT, BC)
+    a21 = _ld_blk(A, row0, t0, length, H, 1, 0, BT, BC)
+    t21 = -tl.dot(t22, tl.dot(a21, t11, input_precision=PREC), input_precision=PREC)
+    if NB == 4:
+        t33 = _ld_blk(A, row0, t0, length, H, 2, 2, BT, BC)
+        t44 = _ld_blk(A, row0, t0, length, H, 3, 3, BT, BC)
+        a31 = _ld_blk(A, row0, t0, length, H, 2, 0, BT, BC)
+        a32 = _ld_blk(A, row0, t0, length, H, 2, 1, BT, BC)
+        a41 = _ld_blk(A, row0, t0, length, H, 3, 0, BT, BC)
+        a42 = _ld_blk(A, row0, t0, length, H, 3, 1, BT, BC)
+        a43 = _ld_blk(A, row0, t0, length, H, 3, 2, BT, BC)
+        t32 = -tl.dot(t33, tl.dot(a32, t22, input_precision=PREC), input_precision=PREC)
+        t43 = -tl.dot(t44, tl.dot(a43, t33, input_precision=PREC), input_precision=PREC)
+        x31 = tl.dot(a31, t11, input_precision=PREC) + tl.dot(a32, t21, input_precision=PREC)
+        t31 = -tl.dot(t33, x31, input_precision=PREC)
+        x42 = tl.dot(a42, t22, input_precision=PREC) + tl.dot(a43, t32, input_precision=PREC)
+        t42 = -tl.dot(t44, x42, input_precision=PREC)
+        x41 = (tl.dot(a41, t11, input_precision=PREC) + tl.dot(a42, t21, input_precision=PREC)
+               + tl.dot(a43, t31, input_precision=PREC))
+        t41 = -tl.dot(t44, x41, input_precision=PREC)
+    tl.debug_barrier()  # every block of A is read before T replaces it
+    _st_blk(A, row0, t0, length, H, t21, 1, 0, BT, BC)
+    if NB == 4:
+        _st_blk(A, row0, t0, length, H, t31, 2, 0, BT, BC)
+        _st_blk(A, row0, t0, length, H, t32, 2, 1, BT, BC)
+        _st_blk(A, row0, t0, length, H, t41, 3, 0, BT, BC)
+        _st_blk(A, row0, t0, length, H, t42, 3, 1, BT, BC)
+        _st_blk(A, row0, t0, length, H, t43, 3, 2, BT, BC)
     tl.debug_barrier()
     rows = tl.arange(0, BT)
     return tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=(t0 + rows < length)[:, None], other=0.0)
@@ -82,9 +120,9 @@ def _chunk_prep_kernel(
     q, k, v, g, beta, ep, gc, P, A, W, U, OX, cu_seqlens, chunk_indices,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_eb, s_et, s_eh,
     T, H, K, V,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, ERASE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
-    PREC_T: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, ERASE: tl.constexpr, STORE_P: tl.constexpr, VARLEN: tl.constexpr,
+    PREC: tl.constexpr, PREC_T: tl.constexpr,
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -122,9 +160,10 @@ def _chunk_prep_kernel(
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m = m_t[:, None] & (o_k < K)[None, :]
-            b_q = tl.load(q + rows[:, None] * s_qt + o_k[None, :], mask=m, other=0.0)
             b_k = tl.load(k + rows[:, None] * s_kt + o_k[None, :], mask=m, other=0.0)
-            b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+            if STORE_P:
+                b_q = tl.load(q + rows[:, None] * s_qt + o_k[None, :], mask=m, other=0.0)
+                b_qk += tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
             if DELTA:
                 b_kk += tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
             if ERASE:  # the erase directions f = e * k
@@ -135,7 +174,7 @@ def _chunk_prep_kernel(
         if GATE == 1:
             b_g = tl.load(g + i_b * s_gb + (bos + t0 + rows) * s_gt + i_h * s_gh, mask=m_t, other=0.0)
             b_b = tl.cumsum(b_g.to(tl.float32), axis=0)
-            tl.store(gc + row0 + rows * H, b_b, mask=m_t)
+            tl.store(gc + row0 + rows * H, b_b, mask=m_t)  # for the state and output kernels
             b_d = tl.exp(tl.where(causal, b_b[:, None] - b_b[None, :], float("-inf")))
             b_qk = b_qk * b_d
             b_kk = b_kk * b_d
@@ -147,75 +186,13 @@ def _chunk_prep_kernel(
             b_pd = tl.where(causal, b_qk - b_qf, 0.0)
             b_qk = b_qf
             b_kk = b_kf
-        tl.store(P + (row0 + rows[:, None] * H) * BT + rows[None, :], tl.where(causal, b_qk, 0.0), mask=m_t[:, None])
+        if STORE_P:  # else the output kernel forms P itself
+            tl.store(P + (row0 + rows[:, None] * H) * BT + rows[None, :], tl.where(causal, b_qk, 0.0),
+                     mask=m_t[:, None])
         if DELTA:
             b_a = tl.where(rows[:, None] > rows[None, :], b_kk, 0.0) * b_beta[:, None]
             tl.store(A + (row0 + rows[:, None] * H) * BT + rows[None, :], b_a, mask=m_t[:, None])
-    else:  # per-key decay: cumulative b to scratch, then 16x16 sub-blocks
-        for i_k in range(0, tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m = m_t[:, None] & (o_k < K)[None, :]
-            b_g = tl.load(g + i_b * s_gb + (bos + t0 + rows[:, None]) * s_gt + i_h * s_gh + o_k[None, :], mask=m,
-                          other=0.0)
-            tl.store(gc + (row0 + rows[:, None] * H) * K + o_k[None, :], tl.cumsum(b_g.to(tl.float32), axis=0), mask=m)
-        tl.debug_barrier()  # the sub-blocks below read b rows stored by other threads
-        o_c = tl.arange(0, BC)
-        for i_i in tl.static_range(0, BT // BC):
-            r_i = i_i * BC + o_c
-            m_i = t0 + r_i < length
-            ref = tl.minimum(t0 + i_i * BC, length - 1) - t0  # block's first row, clamped into the sequence
-            if DELTA:
-                b_bti = tl.load(beta + i_b * s_bb + (bos + t0 + r_i) * s_bt + i_h * s_bh, mask=m_i, other=0.0)
-                b_bti = b_bti.to(tl.float32)
-            for j in tl.static_range(0, i_i):  # below the diagonal: exp(b_i - b_ref) exp(b_ref - b_j), both <= 0
-                r_j = j * BC + o_c
-                m_j = t0 + r_j < length
-                b_p = tl.zeros([BC, BC], dtype=tl.float32)
-                b_a = tl.zeros([BC, BC], dtype=tl.float32)
-                for i_k in range(0, tl.cdiv(K, BK)):
-                    o_k = i_k * BK + tl.arange(0, BK)
-                    m_k = o_k < K
-                    b_r = tl.load(gc + (row0 + ref * H) * K + o_k, mask=m_k, other=0.0)
-                    m2i = m_i[:, None] & m_k[None, :]
-                    m2j = m_j[:, None] & m_k[None, :]
-                    b_bi = tl.load(gc + (row0 + r_i[:, None] * H) * K + o_k[None, :], mask=m2i, other=0.0)
-                    b_bj = tl.load(gc + (row0 + r_j[:, None] * H) * K + o_k[None, :], mask=m2j, other=0.0)
-                    e_i = tl.exp(tl.where(m2i, b_bi - b_r[None, :], float("-inf")))
-                    e_j = tl.exp(tl.where(m2j, b_r[None, :] - b_bj, float("-inf")))
-                    b_qi = tl.load(q + r_i[:, None] * s_qt + o_k[None, :], mask=m2i, other=0.0).to(tl.float32)
-                    b_kj = tl.load(k + r_j[:, None] * s_kt + o_k[None, :], mask=m2j, other=0.0).to(tl.float32)
-                    b_kj = tl.trans((b_kj * e_j).to(dt))
-                    b_p += tl.dot((b_qi * e_i).to(dt), b_kj, input_precision=PREC)
-                    if DELTA:
-                        b_ki = tl.load(k + r_i[:, None] * s_kt + o_k[None, :], mask=m2i, other=0.0).to(tl.float32)
-                        b_a += tl.dot((b_ki * e_i).to(dt), b_kj, input_precision=PREC)
-                tl.store(P + (row0 + r_i[:, None] * H) * BT + r_j[None, :], b_p, mask=m_i[:, None])
-                if DELTA:
-                    tl.store(A + (row0 + r_i[:, None] * H) * BT + r_j[None, :], b_a * b_bti[:, None], mask=m_i[:, None])
-            # the diagonal block: the exact exponent per (i, j, channel)
-            b_p = tl.zeros([BC, BC], dtype=tl.float32)
-            b_a = tl.zeros([BC, BC], dtype=tl.float32)
-            m3 = ((o_c[:, None] >= o_c[None, :]) & m_i[:, None] & m_i[None, :])[:, :, None]
-            for i_k in range(0, tl.cdiv(K, BKD)):
-                o_k = i_k * BKD + tl.arange(0, BKD)
-                m2 = m_i[:, None] & (o_k < K)[None, :]
-                b_bi = tl.load(gc + (row0 + r_i[:, None] * H) * K + o_k[None, :], mask=m2, other=0.0)
-                e = tl.exp(tl.where(m3, b_bi[:, None, :] - b_bi[None, :, :], float("-inf")))
-                b_qi = tl.load(q + r_i[:, None] * s_qt + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
-                b_ki = tl.load(k + r_i[:, None] * s_kt + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
-                b_ke = b_ki[None, :, :] * e
-                b_p += tl.sum(b_qi[:, None, :] * b_ke, axis=2)
-                if DELTA:
-                    b_a += tl.sum(b_ki[:, None, :] * b_ke, axis=2)
-            tl.store(P + (row0 + r_i[:, None] * H) * BT + r_i[None, :], b_p, mask=m_i[:, None])
-            if DELTA:
-                b_a = tl.where(o_c[:, None] > o_c[None, :], b_a, 0.0) * b_bti[:, None]
-                tl.store(A + (row0 + r_i[:, None] * H) * BT + r_i[None, :], b_a, mask=m_i[:, None])
-            for j in tl.static_range(i_i + 1, BT // BC):  # above the diagonal: zeros
-                b_z = tl.zeros([BC, BC], dtype=tl.float32)
-                tl.store(P + (row0 + r_i[:, None] * H) * BT + (j * BC + o_c)[None, :], b_z, mask=m_i[:, None])
-                if DELTA:
-                    tl.store(A + (row0 + r_i[:, None] * H) * BT + (j * BC + o_c)[None, :], b_z, mask=m_i[:, None])
+    # (per-key decay: `chunk_intra._chunk_intra_kernel` has stored b, P and A)
 
     if DELTA:
         tl.debug_barrier()  # A rows are re-read below by other threads
@@ -250,18 +227,40 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """Tile sizes: BT 64 unless the [BT, d_k] operand tiles get large (fp32, d_k 256); the state kernel's
-    BV small enough that heads x tiles fill the GPU (its only parallelism), the output kernel's BV 64."""
+def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, device: torch.device,
+                 delta: bool = False, erase: bool = False) -> dict:
+    """Tile sizes and warps, from a sweep on an H200 (stream F, 2026-12-01: B=1 and 8, T=4096, H=16,
+    d_k=d_v=128, bf16). BT 64 unless the [BT, d_k] operand tiles get large (fp32, d_k > 64).
+    The state kernel (h) is the only sequential one, and its programs (sequences x heads x d_v tiles,
+    x d_k tiles for the additive rule) are all its parallelism: the largest tile that still gives
+    about one program per multiprocessor (B=1, 16 heads: d_v tiles of 16 for the delta rule, 64 x 32
+    for the additive rule; B=8: 64-wide, and all of d_k for the additive rule). `stages*` are Triton's
+    num_stages (software pipelining of the chunk loop's loads), `warps*` num_warps of the state (h),
+    output (o), delta-rule prep and per-key intra kernels. A sweep replaces this function to try others.
+    The erase gate (Gated DeltaNet-2) keeps more tiles live in its prep and state kernels: 2 prep warps
+    spill there (297 vs 64 us at B=1 T=4096), so it keeps 4, and the state kernel's warps the rule before
+    the sweep (8 above 128 x 32 tiles)."""
     bk = max(16, next_pow2(d_k))
     size = 4 if dtype == torch.float32 else 2
     bt = 64 if bk * size <= 256 else 32
     sms = 1 if device.type != "cuda" else _num_sms(device.index or 0)
+    want = 0.9 * sms
     bv = min(64, max(16, next_pow2(d_v)))
-    while bv > 32 and num_heads_total * triton.cdiv(d_v, bv) < sms:
-        bv //= 2
-    warps = 4 if bk * bv <= 128 * 32 else 8
-    return {"BT": bt, "BV": bv, "num_warps": warps, "BV_O": min(64, max(16, next_pow2(d_v))), "BK_O": min(bk, 64)}
+    bk_h = bk if delta else min(bk, 128)
+    if delta:  # all of d_k in one program (W S needs it): only d_v tiles
+        while bv > 16 and num_heads_total * triton.cdiv(d_v, bv) < want:
+            bv //= 2
+    else:  # halve d_v, then d_k, down to 32 x 64
+        while num_heads_total * triton.cdiv(d_v, bv) * triton.cdiv(d_k, bk_h) < want and (bv > 32 or bk_h > 64):
+            if bv > 32:
+                bv //= 2
+            else:
+                bk_h //= 2
+    warps = 8 if bk_h * bv > (128 * 32 if erase else 128 * 64 if delta else 64 * 64) else 4
+    stages = 4 if not delta and bk_h * bv <= 64 * 32 else 3
+    return {"BT": bt, "BV": bv, "num_warps": warps, "stages": stages, "BK_H": bk_h,
+            "BV_O": min(128, max(16, next_pow2(d_v))), "BK_O": min(bk, 64), "warps_o": 4, "stages_o": 3,
+            "warps_prep": 4 if erase else 2, "warps_intra": 4}
 
 
 def chunk_prefill(
@@ -284,6 +283,7 @@ def chunk_prefill(
     initial_state [N, H, d_k, d_v] float32 (None: zeros) -> (o [B, T, H, d_v] in v's dtype, final
     state [N, H, d_k, d_v] float32). Varlen: B = 1 and cu_seqlens [N+1]."""
     from edgelin.kernels.chunk_ho import _chunk_h_kernel, _chunk_o_kernel
+    from edgelin.kernels.chunk_intra import _chunk_cumsum_kernel, _chunk_intra_kernel
 
     what = "chunk_prefill"
     if q.dim() != 4:
@@ -322,7 +322,8 @@ def chunk_prefill(
     check_out(out, (batch, length, heads, d_v), v.dtype, what)
     q, k, v, g, erase = (last_dim_contiguous(x) for x in (q, k, v, g, erase))
 
-    cfg = chunk_config(num_seq * heads, d_k, d_v, q.dtype, device)
+    delta = beta is not None
+    cfg = chunk_config(num_seq * heads, d_k, d_v, q.dtype, device, delta, erase is not None)
     bt, bv = cfg["BT"], block_v or cfg["BV"]
     varlen = cu_seqlens is not None
     if varlen:
@@ -334,15 +335,15 @@ def chunk_prefill(
     else:
         chunk_indices = chunk_offsets = None
         num_chunks, grid_c, grid_bh = batch * triton.cdiv(length, bt), triton.cdiv(length, bt), batch * heads
-    delta = beta is not None
     has_erase = erase is not None
+    p_in = kind != 2 and not has_erase  # the output kernel forms P itself
     tokens = batch * length
     # fp32 inputs: 3-pass tf32 keeps matmuls at fp32 accuracy (the interpreter is exact anyway)
     prec = "tf32" if q.dtype != torch.float32 else ("ieee" if interpreting() else "tf32x3")
     prec_t = "ieee" if interpreting() else "tf32x3"  # the triangular inverse: fp32 always
     f32 = dict(dtype=torch.float32, device=device)
-    gc = torch.empty(tokens, heads, d_k if kind == 2 else 1, **f32) if kind else q
-    p = torch.empty(tokens, heads, bt, **f32)
+    gc = torch.empty(tokens, heads, d_k if kind == 2 else 1, **f32) if kind else q  # b, cumulative per chunk
+    p = q if p_in else torch.empty(tokens, heads, bt, **f32)
     a = torch.empty(tokens, heads, bt, **f32) if delta else p
     w = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if delta else q
     u = torch.empty(tokens, heads, d_v, dtype=v.dtype, device=device) if delta else v
@@ -350,16 +351,27 @@ def chunk_prefill(
     h = torch.empty(max(num_chunks, 1), heads, d_k, d_v, dtype=q.dtype, device=device)  # state entering each chunk
     bk = max(16, next_pow2(d_k))
     e_arg = erase if has_erase else q
-    if grid_c > 0:
+    if grid_c > 0 and (kind == 2 or (kind == 1 and not delta)):  # (the delta rule's prep stores a scalar b)
+        _chunk_cumsum_kernel[(grid_c, grid_bh)](g, gc, cu_seqlens, chunk_indices, *strides3(g), length, heads,
+                                                gc.shape[-1], BT=bt, BK=min(bk, 64) if kind == 2 else 16,
+                                                VARLEN=varlen, num_warps=4)
+    if grid_c > 0 and kind == 2:
+        _chunk_intra_kernel[(grid_c * (bt // SUB), grid_bh)](
+            q, k, beta if beta is not None else q, gc, p, a, cu_seqlens, chunk_indices,
+            *strides3(q), *strides3(k), *strides3(beta), length, heads, d_k,
+            BT=bt, BC=SUB, BK=min(bk, 64), BKD=16, DELTA=delta, VARLEN=varlen, PREC=prec, num_warps=cfg["warps_intra"],
+        )
+    if grid_c > 0 and delta:
         _chunk_prep_kernel[(grid_c, grid_bh)](
             q, k, v, g if g is not None else q, beta if beta is not None else q, e_arg, gc, p, a, w, u, ox,
             cu_seqlens, chunk_indices, *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta),
             *strides3(erase), length, heads, d_k, d_v,
-            BT=bt, BC=SUB, BK=min(bk, 64), BKD=16, BV=min(64, max(16, next_pow2(d_v))),
-            GATE=kind, DELTA=delta, ERASE=has_erase, VARLEN=varlen, PREC=prec, PREC_T=prec_t, num_warps=4,
+            BT=bt, BC=SUB, BK=min(bk, 64), BV=min(64, max(16, next_pow2(d_v))),
+            GATE=kind, DELTA=delta, ERASE=has_erase, STORE_P=not p_in, VARLEN=varlen, PREC=prec, PREC_T=prec_t,
+            num_warps=cfg["warps_prep"],
         )
     h0 = initial_state if initial_state is not None else final_state
-    bk_h = bk if delta else min(bk, 64)  # the additive rule's state columns are independent: K tiles too
+    bk_h = cfg["BK_H"]  # the additive rule's state columns are independent: K tiles too (the delta rule: all of K)
     _chunk_h_kernel[(triton.cdiv(d_v, bv), num_seq * heads, triton.cdiv(d_k, bk_h))](
         k, v, e_arg, beta if beta is not None else q, gc, u, w, h, h0, final_state, cu_seqlens, chunk_offsets,
         *strides3(k), *strides3(v), *strides3(erase), *strides3(beta),
@@ -367,12 +379,13 @@ def chunk_prefill(
         length, heads, d_k, d_v,
         BT=bt, BK=bk_h, BV=bv, GATE=kind, DELTA=delta, ERASE=has_erase, VARLEN=varlen,
         HAS_H0=initial_state is not None, PREC=prec, num_warps=num_warps or cfg["num_warps"],
+        num_stages=cfg["stages"],
     )
     if grid_c > 0:
         _chunk_o_kernel[(triton.cdiv(d_v, cfg["BV_O"]), grid_c, grid_bh)](
-            q, v, gc, p, u, h, ox, out, cu_seqlens, chunk_indices, chunk_offsets,
-            *strides3(q), *strides3(v), *strides3(out), length, heads, d_k, d_v,
-            BT=bt, BK=cfg["BK_O"], BV=cfg["BV_O"], GATE=kind, DELTA=delta, ERASE=has_erase, VARLEN=varlen,
-            PREC=prec, num_warps=4,
+            q, k, v, gc, p, u, h, ox, out, cu_seqlens, chunk_indices, chunk_offsets,
+            *strides3(q), *strides3(k), *strides3(v), *strides3(out), length, heads, d_k, d_v,
+            BT=bt, BK=cfg["BK_O"], BV=cfg["BV_O"], GATE=kind, DELTA=delta, ERASE=has_erase, P_IN=p_in,
+            VARLEN=varlen, PREC=prec, num_warps=cfg["warps_o"], num_stages=cfg["stages_o"],
         )
     return out, final_state

@@ -1,11 +1,15 @@
-"""The two state-side kernels of the chunked prefill (edgelin.kernels.chunk runs them after its prep):
+"""The two state-side kernels of the chunked prefill (edgelin.kernels.chunk runs them after its prep, if any):
 
-1. `_chunk_h_kernel`, sequential over chunks, parallel over sequences x heads x d_v tiles, the state
-   tile in registers. Per chunk it only stores the state entering the chunk (h, in the matmul operand
-   dtype) and, for the delta rule, U = U0 - W S (over U0, in place); then S = e^{b_C} S + K_end^T U.
+1. `_chunk_h_kernel`, sequential over chunks, parallel over sequences x heads x d_v tiles (x d_k tiles
+   for the additive rule), the state tile in registers. Per chunk it only stores the state entering
+   the chunk (h, in the matmul operand dtype) and, for the delta rule, U = U0 - W S (over U0, in place);
+   then S = e^{b_C} S + K^T (e^{b_C - b} U): a scalar decay scales U's rows (BT x BV), a per-key one
+   K's columns; K is read transposed ([BK, BT]) straight into the matmul. The cumulative log-decay b
+   (`gc`) comes from the prep kernel (the delta rule with a scalar decay) or the cumsum kernel.
    Nothing quadratic in the chunk and no output is on this sequential path.
 2. `_chunk_o_kernel`, parallel over every chunk x head x d_v tile: O = (Q * e^b) h + P U
-   (+ the erase gate's S-free part).
+   (+ the erase gate's S-free part). With no per-key decay and no erase gate (P_IN) it forms the
+   intra-chunk readout P = (Q K^T) * e^{b_i - b_j} itself, so the additive rule needs no prep kernel.
 
 Gated DeltaNet-2's erase gate (f = e * k, see `edgelin.reference.recurrence.chunked`): with U = beta V - r
 the state update is S1 = e^{b_C} S0 + F_end^T U + ((1 - e) * K)_end^T (beta V), and the readout
@@ -65,47 +69,53 @@ def _chunk_h_kernel(
         t0 = i_t * BT
         m_t = t0 + rows < length
         row0 = (tok + t0) * H + i_h
-        last = tl.minimum(t0 + BT, length) - 1 - t0
-        m_qk = m_t[:, None] & m_k[None, :]
+        m_kt = m_k[:, None] & m_t[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         tl.store(h + ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty),
                  mask=m_s)
-        b_k = tl.load(k + (t0 + rows[:, None]) * s_kt + o_k[None, :], mask=m_qk, other=0.0).to(tl.float32)
+        b_kt = tl.load(k + (t0 + rows[None, :]) * s_kt + o_k[:, None], mask=m_kt, other=0.0)  # K^T [BK, BT]
         if DELTA:  # (the delta rule's kernel holds all of K: BK >= K)
-            b_w = tl.load(W + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_qk, other=0.0)
+            b_w = tl.load(W + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+                          other=0.0)
             b_u = tl.load(U + (row0 + rows[:, None] * H) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
             b_u = b_u - tl.dot(b_w.to(dt), b_s.to(dt), input_precision=PREC)
             tl.store(U + (row0 + rows[:, None] * H) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
         else:
             b_u = tl.load(v + (t0 + rows[:, None]) * s_vt + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        if GATE == 1:
+        if GATE == 1:  # the decay to the chunk's end scales U's rows (BT x BV), not K's
             b_b = tl.load(gc + row0 + rows * H, mask=m_t, other=0.0)
-            b_last = tl.load(gc + row0 + last * H)
-            b_k = b_k * tl.exp(b_last - b_b)[:, None]
+            b_last = tl.load(gc + row0 + (tl.minimum(t0 + BT, length) - 1 - t0) * H)
+            b_d = tl.exp(b_last - b_b)
+            b_u = b_u * b_d[:, None]
             b_s = b_s * tl.exp(b_last)
         if GATE == 2:
-            b_b = tl.load(gc + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_qk, other=0.0)
+            last = tl.minimum(t0 + BT, length) - 1 - t0
+            b_bt = tl.load(gc + (row0 + rows[None, :] * H) * K + o_k[:, None], mask=m_kt, other=0.0)
             b_last = tl.load(gc + (row0 + last * H) * K + o_k, mask=m_k, other=0.0)
-            b_k = b_k * tl.exp(b_last[None, :] - b_b)
+            b_kt = (b_kt.to(tl.float32) * tl.exp(b_last[:, None] - b_bt)).to(dt)
             b_s = b_s * tl.exp(b_last)[:, None]
         if ERASE:  # S += F_end^T U + ((1 - e) K)_end^T (beta V)
-            b_e = tl.load(e + (t0 + rows[:, None]) * s_et + o_k[None, :], mask=m_qk, other=0.0).to(tl.float32)
+            b_e = tl.load(e + (t0 + rows[None, :]) * s_et + o_k[:, None], mask=m_kt, other=0.0).to(tl.float32)
             b_be = tl.load(beta + (t0 + rows) * s_bt, mask=m_t, other=0.0).to(tl.float32)
+            if GATE == 1:
+                b_be = b_be * b_d
             b_bv = tl.load(v + (t0 + rows[:, None]) * s_vt + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-            b_s += tl.dot(tl.trans((b_k * b_e).to(dt)), b_u.to(dt), input_precision=PREC)
-            b_s += tl.dot(tl.trans((b_k - b_k * b_e).to(dt)), (b_bv * b_be[:, None]).to(dt), input_precision=PREC)
+            b_kf = b_kt.to(tl.float32)
+            b_s += tl.dot((b_kf * b_e).to(dt), b_u.to(dt), input_precision=PREC)
+            b_s += tl.dot((b_kf - b_kf * b_e).to(dt), (b_bv * b_be[:, None]).to(dt), input_precision=PREC)
         else:
-            b_s += tl.dot(tl.trans(b_k.to(dt)), b_u.to(dt), input_precision=PREC)
+            b_s = tl.dot(b_kt.to(dt), b_u.to(dt), b_s, input_precision=PREC)
     tl.store(ht + i_n * s_tn + i_h * s_th + o_k[:, None] * s_tk + o_v[None, :], b_s, mask=m_s)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_o_kernel(
-    q, v, gc, P, U, h, ox, o, cu_seqlens, chunk_indices, chunk_offsets,
-    s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
+    q, k, v, gc, P, U, h, ox, o, cu_seqlens, chunk_indices, chunk_offsets,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
     T, H, K, V,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, DELTA: tl.constexpr, ERASE: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr,
+    GATE: tl.constexpr, DELTA: tl.constexpr, ERASE: tl.constexpr, P_IN: tl.constexpr, VARLEN: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_c = tl.program_id(1).to(tl.int64)
@@ -133,24 +143,34 @@ def _chunk_o_kernel(
     m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
     q += i_b * s_qb + (bos + t0) * s_qt + i_h * s_qh
+    k += i_b * s_kb + (bos + t0) * s_kt + i_h * s_kh
     h += (i_hc * H + i_h) * K * V
-    if GATE == 1:
-        b_eb = tl.exp(tl.load(gc + row0 + rows * H, mask=m_t, other=0.0))
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    b_p = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         m_qk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + rows[:, None] * s_qt + o_k[None, :], mask=m_qk, other=0.0)
-        if GATE == 1:
-            b_q = (b_q.to(tl.float32) * b_eb[:, None]).to(dt)
+        if P_IN:  # the intra-chunk readout here, not in a prep kernel: P = Q K^T (decay applied below)
+            b_kt = tl.load(k + rows[None, :] * s_kt + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.0)
+            b_p = tl.dot(b_q, b_kt, b_p, input_precision=PREC)
         if GATE == 2:
             b_b = tl.load(gc + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_qk, other=0.0)
             b_q = (b_q.to(tl.float32) * tl.exp(b_b)).to(dt)
         b_h = tl.load(h + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-        b_o += tl.dot(b_q, b_h, input_precision=PREC)
-    b_p = tl.load(P + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
-    b_p = tl.where(rows[:, None] >= rows[None, :], b_p, 0.0)
+        b_o = tl.dot(b_q, b_h, b_o, input_precision=PREC)
+    causal = rows[:, None] >= rows[None, :]
+    if GATE == 1:  # (Q * e^b) h = diag(e^b) (Q h); P_ij picks up e^{b_i - b_j}, j <= i
+        b_b = tl.load(gc + row0 + rows * H, mask=m_t, other=0.0)
+        b_o = b_o * tl.exp(b_b)[:, None]
+        if P_IN:
+            b_p = b_p * tl.exp(tl.where(causal & m_t[:, None], b_b[:, None] - b_b[None, :], float("-inf")))
+    if P_IN:
+        b_p = tl.where(causal, b_p, 0.0)
+    else:
+        b_p = tl.load(P + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_p = tl.where(causal, b_p, 0.0)
     if DELTA:
         b_u = tl.load(U + (row0 + rows[:, None] * H) * V + o_v[None, :], mask=m_tv, other=0.0)
     else:
@@ -161,4 +181,3 @@ def _chunk_o_kernel(
         b_o += tl.load(ox + (row0 + rows[:, None] * H) * V + o_v[None, :], mask=m_tv, other=0.0)
     tl.store(o + i_b * s_ob + (bos + t0 + rows[:, None]) * s_ot + i_h * s_oh + o_v[None, :],
              b_o.to(o.dtype.element_ty), mask=m_tv)
-

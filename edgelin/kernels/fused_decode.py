@@ -1,8 +1,10 @@
-"""Fused whole-model decode for Gated DeltaNet stacks: 5 kernels per layer at B <= SMALL_BATCH, 8 above,
-instead of ~85 (H200, B=1: 452 us/token vs 2532 unfused; docs/benchmarks.md section 4).
+"""Fused whole-model decode for Gated DeltaNet stacks: 5 kernels per layer at B <= the small batch
+(DecodeTuning.small_batch), 8 above, instead of ~85 (H200: docs/benchmarks.md section 4).
 
-B <= SMALL_BATCH: the norms, gated output norm, SwiGLU and residual adds live in the prologues and
-epilogues of edgelin's GEMVs (below). Above, per layer and token, with the weights concatenated ONCE at load:
+B <= small batch (edgelin.kernels.fused_decode_gemv): the norms, gated output norm, SwiGLU and residual
+adds live in the prologues and epilogues of edgelin's one-wave GEMVs, launched with programmatic
+dependent launch on Hopper; the embedding gather is in the first in-projection. Above, per layer and
+token, with the weights concatenated ONCE at load:
   1. RMSNorm (Triton, one program per row)
   2. one GEMV/GEMM over [q | k | v | gate | beta | output gate] projections (cuBLAS)
   3. the whole mixer in one Triton program per (row, head): short conv + SiLU over q/k/v (the conv
@@ -28,29 +30,39 @@ import triton
 import triton.language as tl
 
 from edgelin.kernels._common import KernelError
+from edgelin.kernels.fused_decode_gemv import DecodeTuning, gemv_add, norm_gemv, pdl_available
 
 Tensor = torch.Tensor
 
 
 @triton.jit
-def _conv_silu(yrow, crow, s_cc, convw, convb, ch, m, HAS_BIAS: tl.constexpr):
-    """Causal depthwise conv (width 4) + SiLU for channels `ch` of one row; shifts that row's conv
-    state in place where `m`. A channel's taps may sit in several threads (Triton replicates small
-    tensors across warps): every tap is read before the barrier, and written only after it."""
-    raw = tl.load(yrow + ch)
+def _conv_taps(crow, s_cc, convw, convb, ch, HAS_BIAS: tl.constexpr):
+    """The stored taps of a causal depthwise conv (width 4) for channels `ch` of one row: (t1, t2, the
+    partial sum over the three stored taps, the weight of the new input). Reads only the conv state and
+    weights, so a PDL kernel issues it before waiting for the in-projection."""
     t0 = tl.load(crow + ch * s_cc)
     t1 = tl.load(crow + ch * s_cc + 1)
     t2 = tl.load(crow + ch * s_cc + 2)
-    acc = (t0.to(tl.float32) * tl.load(convw + ch * 4).to(tl.float32)
-           + t1.to(tl.float32) * tl.load(convw + ch * 4 + 1).to(tl.float32)
-           + t2.to(tl.float32) * tl.load(convw + ch * 4 + 2).to(tl.float32)
-           + raw.to(tl.float32) * tl.load(convw + ch * 4 + 3).to(tl.float32))
+    part = (t0.to(tl.float32) * tl.load(convw + ch * 4).to(tl.float32)
+            + t1.to(tl.float32) * tl.load(convw + ch * 4 + 1).to(tl.float32)
+            + t2.to(tl.float32) * tl.load(convw + ch * 4 + 2).to(tl.float32))
     if HAS_BIAS:
-        acc += tl.load(convb + ch).to(tl.float32)
-    tl.debug_barrier()
-    tl.store(crow + ch * s_cc, t1, mask=m)
-    tl.store(crow + ch * s_cc + 1, t2, mask=m)
-    tl.store(crow + ch * s_cc + 2, raw.to(crow.dtype.element_ty), mask=m)
+        part += tl.load(convb + ch).to(tl.float32)
+    return t1, t2, part, tl.load(convw + ch * 4 + 3).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(yrow, crow, s_cc, ch, t1, t2, part, w3, m, SHIFT: tl.constexpr):
+    """Finish the conv with the new input y[ch], SiLU; SHIFT: shift the row's conv state in place where
+    `m`. A channel's taps may sit in several threads (Triton replicates small tensors across warps):
+    every tap is read before the barrier, and written only after it."""
+    raw = tl.load(yrow + ch)
+    acc = part + raw.to(tl.float32) * w3
+    if SHIFT:
+        tl.debug_barrier()
+        tl.store(crow + ch * s_cc, t1, mask=m)
+        tl.store(crow + ch * s_cc + 1, t2, mask=m)
+        tl.store(crow + ch * s_cc + 2, raw.to(crow.dtype.element_ty), mask=m)
     return acc * tl.sigmoid(acc)
 
 
@@ -58,28 +70,43 @@ def _conv_silu(yrow, crow, s_cc, convw, convb, ch, m, HAS_BIAS: tl.constexpr):
 def _gdn_mixer_kernel(y, s_yb, conv, s_cb, s_cc, convw, convb, a_log, dt_bias, s, s_sb, s_sh, s_sk,
                       norm_w, o, s_ob, H, scale, eps,
                       K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      SIGMOID_GATE: tl.constexpr, NORM: tl.constexpr):
+                      SIGMOID_GATE: tl.constexpr, NORM: tl.constexpr, SHIFT_QK: tl.constexpr,
+                      PDL: tl.constexpr):
     """One (row, head, value tile). NORM (needs BV == V): the gated RMSNorm too, o in the weights'
     dtype; else o before the norm, float32 (small batches: the o_proj GEMV's prologue norms it, and
-    value tiles BV < V give more programs)."""
+    value tiles BV < V give more programs). SHIFT_QK: shift the q/k conv state here (only with one
+    value tile: with several, every tile reads those taps, so the o_proj GEMV shifts them after).
+    PDL: the state, conv taps and gate parameters are read before waiting for the in-projection."""
     pid = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
     b, h = pid // H, pid % H
     ok, ov = tl.arange(0, K), i_v * BV + tl.arange(0, BV)
     kw, vw = H * K, H * V
     yrow, crow = y + b * s_yb, conv + b * s_cb
-    first = (ok * 0 + i_v) == 0  # q and k channels: their conv state is shifted by tile 0 only
-    q = _conv_silu(yrow, crow, s_cc, convw, convb, h * K + ok, first, HAS_BIAS)
-    k = _conv_silu(yrow, crow, s_cc, convw, convb, kw + h * K + ok, first, HAS_BIAS)
-    v = _conv_silu(yrow, crow, s_cc, convw, convb, 2 * kw + h * V + ov, ov < V, HAS_BIAS)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    p_s = s + b * s_sb + h * s_sh + ok[:, None] * s_sk + ov[None, :]
+    if not NORM:  # small batch: the state tile (BV <= 32 wide) loads while the rest waits; a whole head
+        state = tl.load(p_s)  # (NORM, large batch) would hold 64 KB of registers through the conv: later
+    q1, q2, qp, qw = _conv_taps(crow, s_cc, convw, convb, h * K + ok, HAS_BIAS)
+    k1, k2, kp, kw3 = _conv_taps(crow, s_cc, convw, convb, kw + h * K + ok, HAS_BIAS)
+    v1, v2, vp, vw3 = _conv_taps(crow, s_cc, convw, convb, 2 * kw + h * V + ov, HAS_BIAS)
+    a_h, dt_h = tl.load(a_log + h).to(tl.float32), tl.load(dt_bias + h).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    all_k = ok < K
+    q = _conv_silu(yrow, crow, s_cc, h * K + ok, q1, q2, qp, qw, all_k, SHIFT_QK)
+    k = _conv_silu(yrow, crow, s_cc, kw + h * K + ok, k1, k2, kp, kw3, all_k, SHIFT_QK)
+    v = _conv_silu(yrow, crow, s_cc, 2 * kw + h * V + ov, v1, v2, vp, vw3, ov < V, True)
     q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale  # the mixer's l2 form, then q * d**-0.5
     k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-    a = tl.load(yrow + 2 * kw + vw + h).to(tl.float32) + tl.load(dt_bias + h).to(tl.float32)
+    a = tl.load(yrow + 2 * kw + vw + h).to(tl.float32) + dt_h
     dt = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # F.softplus (threshold 20)
-    g = -tl.exp(tl.load(a_log + h).to(tl.float32)) * dt
+    g = -tl.exp(a_h) * dt
     beta = tl.sigmoid(tl.load(yrow + 2 * kw + vw + H + h).to(tl.float32))
-    p_s = s + b * s_sb + h * s_sh + ok[:, None] * s_sk + ov[None, :]
-    state = tl.load(p_s) * tl.exp(g)
+    if NORM:
+        state = tl.load(p_s)
+    state = state * tl.exp(g)
     u = beta * (v - tl.sum(state * k[:, None], 0))
     state += k[:, None] * u[None, :]
     tl.store(p_s, state)
@@ -89,67 +116,6 @@ def _gdn_mixer_kernel(y, s_yb, conv, s_cb, s_cc, convw, convb, a_log, dt_bias, s
         gate = tl.load(yrow + 2 * kw + vw + 2 * H + h * V + ov).to(tl.float32)
         out = out * (tl.sigmoid(gate) if SIGMOID_GATE else gate * tl.sigmoid(gate))
     tl.store(o + b * s_ob + h * V + ov, out.to(o.dtype.element_ty))
-
-
-@triton.jit
-def _norm_gemv_kernel(x, s_xb, nw, w, out, s_ob, N, D, B, eps,
-                      BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWIGLU: tl.constexpr):
-    """out[b, n] = sum_k rmsnorm(x[b])[k] W[n, k] for small B (a GEMV that reads W once for all rows);
-    SWIGLU: W holds [gate; up] (2N rows) and out = silu(x W_gate^T) * (x W_up^T)."""
-    on = tl.program_id(0) * BN + tl.arange(0, BN)
-    ob = tl.arange(0, BB)
-    mn, mb = on < N, ob < B
-    ssq = tl.zeros([BB], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        ok = k0 + tl.arange(0, BK)
-        xv = tl.load(x + ob[:, None] * s_xb + ok[None, :], mask=mb[:, None] & (ok < D)[None, :], other=0.0)
-        xv = xv.to(tl.float32)
-        ssq += tl.sum(xv * xv, 1)
-    r = tl.rsqrt(ssq / D + eps)
-    acc3 = tl.zeros([BB, BN, BK], dtype=tl.float32)  # products summed over K tiles, reduced once at the end
-    acc3u = tl.zeros([BB, BN, BK], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        ok = k0 + tl.arange(0, BK)
-        mk = ok < D
-        xv = tl.load(x + ob[:, None] * s_xb + ok[None, :], mask=mb[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        xv = xv * r[:, None] * tl.load(nw + ok, mask=mk, other=0.0).to(tl.float32)[None, :]
-        wv = tl.load(w + on[:, None] * D + ok[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        acc3 += xv[:, None, :] * wv[None, :, :]
-        if SWIGLU:
-            wu = tl.load(w + (on[:, None] + N) * D + ok[None, :], mask=mn[:, None] & mk[None, :], other=0.0)
-            acc3u += xv[:, None, :] * wu.to(tl.float32)[None, :, :]
-    acc = tl.sum(acc3, 2)
-    if SWIGLU:
-        acc2 = tl.sum(acc3u, 2)
-        acc = acc * tl.sigmoid(acc) * acc2
-    tl.store(out + ob[:, None] * s_ob + on[None, :], acc.to(out.dtype.element_ty), mask=mb[:, None] & mn[None, :])
-
-
-@triton.jit
-def _gemv_add_kernel(a, s_ab, w, x, s_xb, N, D, B, gate, s_gb, onw, eps,
-                     BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GATED_NORM: tl.constexpr,
-                     SIGMOID_GATE: tl.constexpr):
-    """x[b, n] += sum_k a'[b, k] W[n, k] (the residual add, in place, small B). GATED_NORM: a is the
-    mixer's float32 o and a' = rmsnorm per head (BK = head dim) * weight * silu|sigmoid(gate)."""
-    on = tl.program_id(0) * BN + tl.arange(0, BN)
-    ob = tl.arange(0, BB)
-    mn, mb = on < N, ob < B
-    acc3 = tl.zeros([BB, BN, BK], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        ok = k0 + tl.arange(0, BK)
-        mk = ok < D
-        av = tl.load(a + ob[:, None] * s_ab + ok[None, :], mask=mb[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        if GATED_NORM:
-            av = av * tl.rsqrt(tl.sum(av * av, 1) / BK + eps)[:, None] * tl.load(onw + tl.arange(0, BK))[None, :]
-            gv = tl.load(gate + ob[:, None] * s_gb + ok[None, :], mask=mb[:, None] & mk[None, :], other=0.0)
-            gv = gv.to(tl.float32)
-            av = av * (tl.sigmoid(gv) if SIGMOID_GATE else gv * tl.sigmoid(gv))
-        wv = tl.load(w + on[:, None] * D + ok[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        acc3 += av[:, None, :] * wv[None, :, :]
-    acc = tl.sum(acc3, 2)
-    p_x = x + ob[:, None] * s_xb + on[None, :]
-    m = mb[:, None] & mn[None, :]
-    tl.store(p_x, (tl.load(p_x, mask=m, other=0.0).to(tl.float32) + acc).to(x.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -202,38 +168,6 @@ def fused_support(model: torch.nn.Module) -> str | None:
     return None
 
 
-SMALL_BATCH = 2  # up to this batch the projections run as edgelin's GEMVs (norms and gates fused in), above as cuBLAS
-# (H200, bench/decode.py: B=1 452 us with them vs 620 us cuBLAS; B=8 1474 us vs 679 us cuBLAS)
-
-
-def _gemv_blocks(n: int, d: int, batch: int, block_k: int | None = None) -> tuple[int, int, int]:
-    """(BB, BN, BK): all rows of x in one program; a K tile as wide as the row (up to 1024) so each
-    program has its whole slice of W in flight at once (a GEMV at B=1 is bound by bytes in flight);
-    the [BB, BN, BK] float32 accumulator at most 4096 elements."""
-    bb = triton.next_power_of_2(batch)
-    bk = block_k or max(128, min(1024, triton.next_power_of_2(d), 4096 // bb))
-    bn = max(1, min(16, 4096 // (bb * bk)))
-    while bn > 1 and triton.cdiv(n, bn) < 192:  # keep ~190+ programs (the gated o_proj's K tile is one head)
-        bn //= 2
-    return bb, bn, bk
-
-
-def _gemv(x: Tensor, norm_w: Tensor, eps: float, w: Tensor, out: Tensor, swiglu: bool = False) -> None:
-    n = w.shape[0] // 2 if swiglu else w.shape[0]
-    bb, bn, bk = _gemv_blocks(n, w.shape[1], x.shape[0])
-    _norm_gemv_kernel[(triton.cdiv(n, bn),)](x, x.stride(0), norm_w, w, out, out.stride(0), n, w.shape[1],
-                                             x.shape[0], eps, BB=bb, BN=bn, BK=bk, SWIGLU=swiglu, num_warps=4)
-
-
-def _gemv_add(a: Tensor, w: Tensor, x: Tensor, gate: Tensor | None = None, norm_w: Tensor | None = None,
-              eps: float = 0.0, block_k: int | None = None, sigmoid: bool = False) -> None:
-    bb, bn, bk = _gemv_blocks(w.shape[0], w.shape[1], x.shape[0], block_k)
-    _gemv_add_kernel[(triton.cdiv(w.shape[0], bn),)](
-        a, a.stride(0), w, x, x.stride(0), w.shape[0], w.shape[1], x.shape[0], a if gate is None else gate,
-        0 if gate is None else gate.stride(0), w if norm_w is None else norm_w, eps, BB=bb, BN=bn, BK=bk,
-        GATED_NORM=gate is not None, SIGMOID_GATE=sigmoid, num_warps=4)
-
-
 class _Layer:
     """One layer's weights, concatenated once."""
 
@@ -262,7 +196,8 @@ class FusedDecoder:
     The same interface as GraphDecoder (state: a list of per-layer dicts, updated in place). With
     graph=False (or on CPU, under TRITON_INTERPRET=1) the fused step runs eagerly, without capture."""
 
-    def __init__(self, model: torch.nn.Module, batch: int = 1, graph: bool = True, warmup: int = 2, pool=None):
+    def __init__(self, model: torch.nn.Module, batch: int = 1, graph: bool = True, warmup: int = 2, pool=None,
+                 tuning: DecodeTuning | None = None):
         reason = fused_support(model)
         if reason is not None:
             raise KernelError("the fused decode cannot take this model", reason, "use GraphDecoder (unfused)")
@@ -271,6 +206,9 @@ class FusedDecoder:
         weight = model.lm_head.weight
         device, dtype = weight.device, weight.dtype
         self.model, self.batch = model, batch
+        self.tuning = tuning or DecodeTuning()
+        self.small = batch <= self.tuning.small_batch
+        self.pdl = self.small and self.tuning.pdl and pdl_available(device)  # PDL only between edgelin's kernels
         self.layers = [_Layer(block) for block in model.model.layers]
         self.embed, self.head = model.model.embed_tokens.weight.detach(), weight.detach()
         self.final_norm, self.final_eps = model.model.norm.weight.detach(), model.model.norm.eps
@@ -311,41 +249,56 @@ class FusedDecoder:
         return out
 
     def _forward(self) -> Tensor:
+        if self.small:
+            return self._forward_small()
         x, h, batch = self.x, self.h, self.batch
-        small = batch <= SMALL_BATCH
         torch.index_select(self.embed, 0, self.ids, out=x)
         for layer, state in zip(self.layers, self.state):
             y, o, gu, act = layer.y, layer.o, layer.gu, layer.act
-            if small:  # the input norm inside the GEMV
-                _gemv(x, layer.norm_in, layer.eps_in, layer.w_in, y)
-            else:
-                torch.mm(self._norm(x, layer.norm_in, layer.eps_in, h), layer.w_in.t(), out=y)
-            conv, s = state["conv_state"], state["recurrent_state"]
-            bv = min(layer.d_v, 32) if small else layer.d_v  # small B: more programs, the norm moves to o_proj
-            o = layer.o_raw if small else o
-            _gdn_mixer_kernel[(batch * layer.heads, layer.d_v // bv)](
-                y, y.stride(0), conv, conv.stride(0), conv.stride(1), layer.conv_w,
-                layer.conv_w if layer.conv_b is None else layer.conv_b, layer.a_log, layer.dt_bias,
-                s, s.stride(0), s.stride(1), s.stride(2), layer.o_norm, o, o.stride(0), layer.heads,
-                layer.scale, layer.o_norm_eps, K=layer.d_k, V=layer.d_v, BV=bv,
-                HAS_BIAS=layer.conv_b is not None, SIGMOID_GATE=layer.sigmoid_gate, NORM=not small,
-                num_warps=4 if small else 8)
-            if small:
-                gate = y[:, y.shape[1] - layer.heads * layer.d_v:]
-                _gemv_add(o, layer.w_o, x, gate=gate, norm_w=layer.o_norm, eps=layer.o_norm_eps,
-                          block_k=layer.d_v, sigmoid=layer.sigmoid_gate)
-                _gemv(x, layer.norm_post, layer.eps_post, layer.w_gu, act, swiglu=True)
-                _gemv_add(act, layer.w_down, x)
-            else:
-                x.addmm_(o, layer.w_o.t())
-                torch.mm(self._norm(x, layer.norm_post, layer.eps_post, h), layer.w_gu.t(), out=gu)
-                _silu_mul_kernel[(batch, triton.cdiv(layer.intermediate, 1024))](
-                    gu, gu.stride(0), act, act.stride(0), layer.intermediate, BLOCK=1024, num_warps=4)
-                x.addmm_(act, layer.w_down.t())
-        if small:
-            _gemv(x, self.final_norm, self.final_eps, self.head, self.logits_buffer)
-            return self.logits_buffer
+            torch.mm(self._norm(x, layer.norm_in, layer.eps_in, h), layer.w_in.t(), out=y)
+            self._mixer(layer, state, o, layer.d_v, shift_qk=True)
+            x.addmm_(o, layer.w_o.t())
+            torch.mm(self._norm(x, layer.norm_post, layer.eps_post, h), layer.w_gu.t(), out=gu)
+            _silu_mul_kernel[(batch, triton.cdiv(layer.intermediate, 1024))](
+                gu, gu.stride(0), act, act.stride(0), layer.intermediate, BLOCK=1024, num_warps=4)
+            x.addmm_(act, layer.w_down.t())
         return F.linear(self._norm(x, self.final_norm, self.final_eps, h), self.head)
+
+    def _mixer(self, layer: _Layer, state: dict[str, Tensor], o: Tensor, bv: int, shift_qk: bool,
+               pdl: bool = False) -> None:
+        y, conv, s = layer.y, state["conv_state"], state["recurrent_state"]
+        _gdn_mixer_kernel[(self.batch * layer.heads, layer.d_v // bv)](
+            y, y.stride(0), conv, conv.stride(0), conv.stride(1), layer.conv_w,
+            layer.conv_w if layer.conv_b is None else layer.conv_b, layer.a_log, layer.dt_bias,
+            s, s.stride(0), s.stride(1), s.stride(2), layer.o_norm, o, o.stride(0), layer.heads,
+            layer.scale, layer.o_norm_eps, K=layer.d_k, V=layer.d_v, BV=bv,
+            HAS_BIAS=layer.conv_b is not None, SIGMOID_GATE=layer.sigmoid_gate, NORM=bv == layer.d_v and not self.small,
+            SHIFT_QK=shift_qk, PDL=pdl, num_warps=self.tuning.mixer_warps if self.small else 8,
+            **({"launch_pdl": True} if pdl else {}))
+
+    def _forward_small(self) -> Tensor:
+        """B <= tuning.small_batch: 5 kernels per layer, the norms, gates and residual adds inside the
+        GEMVs; the embedding gather inside the first in-projection."""
+        x, t, pdl = self.x, self.tuning, self.pdl
+        for i, (layer, state) in enumerate(zip(self.layers, self.state)):
+            y = layer.y
+            if i == 0:  # the step's first kernel: no PDL, so it starts after the previous step ended
+                norm_gemv(self.embed, layer.norm_in, layer.eps_in, layer.w_in, y, t.bn_in, t.warps_in, t.bk, False,
+                          embed_ids=self.ids, x_out=x)
+            else:
+                norm_gemv(x, layer.norm_in, layer.eps_in, layer.w_in, y, t.bn_in, t.warps_in, t.bk, pdl)
+            bv = min(layer.d_v, t.mixer_bv)
+            tiled = bv < layer.d_v  # several value tiles read the q/k conv taps: o_proj shifts them after
+            self._mixer(layer, state, layer.o_raw, bv, shift_qk=not tiled, pdl=pdl)
+            gate = y[:, y.shape[1] - layer.heads * layer.d_v:]
+            shift = (state["conv_state"], y, 2 * layer.heads * layer.d_k) if tiled else None
+            gemv_add(layer.o_raw, layer.w_o, x, t.bn_o, t.warps_o, t.bk, pdl, gate=gate, norm_w=layer.o_norm,
+                     eps=layer.o_norm_eps, sigmoid=layer.sigmoid_gate, shift=shift)
+            norm_gemv(x, layer.norm_post, layer.eps_post, layer.w_gu, layer.act, t.bn_gu, t.warps_gu, t.bk, pdl,
+                      swiglu=True)
+            gemv_add(layer.act, layer.w_down, x, t.bn_down, t.warps_down, t.bk, pdl)
+        norm_gemv(x, self.final_norm, self.final_eps, self.head, self.logits_buffer, t.bn_head, t.warps_head, t.bk, pdl)
+        return self.logits_buffer
 
     def reset(self, state: list[dict[str, Tensor]] | None = None, start: Tensor | int = 0) -> None:
         """Load a state (None: zeros). `start` is accepted for GraphDecoder's interface (no positions here)."""

@@ -6,9 +6,20 @@ Two cache policies, chosen by `AttentionConfig.window`:
   forward uses the same sliding-window mask, so step and full-sequence outputs agree exactly.
   Prefill is block-local (each block of W queries sees the previous block and itself): linear in T.
 - window None (baseline only): full context, the cache grows by one row per token.
+
+A growing cache can also be exported for ONNX Runtime's in-place, fixed-capacity KV cache
+(`edgelin export --kv-cache static`): inside `grouped_query_attention(model)` the ONNX export emits
+the full-context attention as one `com.microsoft::GroupQueryAttention` node (q/k norm and partial
+rotary stay outside it: do_rotary=0) that writes the new keys and values at the sequence's position
+and attends over the valid length only. Fed a past of the valid length, the node is the growing
+cache's concat + attention; fed one buffer of the export's capacity as both past and present (the
+ONNX runner's IO binding), it updates that buffer in place. Eager torch is unchanged.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +32,29 @@ from edgelin.model.layers import RMSNorm, Rotary, positions_from
 Tensor = torch.Tensor
 
 
+# The contrib op a growing cache's attention is exported as under grouped_query_attention().
+GQA_OP = "com.microsoft::GroupQueryAttention"
+
+
+@contextlib.contextmanager
+def grouped_query_attention(model: nn.Module) -> Iterator[int]:
+    """While tracing for ONNX inside this block, every full-context (window None) attention layer of
+    `model` exports as one GroupQueryAttention node. Yields how many layers that covers."""
+    layers = [m for m in model.modules() if isinstance(m, SoftmaxAttention) and m.cfg.window is None]
+    for layer in layers:
+        layer.export_op = GQA_OP  # a plain attribute: part of what the traced graph depends on
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            layer.export_op = None
+
+
 class SoftmaxAttention(nn.Module):
     def __init__(self, hidden_size: int, cfg: AttentionConfig, eps: float = 1e-6):
         super().__init__()
         self.cfg = cfg
+        self.export_op: str | None = None  # GQA_OP inside grouped_query_attention()
         self.q_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -53,6 +83,11 @@ class SoftmaxAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, positions), self.rotary(k, positions)
         v = self.v_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.window is None and self.export_op == GQA_OP and torch.onnx.is_in_onnx_export():
+            out, new_state = self._gqa(q, k, v, state, positions[:, 0])
+            if cfg.output_gate:
+                out = out * torch.sigmoid(self.g_proj(x))
+            return self.o_proj(out), new_state
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
         if cfg.window is None:
             out, new_state = self._full(q, k, v, state)
@@ -79,6 +114,27 @@ class SoftmaxAttention(nn.Module):
         past, length = state["key"].shape[2], q.shape[2]
         valid = torch.arange(past + length, device=q.device) <= past + torch.arange(length, device=q.device)[:, None]
         return self._attend(q, keys, values, valid), {"key": keys, "value": values}
+
+    def _gqa(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Tensor], start: Tensor):
+        """_full as one GroupQueryAttention node: q [B, T, H, D], k/v [B, T, Hkv, D] -> out [B, T, H*D].
+        The new keys and values go to cache rows start .. start + T - 1 (`seqlens_k`: the last one per
+        sequence), so a sequence's position must equal the number of tokens its cache holds (the runner
+        checks it); the present has the past's length plus T, or the past's own length when the runtime
+        gives both one buffer of enough capacity (written in place)."""
+        cfg = self.cfg
+        batch, length = q.shape[:2]
+        seqlens = (start + (length - 1)).to(torch.int32)
+        total = (seqlens.max() + 1).reshape(())
+        past = state["key"].shape[2]
+        kv_shape = (batch, cfg.num_kv_heads, past + length, cfg.head_dim)
+        out, keys, values = torch.onnx.ops.symbolic_multi_out(
+            GQA_OP, [q.reshape(batch, length, -1), k.reshape(batch, length, -1), v.reshape(batch, length, -1),
+                     state["key"], state["value"], seqlens, total],
+            {"num_heads": cfg.num_heads, "kv_num_heads": cfg.num_kv_heads, "scale": float(cfg.head_dim**-0.5),
+             "do_rotary": 0, "local_window_size": -1},
+            dtypes=(q.dtype, k.dtype, v.dtype), shapes=((batch, length, cfg.num_heads * cfg.head_dim), kv_shape,
+                                                         kv_shape), version=1)
+        return out, {"key": keys, "value": values}
 
     def _ring_step(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Tensor], position: Tensor):
         window = self.cfg.window

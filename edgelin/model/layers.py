@@ -32,6 +32,9 @@ class GroupRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.groups == 1:  # RMSNorm's own form: ONNX Runtime fuses it (one node; the reshapes would stop that)
+            wide = x.float()
+            return (wide / torch.sqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
         grouped = x.reshape(*x.shape[:-1], self.groups, -1).float()  # float32 statistics, as RMSNorm
         grouped = grouped / torch.sqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)  # as RMSNorm
         return grouped.reshape(x.shape).to(x.dtype) * self.weight
@@ -65,13 +68,19 @@ def positions_from(start: Tensor | None, batch: int, length: int, device) -> Ten
 
 
 def short_conv(x: Tensor, weight: Tensor, conv_state: Tensor, bias: Tensor | None = None,
-               taps: bool = False) -> tuple[Tensor, Tensor]:
+               taps: bool = False, window_sum: bool = False) -> tuple[Tensor, Tensor]:
     """Causal depthwise conv + SiLU. x [B, T, C], weight [C, W], conv_state [B, C, W-1]: the
     last W-1 inputs before x. Returns (y [B, T, C], new conv_state).
     taps=True sums the W shifted products instead of calling conv1d: the same numbers, and for a
-    single decode token a handful of elementwise ops instead of a grouped Conv node."""
+    single decode token a handful of elementwise ops instead of a grouped Conv node.
+    window_sum=True (one token, T = 1: the ONNX step's form, edgelin.export.lowering) multiplies the
+    whole window by the weights and sums it in one reduction: 3 nodes for the W taps' 3W - 1
+    (the same products, summed in another order: rounding-level differences)."""
     width = weight.shape[-1]
     padded = torch.cat([conv_state, x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
+    if window_sum:
+        y = (padded * weight).sum(-1) if bias is None else (padded * weight).sum(-1) + bias  # [B, C]
+        return F.silu(y).unsqueeze(1), padded[..., 1:]
     if taps:
         length = x.shape[1]
         y = sum(padded[..., j:j + length] * weight[:, j:j + 1] for j in range(width))

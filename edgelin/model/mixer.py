@@ -138,9 +138,17 @@ class LinearMixer(nn.Module):
         h, hk = dims.num_heads, dims.num_k_heads
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         new_state: dict[str, Tensor] = {}
+        # A lowering's engine may take one token with its time axis kept (`step_t1`: the ONNX step, fewer
+        # nodes; edgelin.export.lowering): then the conv sums its window in one reduction and grouped key
+        # heads are broadcast by the engine, not repeated here. The reference's step math, summed in
+        # another order (rounding-level differences); the engine also brings its softplus and L2 norm.
+        installed = _ENGINE.get()
+        t1 = (mode != "chunked" and length == 1 and hasattr(installed, "step_t1") and not spec.normalizer
+              and not spec.erase_gate)
         if spec.short_conv:
             qkv, new_state["conv_state"] = short_conv(torch.cat([q, k, v], -1), self.conv1d, state["conv_state"],
-                                                      getattr(self, "conv1d_bias", None), taps=mode == "recurrent")
+                                                      getattr(self, "conv1d_bias", None), taps=mode == "recurrent",
+                                                      window_sum=t1)
             q, k, v = qkv.split([dims.key_width, dims.key_width, dims.value_width], -1)
         q = q.reshape(batch, length, hk, dims.head_k_dim)
         k = k.reshape(batch, length, hk, dims.head_k_dim)
@@ -150,13 +158,18 @@ class LinearMixer(nn.Module):
         if spec.rotary:
             positions = positions_from(start, batch, length, x.device)
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        if spec.qk_norm == "l2":  # x / sqrt(|x|^2 + eps): fla's and transformers' form
+        scaled = False  # q already scaled by d_state^-0.5
+        l2_normalize = getattr(installed, "l2_normalize", None)  # a lowering's fused form (ONNX: one node)
+        if spec.qk_norm == "l2" and l2_normalize is not None:
+            scaled = spec.scale_queries
+            q, k = l2_normalize(q, 1e-6, self.d_state**-0.5 if scaled else 1.0), l2_normalize(k, 1e-6)
+        elif spec.qk_norm == "l2":  # x / sqrt(|x|^2 + eps): fla's and transformers' form
             q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
         elif spec.qk_norm == "sum":
             q, k = F.normalize(q, p=1, dim=-1, eps=1e-6), F.normalize(k, p=1, dim=-1, eps=1e-6)
-        if spec.scale_queries:
+        if spec.scale_queries and not scaled:
             q = q * self.d_state**-0.5
-        if hk != h:  # grouped value heads share a key head
+        if hk != h and not t1:  # grouped value heads share a key head
             q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
 
         g, dt = self._log_decay(x, batch, length)  # float32 whatever x's dtype (see there)
@@ -164,7 +177,7 @@ class LinearMixer(nn.Module):
         if spec.delta_rule:
             beta = torch.sigmoid(self.b_proj(x).float()) if spec.use_beta else x.new_ones(batch, length, h)
             beta = beta * spec.beta_scale if spec.beta_scale != 1.0 else beta
-        values = v * dt.unsqueeze(-1).to(v.dtype) if spec.value_dt else v
+        values = v * dt.to(v.dtype) if spec.value_dt else v  # dt [B, T, H, 1]
         erase = None
         if spec.erase_gate:
             erase = torch.sigmoid(self.erase_proj(x).float() + self.erase_bias).reshape(batch, length, h, -1)
@@ -185,8 +198,11 @@ class LinearMixer(nn.Module):
             g, beta = (None if t is None else t.float() for t in (g, beta))
         else:
             q, k, values, g, beta = (None if t is None else t.float() for t in (q, k, values, g, beta))
-        o, new_state["recurrent_state"] = self._recurrence(engine, mode, state["recurrent_state"], q, k, values, g,
-                                                           beta, erase)
+        if t1:  # o [B, 1, H, d_v] straight from the engine: no squeeze / unsqueeze around it
+            o, new_state["recurrent_state"] = engine.step_t1(state["recurrent_state"], q, k, values, g, beta)
+        else:
+            o, new_state["recurrent_state"] = self._recurrence(engine, mode, state["recurrent_state"], q, k, values,
+                                                               g, beta, erase)
         if spec.normalizer:  # its own state z: o = q^T S / (q^T z + eps), S and z updated apart
             den, new_state["normalizer"] = self._normalizer(engine, mode, state["normalizer"], q, k, g)
             o = (o / (den.unsqueeze(-1) + spec.normalizer_eps)).to(o.dtype)  # fp32 z, o in v's dtype
@@ -235,28 +251,31 @@ class LinearMixer(nn.Module):
         if spec.gate is Gate.LOGSIGMOID:
             g = F.logsigmoid(raw) / spec.gate_normalizer
             return (g if spec.gate_clamp_min is None else g.clamp_min(spec.gate_clamp_min)), None
-        dt = F.softplus(raw + self.dt_bias.view(h, -1))
+        softplus = getattr(_ENGINE.get(), "softplus", F.softplus)  # a lowering's may export as one node
+        dt = softplus(raw + self.dt_bias.view(h, -1))
         if spec.dt_clamp is not None:
             dt = dt.clamp(*spec.dt_clamp)
         g = -torch.exp(self.A_log).view(1, 1, h, 1) * dt
-        return g, dt.squeeze(-1) if spec.decay is Decay.SCALAR else dt
+        return g, dt  # dt [B, T, H, 1 | d_state]
 
     def _readout(self, o: Tensor, v: Tensor, x: Tensor) -> Tensor:
+        """o, v [B, T, H, d_v] -> [B, T, hidden]. Heads are flattened as soon as nothing reads them
+        per head (a per-head norm does): the gate, a group norm and o_proj then take [B, T, H * d_v]
+        as it comes, with no reshape back and forth (graph nodes in every step)."""
         spec = self.spec
         if spec.skip_d:
             o = o + self.D.view(-1, 1) * v
+        per_head = spec.output_norm and spec.output_norm_scope == "head"
+        if not per_head:
+            o = o.flatten(-2)
         if spec.output_gate is not OutputGate.NONE:
-            raw = self.g_proj(x).reshape(o.shape)
+            raw = self.g_proj(x)
+            raw = raw.reshape(o.shape) if per_head else raw
             gate = torch.sigmoid(raw) if spec.output_gate_activation == "sigmoid" else F.silu(raw)
             if spec.output_gate is OutputGate.BEFORE_NORM:
                 o = o * gate
-        if spec.output_norm:
-            o = self._norm(o)
+        if spec.output_norm:  # RMSNorm per head, or GroupRMSNorm over the flat heads
+            o = self.o_norm(o)
         if spec.output_gate is OutputGate.AFTER_NORM:
             o = o * gate
-        return self.o_proj(o.flatten(-2))
-
-    def _norm(self, o: Tensor) -> Tensor:
-        if self.spec.output_norm_scope == "head":
-            return self.o_norm(o)
-        return self.o_norm(o.flatten(-2)).reshape(o.shape)
+        return self.o_proj(o.flatten(-2) if per_head else o)

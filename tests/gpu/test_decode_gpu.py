@@ -1,5 +1,6 @@
 """The fused whole-model decode (edgelin.kernels.fused_decode) on CUDA, captured in a CUDA graph,
-against the unfused model: logits and state after every step, fp32 and fp16, batch 1, 2 and 9."""
+against the unfused model: logits and state after every step, fp32 and fp16, batch 1, 2, 3 and 9; the
+small-batch GEMVs with programmatic dependent launch (Hopper) and without, and at B=9 as GEMVs too."""
 
 from __future__ import annotations
 
@@ -24,13 +25,20 @@ def _model(dtype: torch.dtype) -> CausalLM:
     return model.cuda().to(dtype)
 
 
-@pytest.mark.parametrize("batch", [1, 2, 9])  # 1, 2: edgelin's GEMVs, value-tiled mixer; 9: the cuBLAS path
+TUNINGS = {"default": {}, "no-pdl": {"pdl": False}, "gemv-b16": {"small_batch": 16, "mixer_bv": 16, "bn_in": 16},
+           "bk128": {"bk": 128, "bn_gu": 8, "bn_down": 2, "bn_o": 8, "warps_in": 8}}
+
+
+@pytest.mark.parametrize("batch,tuning", [(1, "default"), (3, "default"), (9, "default"), (1, "no-pdl"),
+                                          (2, "no-pdl"), (9, "gemv-b16"), (1, "bk128")])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
-def test_fused_graph_decode_matches_the_model(dtype, tol, batch):
-    from edgelin.kernels.fused_decode import FusedDecoder
+def test_fused_graph_decode_matches_the_model(dtype, tol, batch, tuning):
+    # 1, 2, 3: edgelin's GEMVs (PDL on Hopper), value-tiled mixer; 9: the cuBLAS path, or GEMVs with gemv-b16
+    from edgelin.kernels.fused_decode import DecodeTuning, FusedDecoder
 
     model = _model(dtype)
-    decoder = FusedDecoder(model, batch=batch)
+    decoder = FusedDecoder(model, batch=batch, tuning=DecodeTuning(**TUNINGS[tuning]))
+    assert decoder.small == (batch <= decoder.tuning.small_batch)
     state = model.initial_state(batch, device="cuda", dtype=dtype)
     ids = torch.arange(batch, device="cuda") * 53 + 5
     with torch.no_grad():

@@ -1,0 +1,44 @@
+"""How edgelin.runtime.prefill cuts a prompt for a constant-memory model: pieces of at most
+CONSTANT_PIECE (256) tokens whatever chunk is asked for (the prefill graph's activations, which ONNX
+Runtime keeps in its arena, scale with the piece: issue 13's peak RSS), at most `chunk` below that."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from edgelin.runtime import CONSTANT_PIECE, prefill
+
+
+class _Recorder:
+    """A runner stand-in that records the pieces and positions it is handed."""
+
+    def __init__(self):
+        self.manifest = SimpleNamespace(constant_memory=True)
+        self.calls: list[tuple[int, int]] = []
+
+    def new_state(self, batch: int) -> object:
+        return object()
+
+    def prefill(self, ids: np.ndarray, state: object, start: np.ndarray) -> np.ndarray:
+        self.calls.append((ids.shape[1], int(start[0])))
+        return np.full((ids.shape[0], 3), float(ids[0, -1]))
+
+
+def test_constant_memory_prompt_goes_in_pieces_of_256():
+    runner = _Recorder()
+    ids = np.arange(1000, dtype=np.int64)[None]
+    logits, _ = prefill(runner, ids)  # the default chunk (2048) used to send the whole prompt at once
+    assert CONSTANT_PIECE == 256
+    assert runner.calls == [(256, 0), (256, 256), (256, 512), (232, 768)]
+    assert logits[0, 0] == 999  # the last piece's logits
+
+
+def test_smaller_chunk_and_start_are_kept():
+    runner = _Recorder()
+    prefill(runner, np.zeros((2, 250), np.int64), start=40, chunk=100)
+    assert runner.calls == [(100, 40), (100, 140), (50, 240)]
+    runner = _Recorder()
+    prefill(runner, np.zeros((1, 600), np.int64), chunk=4096)
+    assert runner.calls == [(256, 0), (256, 256), (88, 512)]
