@@ -430,8 +430,9 @@ def main() -> None:
                     "positions": [int(p) for p in args.positions.split(",")]}
             env = {**os.environ, "PYTHONPATH": str(ROOT), **{v: str(threads) for v in (
                 "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
-            if kind.startswith("edgelin"):  # "-prepack": the same folder with ONNX Runtime's weight prepacking on
-                env["EDGELIN_ORT_PREPACK"] = "1" if kind.endswith("-prepack") else "0"  # (`edgelin bench --prepack`)
+            env.pop("EDGELIN_ORT_PREPACK", None)  # edgelin's default: off for float weights, on for int8/int4
+            if kind.endswith("-prepack"):  # the same folder with ONNX Runtime's weight prepacking on (`bench --prepack`)
+                env["EDGELIN_ORT_PREPACK"] = "1"
             py = PY[kind.split("-")[0]]
             try:
                 proc = subprocess.run([py, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], env=env,
