@@ -20,6 +20,9 @@ from edgelin.model.lm import CausalLM
 # Nodes of the step graph after ONNX Runtime's optimiser (ORT_ENABLE_ALL), one linear layer + embedding,
 # final norm and LM head. Before the small step forms (edgelin.export.lowering.OnnxEngine): 79 and 95.
 MAX_NODES = {"mamba2": 45, "gated_deltanet": 61}
+# Elementwise Muls among them: the state update's outer product k v^T is a K = 1 MatMul (exact; a broadcast
+# Mul before: 7 and 7), one fewer pass of broadcast writes over the state per layer.
+MAX_MULS = {"mamba2": 6, "gated_deltanet": 6}
 LAYOUTS = {  # transformers' Mamba2: n_groups = 1, conv bias, no MLP; Qwen3.5's GDN: fewer key heads than value heads
     "mamba2": dict(num_heads=4, num_k_heads=1, conv_bias=True, intermediate_size=0),
     "gated_deltanet": dict(num_heads=4, num_k_heads=2),
@@ -54,6 +57,7 @@ def test_step_graph_node_count_after_onnx_runtime(step_graph, tmp_path):
     # No shape plumbing around the recurrence (Gathers: the embedding and the last position's hidden
     # state), softplus one node (no Greater + Where), the L2 norms fused like RMSNorm
     assert ops.count("Gather") <= 2 and not {"Squeeze", "Expand", "Where", "Reciprocal"} & set(ops), sorted(ops)
+    assert ops.count("Mul") <= MAX_MULS[family], sorted(ops)
 
 
 def test_step_graph_matches_reference_steps(step_graph):

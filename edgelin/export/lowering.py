@@ -95,7 +95,7 @@ class OnnxEngine(TorchEngine):
         v = v.reshape(*each, 1, d_v)
         if beta is not None:  # v <- beta (v - k^T S)
             v = beta.reshape(*each, 1, 1) * (v - k.reshape(*lead, 1, d_k) @ s)
-        s = s + k.reshape(*lead, d_k, 1) * v
+        s = s + k.reshape(*lead, d_k, 1) @ v  # the outer product as a K = 1 MatMul: exact, a little faster
         o = q.reshape(*lead, 1, d_k) @ s  # [.., 1, d_v]
         return o.reshape(-1, 1, heads, d_v), (s.reshape(-1, heads, d_k, d_v) if grouped else s)
 

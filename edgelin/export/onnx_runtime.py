@@ -18,6 +18,7 @@ position must continue it), read_state returns the valid part, and a call past N
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,53 @@ def prepack_choice(manifest: Manifest, prepack: bool | None = None) -> bool:
     if prepack is not None:
         return prepack
     return not manifest.extra.get("weights") or bool(manifest.extra.get("quantization"))
+
+
+# "0" turns off the one shared mapping of weights.bin (each session then maps the file itself; for A/B runs).
+SHARED_ENV = "EDGELIN_ORT_SHARED_WEIGHTS"
+
+
+def _options(ort: Any, threads: int | None, prepack: bool) -> "ort.SessionOptions":
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    if not prepack:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    return options
+
+
+def shared_initializers(folder: Path, manifest: Manifest) -> tuple[np.ndarray | None, dict[str, list[tuple[str, Any]]]]:
+    """One read-only mapping of the folder's weights file and, per graph kind, (initializer name, OrtValue over
+    its bytes in that mapping) for every top-level external initializer of a viewable dtype: the graphs' tensors
+    that hold the same bytes are views of the same pages. A graph this cannot read gets none (ONNX Runtime then
+    loads it itself and reports what is wrong). Call after _check_weights (the file has its recorded size)."""
+    import onnxruntime as ort
+
+    from edgelin.export.weights import external_tensors
+
+    entry = manifest.extra["weights"]
+    path = folder / entry["file"]
+    if entry["bytes"] == 0:
+        return None, {}
+    weights = np.memmap(path, np.uint8, mode="r")
+    shared: dict[str, list[tuple[str, Any]]] = {}
+    for kind, graph in manifest.graphs.items():
+        try:
+            tensors = external_tensors(folder / graph.file, entry["file"])
+        except (OSError, ValueError):
+            continue
+        values = []
+        for name, offset, length, dtype, dims in tensors:
+            itemsize = np.dtype(dtype).itemsize
+            if offset < 0 or offset + length > len(weights) or offset % itemsize or length != itemsize * int(
+                    np.prod(dims, dtype=np.int64)) or any(d < 0 for d in dims):
+                values = []  # not what edgelin writes: leave this graph to ONNX Runtime
+                break
+            values.append((name, ort.OrtValue.ortvalue_from_numpy(weights[offset:offset + length].view(dtype)
+                                                                 .reshape(dims))))
+        shared[kind] = values
+    return weights, shared
 
 
 def _filled(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -86,26 +134,37 @@ class OnnxRunner(Runner):
         import onnxruntime as ort
 
         self._ort = ort
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
         if manifest.extra.get("weights"):  # step and prefill read one weights file (edgelin.export.weights)
             _check_weights(Path(folder), manifest.extra["weights"])
-        # ONNX Runtime maps a weights file: one copy, shared by both sessions. Prepacking gives each session a
+        # One copy of the weights in memory, read by both sessions (below). Prepacking gives each session a
         # private copy of every float matmul weight (+25 MiB for the shipped fp32 model) for ~9% faster fp32
         # steps (docs/benchmarks.md, "Precision and size"): off by default for float exports. MatMulNBits
         # (int8/int4) is another matter: unpacked it runs ~100x slower, so quantised exports keep it.
         self.prepack = prepack_choice(manifest, prepack)
-        if not self.prepack:
-            options.add_session_config_entry("session.disable_prepacking", "1")
+        options = _options(ort, threads, self.prepack)
+        # Left to itself, each session maps weights.bin on its own (one mapping per tensor), so each resident
+        # weight page counts twice in RSS (Pss = Rss / 2): +47 MiB of peak RSS for the fp32 Mamba2 peer. Instead
+        # (prepacking off, the float default): one read-only mapping of the file, and each session gets OrtValues
+        # over its slices through add_initializer, which ONNX Runtime uses in place (add_external_initializers
+        # and add_external_initializers_from_files_in_memory copy them: measured on 1.32). With prepacking on
+        # (quantised exports) ONNX Runtime's own loading is kept. `weights` is the mapping (None if not shared),
+        # `shared` the OrtValues per graph kind; EDGELIN_ORT_SHARED_WEIGHTS=0 turns this off.
+        self.weights: np.ndarray | None = None
+        self.shared: dict[str, list[tuple[str, Any]]] = {}
+        if manifest.extra.get("weights") and not self.prepack and os.environ.get(SHARED_ENV, "1") != "0":
+            self.weights, self.shared = shared_initializers(Path(folder), manifest)
         self.sessions: dict[str, ort.InferenceSession] = {}
         for kind, entry in manifest.graphs.items():
             path = Path(folder) / entry.file
             if not path.is_file():
                 raise EdgelinError(f"{path} is missing", "the manifest lists it", "re-run `edgelin export`")
+            graph_options = options
+            if self.shared.get(kind):
+                graph_options = _options(ort, threads, self.prepack)
+                for name, value in self.shared[kind]:
+                    graph_options.add_initializer(name, value)
             try:
-                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+                session = ort.InferenceSession(str(path), graph_options, providers=["CPUExecutionProvider"])
             except _ort_errors() as exc:  # a truncated or corrupt file is the folder's fault, not edgelin's
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise EdgelinError(f"{path} cannot be loaded by ONNX Runtime", f"{type(exc).__name__}: {reason}",
