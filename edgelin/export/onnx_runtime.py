@@ -66,27 +66,26 @@ def _options(ort: Any, threads: int | None, prepack: bool) -> "ort.SessionOption
 
 def shared_initializers(folder: Path, manifest: Manifest) -> tuple[np.ndarray | None, dict[str, list[tuple[str, Any]]]]:
     """One read-only mapping of the folder's weights file and, per graph kind, (initializer name, OrtValue over
-    its bytes in that mapping) for every top-level external initializer of a viewable dtype: the graphs' tensors
-    that hold the same bytes are views of the same pages. A graph this cannot read gets none (ONNX Runtime then
-    loads it itself and reports what is wrong). Call after _check_weights (the file has its recorded size)."""
+    its bytes in that mapping) for every external initializer the manifest records for that graph
+    (extra.weights.tensors_by_graph): the graphs' tensors that hold the same bytes are views of the same pages.
+    A graph with no record (an older export) or an entry that is not what edgelin writes gets none (ONNX
+    Runtime then loads it itself). Call after _check_weights (the file has its recorded size)."""
     import onnxruntime as ort
 
-    from edgelin.export.weights import external_tensors
-
     entry = manifest.extra["weights"]
-    path = folder / entry["file"]
-    if entry["bytes"] == 0:
+    recorded = entry.get("tensors_by_graph") or {}
+    if entry["bytes"] == 0 or not recorded:
         return None, {}
-    weights = np.memmap(path, np.uint8, mode="r")
+    weights = np.memmap(folder / entry["file"], np.uint8, mode="r")
     shared: dict[str, list[tuple[str, Any]]] = {}
     for kind, graph in manifest.graphs.items():
-        try:
-            tensors = external_tensors(folder / graph.file, entry["file"])
-        except (OSError, ValueError):
-            continue
         values = []
-        for name, offset, length, dtype, dims in tensors:
-            itemsize = np.dtype(dtype).itemsize
+        for name, offset, length, dtype, dims in recorded.get(graph.file, []):
+            try:
+                itemsize = np.dtype(dtype).itemsize
+            except TypeError:
+                values = []
+                break
             if offset < 0 or offset + length > len(weights) or offset % itemsize or length != itemsize * int(
                     np.prod(dims, dtype=np.int64)) or any(d < 0 for d in dims):
                 values = []  # not what edgelin writes: leave this graph to ONNX Runtime
@@ -257,20 +256,31 @@ class OnnxRunner(Runner):
             return self._static_run(kind, buffers, ids, position)
         if kind == "step" and self._fixed:
             return self._fixed_step(buffers, ids, position)
-        binding = self.sessions[kind].io_binding()
+        return self._bound_run(kind, buffers, ids, position)
+
+    def _bound_call(self, kind: str, ids: np.ndarray, position: np.ndarray | None, pasts: list,
+                    presents: list) -> list:
+        """One call with the state bound: pasts as inputs, presents as outputs (None: ONNX Runtime allocates
+        it, a growing cache's longer present); returns the outputs, logits first."""
+        session = self.sessions[kind]
+        binding = session.io_binding()
         binding.bind_cpu_input("input_ids", ids)
         if self.manifest.needs_position:
             binding.bind_cpu_input("position_ids", position)
-        for name, value in zip(self.state_names, buffers.current):
+        for name, value in zip(self.state_names, pasts):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output("logits", "cpu")
-        for i, name in enumerate(self.present_names):
-            if self._fixed:
-                binding.bind_ortvalue_output(name, buffers.spare[i])
-            else:  # a growing cache: ONNX Runtime allocates the longer present
+        for name, value in zip(self.present_names, presents):
+            if value is None:
                 binding.bind_output(name, "cpu")
-        self.sessions[kind].run_with_iobinding(binding)
-        outputs = binding.get_outputs()
+            else:
+                binding.bind_ortvalue_output(name, value)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()
+
+    def _bound_run(self, kind: str, buffers: _Buffers, ids: np.ndarray, position: np.ndarray | None) -> np.ndarray:
+        presents = buffers.spare if self._fixed else [None] * len(self.present_names)
+        outputs = self._bound_call(kind, ids, position, buffers.current, presents)
         if self._fixed:
             buffers.swap()
         else:
@@ -292,7 +302,7 @@ class OnnxRunner(Runner):
         elif len(ids) > 1 and buffers.length > 0:  # GroupQueryAttention takes a prompt after a past at batch 1 only
             logits = self._prefill_rows(buffers, ids, position)
         else:
-            logits = self._prefill_bound(buffers, ids, position)
+            logits = self._bound_run(kind, buffers, ids, position)
         buffers.length += n
         return logits
 
@@ -303,36 +313,13 @@ class OnnxRunner(Runner):
                                f"--kv-cache static --context {self.capacity})",
                                f"re-export with a larger --context (at least {length + n}), or start a new sequence")
 
-    def _prefill_bound(self, buffers: _Buffers, ids: np.ndarray, position: np.ndarray) -> np.ndarray:
-        session = self.sessions["prefill"]
-        binding = session.io_binding()
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("position_ids", position)
-        for name, past in zip(self.state_names, buffers.current):
-            binding.bind_ortvalue_input(name, past)
-        binding.bind_output("logits", "cpu")
-        for name, present in zip(self.present_names, buffers.spare):
-            binding.bind_ortvalue_output(name, present)
-        session.run_with_iobinding(binding)
-        logits = np.array(binding.get_outputs()[0].numpy(), copy=True)
-        buffers.swap()
-        return logits
-
     def _prefill_rows(self, buffers: _Buffers, ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         """One prefill call per sequence, each on its rows of the buffers (views: still in place)."""
-        session, logits = self.sessions["prefill"], []
-        current, spare = buffers.arrays
+        logits, (current, spare) = [], buffers.arrays
         for row in range(len(ids)):
-            binding = session.io_binding()
-            binding.bind_cpu_input("input_ids", ids[row:row + 1])
-            binding.bind_cpu_input("position_ids", position[row:row + 1])
-            for name, array in zip(self.state_names, current):
-                binding.bind_ortvalue_input(name, self._ortvalue(array[row:row + 1]))
-            binding.bind_output("logits", "cpu")
-            for name, array in zip(self.present_names, spare):
-                binding.bind_ortvalue_output(name, self._ortvalue(array[row:row + 1]))
-            session.run_with_iobinding(binding)
-            logits.append(np.array(binding.get_outputs()[0].numpy(), copy=True))
+            views = [[self._ortvalue(a[row:row + 1]) for a in arrays] for arrays in (current, spare)]
+            outputs = self._bound_call("prefill", ids[row:row + 1], position[row:row + 1], *views)
+            logits.append(np.array(outputs[0].numpy(), copy=True))
         buffers.swap()
         return np.concatenate(logits)
 
