@@ -394,10 +394,18 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="artifacts (default /work/peers/work/<checkpoint name>)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per worker")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--plot", type=Path, help="also draw decode latency vs position (PNG, matplotlib)")
+    parser.add_argument("--from-json", type=Path, help="render (and --plot) a saved --json report; time nothing")
     parser.add_argument("--prepare-only", action="store_true", help="build the artifacts, time nothing")
     parser.add_argument("--edgelin-kv", choices=("static", "growing"), default="static",
                         help="edgelin's KV cache for models with full attention (export --kv-cache)")
     args = parser.parse_args()
+    if args.from_json:
+        report = json.loads(args.from_json.read_text())
+        if args.plot:
+            plot(report, args.plot)
+        print(render(report))
+        return
     ckpt = args.checkpoint.resolve()
     work = (args.work or PEERS / "work" / ckpt.name).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -448,7 +456,43 @@ def main() -> None:
     report = {"checkpoint": str(ckpt), "meta": meta, "prompt": prompt, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, args.plot)
     print(render(report))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Decode latency (p50, ms per token) vs context position, one panel per thread count: edgelin's rows
+    solid and coloured, the peers dashed, so the comparison reads at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r["runs"]]
+    threads = sorted({t for r in rows for t in r["runs"]}, key=int)
+    fig, axes = plt.subplots(1, len(threads), figsize=(6.2 * len(threads), 4.4), squeeze=False, sharey=True)
+    for ax, count in zip(axes[0], threads):
+        for i, row in enumerate(rows):
+            latency = (row["runs"].get(count) or {}).get("latency", {})
+            points = sorted((int(p), v["p50"]) for p, v in latency.items() if "p50" in v)
+            if not points:
+                continue
+            mine = row["runtime"].startswith("edgelin")
+            ax.plot(*zip(*points), label=row["runtime"], marker="o" if mine else "s", linestyle="-" if mine else "--",
+                    linewidth=2.2 if mine else 1.4, color=f"C{i % 10}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context position (tokens)")
+        ax.set_title(f"{count} thread(s)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("decode ms per token (p50)")
+    axes[0][-1].legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"{Path(report['checkpoint']).name}: decode latency vs position (bench/peers.py)", fontweight="bold")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _agreement(ref: list[int] | None, toks: list[int] | None) -> str:

@@ -228,6 +228,19 @@ def test_chunk_prefill_32_row_chunks(gate):
     assert_close(s, s_ref, 1e-5)
 
 
+@pytest.mark.parametrize("shape", [(1, 70, 1, 48, 8), (1, 45, 1, 96, 8)], ids=["K48-BT64", "K96-BT32"])
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_chunk_prefill_per_key_d_k_tiles(shape, delta):
+    """Per-key decay with d_k over several of the intra kernels' d_k tiles (off-diagonal blocks: 32,
+    diagonal blocks: 64; the last tile part-masked), 64-row chunks (six block pairs) and 32-row ones
+    (one pair), a partial last chunk."""
+    s0, q, k, v, g, beta = make(*shape, "per_key", delta, seed=7)
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kernels.chunk_prefill(q, k, v, g, beta, s0, out=nan_like(v.shape), final_state=nan_like(s0.shape))
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
+
+
 @pytest.mark.parametrize("gate", ["scalar", "per_key"])
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
 def test_chunk_prefill_strong_decay_stays_finite(gate, delta):

@@ -54,9 +54,11 @@ def prepack_choice(manifest: Manifest, prepack: bool | None = None) -> bool:
 SHARED_ENV = "EDGELIN_ORT_SHARED_WEIGHTS"
 
 
-def _options(ort: Any, threads: int | None, prepack: bool) -> "ort.SessionOptions":
+def _options(ort: Any, threads: int | None, prepack: bool, kind: str = "step") -> "ort.SessionOptions":
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if kind == "prefill":
+        options.enable_mem_pattern = False
     if threads:
         options.intra_op_num_threads = threads
     if not prepack:
@@ -157,9 +159,8 @@ class OnnxRunner(Runner):
             path = Path(folder) / entry.file
             if not path.is_file():
                 raise EdgelinError(f"{path} is missing", "the manifest lists it", "re-run `edgelin export`")
-            graph_options = options
+            graph_options = _options(ort, threads, self.prepack, kind)
             if self.shared.get(kind):
-                graph_options = _options(ort, threads, self.prepack)
                 for name, value in self.shared[kind]:
                     graph_options.add_initializer(name, value)
             try:

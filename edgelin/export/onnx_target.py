@@ -174,13 +174,17 @@ SHARED_WEIGHTS = ("onnx", "tensorrt")
 
 def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings",
                   share: bool = True, embeddings: bool = True) -> dict[str, str]:
-    """After tracing: --quantize (both graphs alike, so their quantised weights still match; with
+    """After tracing: sibling MatMuls fused (edgelin.export.fuse_matmuls), --quantize (both graphs alike, so their quantised weights still match; with
     `embeddings`, the embedding table and LM head too), then (with `share`) one copy of the weights, a
     weights.bin both graphs reference (ONNX external data). Returns the files it adds
     ({"weights": "weights.bin"} or nothing)."""
     from edgelin.export.weights import WEIGHTS_KEY, share_weights
 
+    from edgelin.export.fuse_matmuls import fuse_matmuls
+
     graphs = [files[kind] for kind in ("step", "prefill")]
+    for file in graphs:  # sibling projections as one MatMul + Split (before quantising: one wider MatMulNBits)
+        fuse_matmuls(folder / file)
     if settings.quantize is not None:
         from edgelin.export.quantize import quantize_graph
 

@@ -44,10 +44,17 @@ _WRAPPERS = re.compile(r"^(?:inner\.)?model\.")  # the graph modules' own attrib
 
 
 def _module_of(node: Any) -> str | None:
-    """The torch module a node came from, as the checkpoint names it (e.g. model.layers.0.mixer.q_proj)."""
+    """The torch module a node came from, as the checkpoint names it (e.g. model.layers.0.mixer.q_proj);
+    for fused sibling projections (edgelin.export.fuse_matmuls) their modules joined with '+'."""
     import ast
+    import json
 
-    scopes = {p.key: p.value for p in node.metadata_props}.get(_SCOPES)
+    from edgelin.export.fuse_matmuls import FUSED_MODULES
+
+    props = {p.key: p.value for p in node.metadata_props}
+    if FUSED_MODULES in props:
+        return "+".join(_WRAPPERS.sub("", name) for name in json.loads(props[FUSED_MODULES]))
+    scopes = props.get(_SCOPES)
     if not scopes:
         return None
     try:
@@ -55,6 +62,11 @@ def _module_of(node: Any) -> str | None:
     except (ValueError, SyntaxError):
         return None
     return _WRAPPERS.sub("", names[-2]) if len(names) >= 2 else None
+
+
+def _modules_of(node: Any) -> list[str]:
+    """The modules whose weights a node reads (several for fused sibling projections), else its own name."""
+    return (_module_of(node) or node.name).split("+")
 
 
 def _run_tool(proto: Any, scheme: str, bits: int, block_size: int, name: str) -> Any:
@@ -214,6 +226,8 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
     if scheme not in BITS:
         raise EdgelinError(f"weight quantisation {scheme!r}", f"edgelin quantises to {', '.join(BITS)}",
                            "pass --quantize int8 or --quantize int4")
+    from edgelin.export.fuse_matmuls import FUSED_MODULES
+
     bits = BITS[scheme]
     proto = onnx.load(str(path))
     tables = {}
@@ -221,7 +235,7 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
         tables = _tables(proto, block_size)
         _untie_heads(proto)
         _quantize_gathers(proto, tables, scheme, bits, block_size)
-    scopes = {node.name: [p for p in node.metadata_props if p.key == _SCOPES]
+    scopes = {node.name: [p for p in node.metadata_props if p.key in (_SCOPES, FUSED_MODULES)]
               for node in proto.graph.node if node.op_type == "MatMul"}
     quantized = _run_tool(proto, scheme, bits, block_size, Path(path).name)
     if embeddings:
@@ -231,7 +245,7 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
         if node.op_type == "MatMulNBits":
             node.metadata_props.extend(scopes.get(node.name.removesuffix(f"_Q{bits}"), []))
         if node.op_type in _QUANTIZED_OPS:
-            names.append(_module_of(node) or node.name)
+            names.extend(_modules_of(node))
     onnx.save(quantized, str(path))
     return names
 
@@ -254,10 +268,10 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
         matrices = {t.name for t in proto.graph.initializer if len(t.dims) >= 2}
         nodes = [n for n in proto.graph.node if n.op_type in _QUANTIZED_OPS]
         attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
-        kept = {_module_of(n) or n.name for n in proto.graph.node
-                if n.op_type in _WEIGHT_OPS and any(i in matrices for i in n.input)}
+        kept = {name for n in proto.graph.node if n.op_type in _WEIGHT_OPS and any(i in matrices for i in n.input)
+                for name in _modules_of(n)}
         found[kind] = {"bits": sorted({a["bits"] for a in attrs}), "block_size": sorted({a["block_size"] for a in attrs}),
-                       "quantized": sorted({_module_of(n) or n.name for n in nodes}), "kept_float": sorted(kept)}
+                       "quantized": sorted({name for n in nodes for name in _modules_of(n)}), "kept_float": sorted(kept)}
     first_kind, first = next(iter(found.items()))
     if not first["quantized"]:
         return None

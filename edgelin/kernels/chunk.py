@@ -4,7 +4,8 @@ DeltaNet-2's erase gate included, fixed-length batches or varlen (`cu_seqlens`) 
 The chunked form of `edgelin.reference.recurrence.chunked` (same notation), in two to five kernels
 (tile sizes: `chunk_config`):
 0. `chunk_intra._chunk_cumsum_kernel`: the cumulative log-decay b within each chunk (`gc`), for a
-   per-key decay and the additive rule's scalar decay (the delta rule's prep stores a scalar b itself);
+   per-key decay (and K e^{b_last - b}, the state kernel's operand) and the additive rule's scalar
+   decay (the delta rule's prep stores a scalar b itself);
 1. `_chunk_prep_kernel` (the delta rule only), parallel over every chunk of every head: with no or a
    scalar decay A = diag(beta) (K K^T * R) (and P with an erase gate: else the output kernel forms P
    itself), then the chunk's WY form: T = (I + A)^-1 (`_unit_lower_inverse`: 16-row diagonal blocks by
@@ -19,10 +20,10 @@ The additive rule (linear attention, RetNet, simple GLA) runs kernels 2 and 3 (a
 the delta rule 1, 2, 3 (Gated DeltaNet, DeltaNet, Gated DeltaNet-2), GLA 0, 0b, 2, 3 and KDA all.
 Only kernel 2 is sequential, with two small matmuls per chunk and no output work (fla's design:
 per-chunk states in one kernel, the outputs of all chunks in parallel in another).
-0b. Per-key decays: `chunk_intra._chunk_intra_kernel` (one program per 16-row block of a chunk) stores
-P and A (the delta rule) before kernel 1. It never forms e^{+b}: earlier columns factor exp(b_i - b_j)
-through the row block's first row, the diagonal 16x16 block takes the exact exponent (as fla's
-chunk_gla does).
+0b. Per-key decays: `chunk_intra._chunk_intra_off_kernel` (one program per pair of 16-row blocks left
+of the diagonal: matmuls, exp(b_i - b_j) factored through the row block's first row) and
+`_chunk_intra_diag_kernel` (one program per diagonal 16x16 block, token-parallel, the exact exponent,
+as fla's chunk_gla does) store P and A (the delta rule) before kernel 1. Neither forms e^{+b}.
 Requires g <= 0 (a decay), which every family's gate guarantees.
 """
 
@@ -192,7 +193,7 @@ def _chunk_prep_kernel(
         if DELTA:
             b_a = tl.where(rows[:, None] > rows[None, :], b_kk, 0.0) * b_beta[:, None]
             tl.store(A + (row0 + rows[:, None] * H) * BT + rows[None, :], b_a, mask=m_t[:, None])
-    # (per-key decay: `chunk_intra._chunk_intra_kernel` has stored b, P and A)
+    # (per-key decay: the cumsum and intra kernels of `chunk_intra` have stored b, P and A)
 
     if DELTA:
         tl.debug_barrier()  # A rows are re-read below by other threads
@@ -236,7 +237,8 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
     about one program per multiprocessor (B=1, 16 heads: d_v tiles of 16 for the delta rule, 64 x 32
     for the additive rule; B=8: 64-wide, and all of d_k for the additive rule). `stages*` are Triton's
     num_stages (software pipelining of the chunk loop's loads), `warps*` num_warps of the state (h),
-    output (o), delta-rule prep and per-key intra kernels. A sweep replaces this function to try others.
+    output (o), delta-rule prep and per-key intra kernels (`*_off`: blocks left of the diagonal, `*_diag`:
+    the diagonal blocks; swept by stream G on the H200). A sweep replaces this function to try others.
     The erase gate (Gated DeltaNet-2) keeps more tiles live in its prep and state kernels: 2 prep warps
     spill there (297 vs 64 us at B=1 T=4096), so it keeps 4, and the state kernel's warps the rule before
     the sweep (8 above 128 x 32 tiles)."""
@@ -260,7 +262,8 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
     stages = 4 if not delta and bk_h * bv <= 64 * 32 else 3
     return {"BT": bt, "BV": bv, "num_warps": warps, "stages": stages, "BK_H": bk_h,
             "BV_O": min(128, max(16, next_pow2(d_v))), "BK_O": min(bk, 64), "warps_o": 4, "stages_o": 3,
-            "warps_prep": 4 if erase else 2, "warps_intra": 4}
+            "warps_prep": 4 if erase else 2,
+            "warps_off": 1, "BK_OFF": min(bk, 32), "stages_off": 3, "warps_diag": 4, "BK_DIAG": min(bk, 64)}
 
 
 def chunk_prefill(
@@ -283,7 +286,7 @@ def chunk_prefill(
     initial_state [N, H, d_k, d_v] float32 (None: zeros) -> (o [B, T, H, d_v] in v's dtype, final
     state [N, H, d_k, d_v] float32). Varlen: B = 1 and cu_seqlens [N+1]."""
     from edgelin.kernels.chunk_ho import _chunk_h_kernel, _chunk_o_kernel
-    from edgelin.kernels.chunk_intra import _chunk_cumsum_kernel, _chunk_intra_kernel
+    from edgelin.kernels.chunk_intra import _chunk_cumsum_kernel, _chunk_intra_diag_kernel, _chunk_intra_off_kernel
 
     what = "chunk_prefill"
     if q.dim() != 4:
@@ -351,15 +354,22 @@ def chunk_prefill(
     h = torch.empty(max(num_chunks, 1), heads, d_k, d_v, dtype=q.dtype, device=device)  # state entering each chunk
     bk = max(16, next_pow2(d_k))
     e_arg = erase if has_erase else q
+    kg = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if kind == 2 else k  # K e^{b_last - b}
     if grid_c > 0 and (kind == 2 or (kind == 1 and not delta)):  # (the delta rule's prep stores a scalar b)
-        _chunk_cumsum_kernel[(grid_c, grid_bh)](g, gc, cu_seqlens, chunk_indices, *strides3(g), length, heads,
-                                                gc.shape[-1], BT=bt, BK=min(bk, 64) if kind == 2 else 16,
-                                                VARLEN=varlen, num_warps=4)
+        _chunk_cumsum_kernel[(grid_c, grid_bh)](g, gc, k, kg, cu_seqlens, chunk_indices, *strides3(g), *strides3(k),
+                                                length, heads, gc.shape[-1], BT=bt,
+                                                BK=min(bk, 64) if kind == 2 else 16, VARLEN=varlen,
+                                                SCALE_K=kind == 2, num_warps=4)
     if grid_c > 0 and kind == 2:
-        _chunk_intra_kernel[(grid_c * (bt // SUB), grid_bh)](
-            q, k, beta if beta is not None else q, gc, p, a, cu_seqlens, chunk_indices,
-            *strides3(q), *strides3(k), *strides3(beta), length, heads, d_k,
-            BT=bt, BC=SUB, BK=min(bk, 64), BKD=16, DELTA=delta, VARLEN=varlen, PREC=prec, num_warps=cfg["warps_intra"],
+        intra_args = (q, k, beta if beta is not None else q, gc, p, a, cu_seqlens, chunk_indices,
+                      *strides3(q), *strides3(k), *strides3(beta), length, heads, d_k)
+        if bt > SUB:  # the blocks left of the diagonal ones: matmuls through a reference row
+            _chunk_intra_off_kernel[(grid_c * (bt // SUB) * (bt // SUB - 1) // 2, grid_bh)](
+                *intra_args, BT=bt, BC=SUB, BK=cfg["BK_OFF"], DELTA=delta, VARLEN=varlen, PREC=prec,
+                num_warps=cfg["warps_off"], num_stages=cfg["stages_off"],
+            )
+        _chunk_intra_diag_kernel[(grid_c * (bt // SUB), grid_bh)](  # the diagonal blocks: exact exponents
+            *intra_args, BT=bt, BC=SUB, BK=cfg["BK_DIAG"], DELTA=delta, VARLEN=varlen, num_warps=cfg["warps_diag"],
         )
     if grid_c > 0 and delta:
         _chunk_prep_kernel[(grid_c, grid_bh)](
@@ -373,7 +383,7 @@ def chunk_prefill(
     h0 = initial_state if initial_state is not None else final_state
     bk_h = cfg["BK_H"]  # the additive rule's state columns are independent: K tiles too (the delta rule: all of K)
     _chunk_h_kernel[(triton.cdiv(d_v, bv), num_seq * heads, triton.cdiv(d_k, bk_h))](
-        k, v, e_arg, beta if beta is not None else q, gc, u, w, h, h0, final_state, cu_seqlens, chunk_offsets,
+        k, v, e_arg, beta if beta is not None else q, gc, kg, u, w, h, h0, final_state, cu_seqlens, chunk_offsets,
         *strides3(k), *strides3(v), *strides3(erase), *strides3(beta),
         h0.stride(0), h0.stride(1), h0.stride(2), final_state.stride(0), final_state.stride(1), final_state.stride(2),
         length, heads, d_k, d_v,

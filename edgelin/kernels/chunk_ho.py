@@ -3,8 +3,9 @@
 1. `_chunk_h_kernel`, sequential over chunks, parallel over sequences x heads x d_v tiles (x d_k tiles
    for the additive rule), the state tile in registers. Per chunk it only stores the state entering
    the chunk (h, in the matmul operand dtype) and, for the delta rule, U = U0 - W S (over U0, in place);
-   then S = e^{b_C} S + K^T (e^{b_C - b} U): a scalar decay scales U's rows (BT x BV), a per-key one
-   K's columns; K is read transposed ([BK, BT]) straight into the matmul. The cumulative log-decay b
+   then S = e^{b_C} S + K^T (e^{b_C - b} U): a scalar decay scales U's rows (BT x BV); a per-key one
+   K's columns, once, in the cumsum kernel (KG, read instead of K); K is read transposed ([BK, BT])
+   straight into the matmul. The cumulative log-decay b
    (`gc`) comes from the prep kernel (the delta rule with a scalar decay) or the cumsum kernel.
    Nothing quadratic in the chunk and no output is on this sequential path.
 2. `_chunk_o_kernel`, parallel over every chunk x head x d_v tile: O = (Q * e^b) h + P U
@@ -26,7 +27,7 @@ __all__ = ["_chunk_h_kernel", "_chunk_o_kernel"]
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_h_kernel(
-    k, v, e, beta, gc, U, W, h, h0, ht, cu_seqlens, chunk_offsets,
+    k, v, e, beta, gc, KG, U, W, h, h0, ht, cu_seqlens, chunk_offsets,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_eb, s_et, s_eh, s_bb, s_bt, s_bh,
     s_0n, s_0h, s_0k, s_tn, s_th, s_tk,
     T, H, K, V,
@@ -73,7 +74,10 @@ def _chunk_h_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         tl.store(h + ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty),
                  mask=m_s)
-        b_kt = tl.load(k + (t0 + rows[None, :]) * s_kt + o_k[:, None], mask=m_kt, other=0.0)  # K^T [BK, BT]
+        if GATE == 2:  # K^T [BK, BT] already scaled by e^{b_last - b} (the cumsum kernel's KG)
+            b_kt = tl.load(KG + (row0 + rows[None, :] * H) * K + o_k[:, None], mask=m_kt, other=0.0)
+        else:
+            b_kt = tl.load(k + (t0 + rows[None, :]) * s_kt + o_k[:, None], mask=m_kt, other=0.0)  # K^T [BK, BT]
         if DELTA:  # (the delta rule's kernel holds all of K: BK >= K)
             b_w = tl.load(W + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0)
@@ -90,9 +94,7 @@ def _chunk_h_kernel(
             b_s = b_s * tl.exp(b_last)
         if GATE == 2:
             last = tl.minimum(t0 + BT, length) - 1 - t0
-            b_bt = tl.load(gc + (row0 + rows[None, :] * H) * K + o_k[:, None], mask=m_kt, other=0.0)
             b_last = tl.load(gc + (row0 + last * H) * K + o_k, mask=m_k, other=0.0)
-            b_kt = (b_kt.to(tl.float32) * tl.exp(b_last[:, None] - b_bt)).to(dt)
             b_s = b_s * tl.exp(b_last)[:, None]
         if ERASE:  # S += F_end^T U + ((1 - e) K)_end^T (beta V)
             b_e = tl.load(e + (t0 + rows[None, :]) * s_et + o_k[:, None], mask=m_kt, other=0.0).to(tl.float32)
