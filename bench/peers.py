@@ -1,6 +1,8 @@
 """CPU decoding side by side with the peers users would pick instead (issue 13): a benchmark, not a test.
 
     python bench/peers.py CKPT [--threads 1,2] [--positions 1,1024,8192,32768] [--runtimes ...] [--json FILE]
+                               [--plot latency.png]
+    python bench/peers.py --from-json FILE [--plot latency.png]   # re-render a saved report, time nothing
 
 One transformers checkpoint (qwen3_5_text or mamba2: bench/peer_checkpoints.py makes them) through every
 runtime on this machine, in one run, each runtime in its own subprocess (so peak RSS is its own) with the
@@ -384,7 +386,7 @@ def main() -> None:
         print("PEERS-RESULT " + json.dumps(worker(json.loads(sys.argv[2]))), flush=True)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("checkpoint", type=Path, nargs="?", help="transformers checkpoint folder (not with --from-json)")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--positions", default="1,1024,8192,32768")
     parser.add_argument("--iters", type=int, default=32)
@@ -406,6 +408,8 @@ def main() -> None:
             plot(report, args.plot)
         print(render(report))
         return
+    if args.checkpoint is None:
+        parser.error("a checkpoint folder is required (or --from-json REPORT)")
     ckpt = args.checkpoint.resolve()
     work = (args.work or PEERS / "work" / ckpt.name).resolve()
     work.mkdir(parents=True, exist_ok=True)

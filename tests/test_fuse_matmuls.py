@@ -1,7 +1,7 @@
 """Sibling projections as one MatMul (edgelin.export.fuse_matmuls, issue 13): the step graph's MatMuls
 that read one activation with constant weights become one MatMul + Split, Mamba2's conv-input Concat of
 three projections becomes one piece of that Split, the outputs stay those of the unfused graph, and an
-export's two graphs still share every weight (byte-identical fused tensors, one copy in weights.bin)."""
+export's two graphs still share every weight (tests/test_shared_weights.py checks that through the pipeline)."""
 
 from __future__ import annotations
 
@@ -78,22 +78,3 @@ def test_fused_graph_gives_the_same_numbers(graphs):
         feeds[i.name] = rng.integers(0, 97, shape) if "int" in i.type else rng.standard_normal(shape).astype(np.float32)
     for x, y in zip(a.run(None, feeds), b.run(None, feeds)):
         np.testing.assert_allclose(y, x, rtol=0, atol=1e-6 * float(np.abs(x).max()))
-
-
-def test_export_shares_fused_weights_once(tmp_path):
-    """Through the pipeline: both graphs fused alike, so every weights.bin tensor is read by both and the
-    file holds each fused matrix once (about the model's float parameters, not more)."""
-    import json
-
-    from edgelin.export.pipeline import export_checkpoint
-    from helpers import make_checkpoint
-
-    checkpoint = make_checkpoint(tmp_path / "ckpt", "gated_deltanet", tokenizer=False)
-    folder = export_checkpoint(checkpoint, tmp_path / "out").folder
-    weights = json.loads((folder / "manifest.json").read_text())["extra"]["weights"]
-    assert weights["shared_tensors"] == weights["tensors"] == weights["read_by"]["step.onnx"] == weights["read_by"]["prefill.onnx"]
-    for file in ("step.onnx", "prefill.onnx"):
-        graph = onnx.load(str(folder / file), load_external_data=False).graph
-        assert any(any(p.key == FUSED_MODULES for p in n.metadata_props) for n in graph.node), file
-    params = (checkpoint / "model.safetensors").stat().st_size  # float32 parameters (+ a small header)
-    assert weights["bytes"] <= 1.1 * params, (weights["bytes"], params)

@@ -241,6 +241,40 @@ def test_chunk_prefill_per_key_d_k_tiles(shape, delta):
     assert_close(s, s_ref, 1e-5)
 
 
+PER_KEY_PATHS = {  # chunk_config keys that pick another kernel path than the default at this shape
+    "diag-d_k-tiles": {"diag": "loop"}, "diag-rows-4": {"SR": 4}, "diag-rows-16": {"SR": 16},
+    "one-prep-launch-cumsum-loop": {"prep_split": False, "cumsum_split": False, "warps_prep": 2, "BK_CS": 16},
+}
+
+
+@pytest.mark.parametrize("override", PER_KEY_PATHS.values(), ids=PER_KEY_PATHS.keys())
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_chunk_prefill_per_key_paths(override, delta, monkeypatch):
+    """Each path a sweep may pick for a per-key decay (the diagonal blocks by d_k tiles instead of row
+    groups, other row-group sizes, KDA's prep in one launch, the cumsum looping over d_k tiles) gives
+    the reference's numbers too: odd length, a partial last chunk, two sequences, NaN-poisoned outputs."""
+    from edgelin.kernels import chunk
+
+    default = chunk.chunk_config
+    monkeypatch.setattr(chunk, "chunk_config", lambda *a, **kw: {**default(*a, **kw), **override})
+    s0, q, k, v, g, beta = make(2, 77, 1, 32, 9, "per_key", delta, seed=8)
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kernels.chunk_prefill(q, k, v, g, beta, s0, out=nan_like(v.shape), final_state=nan_like(s0.shape))
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
+
+
+@pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
+def test_chunk_prefill_per_key_wide_keys(delta):
+    """d_k = 160 > 128: the diagonal blocks go by d_k tiles (the row-group kernel holds all of d_k in
+    registers), fp32 takes 32-row chunks."""
+    s0, q, k, v, g, beta = make(1, 41, 1, 160, 8, "per_key", delta, seed=9)
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kernels.chunk_prefill(q, k, v, g, beta, s0)
+    assert_close(o, o_ref, 1e-5)
+    assert_close(s, s_ref, 1e-5)
+
+
 @pytest.mark.parametrize("gate", ["scalar", "per_key"])
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
 def test_chunk_prefill_strong_decay_stays_finite(gate, delta):

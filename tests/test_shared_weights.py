@@ -105,3 +105,22 @@ def test_a_truncated_weights_file_is_refused_before_mapping(exported, tmp_path):
     with pytest.raises(EdgelinError, match="weights.bin has .* bytes, the manifest says") as info:
         open_runner(folder)
     assert "\n" not in str(info.value)
+
+
+def test_export_shares_fused_weights_once(exported):
+    """Fused projections (edgelin.export.fuse_matmuls) through the pipeline: both graphs fused alike, so every
+    weights.bin tensor is read by both and the file holds each fused matrix once (about the model's float
+    parameters, not more)."""
+    import json
+
+    import onnx
+
+    from edgelin.export.fuse_matmuls import FUSED_MODULES
+
+    weights = json.loads((exported / "manifest.json").read_text())["extra"]["weights"]
+    assert weights["shared_tensors"] == weights["tensors"] == weights["read_by"]["step.onnx"] == weights["read_by"]["prefill.onnx"]
+    for file in ("step.onnx", "prefill.onnx"):
+        graph = onnx.load(str(exported / file), load_external_data=False).graph
+        assert any(any(p.key == FUSED_MODULES for p in n.metadata_props) for n in graph.node), file
+    params = (exported.parent / "ckpt" / "model.safetensors").stat().st_size  # float32 parameters (+ a header)
+    assert weights["bytes"] <= 1.1 * params, (weights["bytes"], params)

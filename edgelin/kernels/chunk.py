@@ -22,8 +22,9 @@ Only kernel 2 is sequential, with two small matmuls per chunk and no output work
 per-chunk states in one kernel, the outputs of all chunks in parallel in another).
 0b. Per-key decays: `chunk_intra._chunk_intra_off_kernel` (one program per pair of 16-row blocks left
 of the diagonal: matmuls, exp(b_i - b_j) factored through the row block's first row) and
-`_chunk_intra_diag_kernel` (one program per diagonal 16x16 block, token-parallel, the exact exponent,
-as fla's chunk_gla does) store P and A (the delta rule) before kernel 1. Neither forms e^{+b}.
+`_chunk_intra_diag_tri_kernel` (one program per diagonal 16x16 block, token-parallel, the exact
+exponent, as fla's chunk_gla does) store P and A (the delta rule) before kernel 1. Neither forms
+e^{+b}. KDA's kernel 1 runs in two launches (`prep_split`: T, then W and U one tile per program).
 Requires g <= 0 (a decay), which every family's gate guarantees.
 """
 
@@ -123,8 +124,10 @@ def _chunk_prep_kernel(
     T, H, K, V,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, ERASE: tl.constexpr, STORE_P: tl.constexpr, VARLEN: tl.constexpr,
-    PREC: tl.constexpr, PREC_T: tl.constexpr,
+    PREC: tl.constexpr, PREC_T: tl.constexpr, PHASE: tl.constexpr = 0,
 ):
+    """PHASE 0: all of it; 1: up to T (left in A); 2: W and U from the stored T, one d_k or d_v tile per
+    program (grid axis 2: the d_k tiles, then the d_v tiles). No erase gate in phases 1 and 2."""
     i_c = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // H, i_bh % H
@@ -153,7 +156,7 @@ def _chunk_prep_kernel(
     if DELTA:
         b_beta = tl.load(beta + i_b * s_bb + (bos + t0 + rows) * s_bt + i_h * s_bh, mask=m_t, other=0.0).to(tl.float32)
 
-    if GATE != 2:  # no decay or one per head: the whole [BT, BT] block at once, stably
+    if GATE != 2 and PHASE != 2:  # no decay or one per head: the whole [BT, BT] block at once, stably
         b_qk = tl.zeros([BT, BT], dtype=tl.float32)
         b_kk = tl.zeros([BT, BT], dtype=tl.float32)
         b_qf = tl.zeros([BT, BT], dtype=tl.float32)
@@ -195,10 +198,25 @@ def _chunk_prep_kernel(
             tl.store(A + (row0 + rows[:, None] * H) * BT + rows[None, :], b_a, mask=m_t[:, None])
     # (per-key decay: the cumsum and intra kernels of `chunk_intra` have stored b, P and A)
 
-    if DELTA:
+    if DELTA and PHASE != 2:
         tl.debug_barrier()  # A rows are re-read below by other threads
         b_t = _unit_lower_inverse(A, row0, t0, length, H, BT, BC, PREC_T).to(dt)
-        for i_k in range(0, tl.cdiv(K, BK)):
+    if DELTA and PHASE == 2:  # T from phase 1 (over A); b from the cumsum phase 1 stored
+        b_t = tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m_t[:, None], other=0.0).to(dt)
+        if GATE == 1:
+            b_b = tl.load(gc + row0 + rows * H, mask=m_t, other=0.0)
+    if DELTA and PHASE != 1:
+        k_lo = 0
+        k_hi = tl.cdiv(K, BK)
+        v_lo = 0
+        v_hi = tl.cdiv(V, BV)
+        if PHASE == 2:
+            i_x = tl.program_id(2)
+            k_lo = tl.minimum(i_x, k_hi)
+            k_hi = tl.minimum(i_x + 1, k_hi)
+            v_lo = tl.maximum(i_x - tl.cdiv(K, BK), 0)
+            v_hi = tl.maximum(i_x - tl.cdiv(K, BK) + 1, 0)
+        for i_k in range(k_lo, k_hi):
             o_k = i_k * BK + tl.arange(0, BK)
             m = m_t[:, None] & (o_k < K)[None, :]
             b_k = tl.load(k + rows[:, None] * s_kt + o_k[None, :], mask=m, other=0.0).to(tl.float32)
@@ -208,7 +226,7 @@ def _chunk_prep_kernel(
                 b_k = b_k * tl.exp(tl.load(gc + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m, other=0.0))
             b_w = tl.dot(b_t, (b_k * b_beta[:, None]).to(dt), input_precision=PREC)
             tl.store(W + (row0 + rows[:, None] * H) * K + o_k[None, :], b_w.to(W.dtype.element_ty), mask=m)
-        for i_v in range(0, tl.cdiv(V, BV)):
+        for i_v in range(v_lo, v_hi):
             o_v = i_v * BV + tl.arange(0, BV)
             m = m_t[:, None] & (o_v < V)[None, :]
             b_v = tl.load(v + rows[:, None] * s_vt + o_v[None, :], mask=m, other=0.0).to(tl.float32)
@@ -229,19 +247,25 @@ def _num_sms(index: int) -> int:
 
 
 def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, device: torch.device,
-                 delta: bool = False, erase: bool = False) -> dict:
-    """Tile sizes and warps, from a sweep on an H200 (stream F, 2026-12-01: B=1 and 8, T=4096, H=16,
-    d_k=d_v=128, bf16). BT 64 unless the [BT, d_k] operand tiles get large (fp32, d_k > 64).
-    The state kernel (h) is the only sequential one, and its programs (sequences x heads x d_v tiles,
-    x d_k tiles for the additive rule) are all its parallelism: the largest tile that still gives
-    about one program per multiprocessor (B=1, 16 heads: d_v tiles of 16 for the delta rule, 64 x 32
-    for the additive rule; B=8: 64-wide, and all of d_k for the additive rule). `stages*` are Triton's
-    num_stages (software pipelining of the chunk loop's loads), `warps*` num_warps of the state (h),
-    output (o), delta-rule prep and per-key intra kernels (`*_off`: blocks left of the diagonal, `*_diag`:
-    the diagonal blocks; swept by stream G on the H200). A sweep replaces this function to try others.
+                 delta: bool = False, erase: bool = False, gate: int = 0) -> dict:
+    """Tile sizes, warps and paths, from sweeps on an H200 (B=1 and 8, T=4096, H=16, d_k=d_v=128, bf16;
+    streams F and G, then a greedy staged sweep on 2026-12-01: docs/benchmarks.md "3c").
+    `gate`: 0 none, 1 one decay per head, 2 one per key. BT 64 unless the [BT, d_k] operand tiles get
+    large (fp32, d_k > 64). The state kernel (h) is the only sequential one, and its programs
+    (sequences x heads x d_v tiles, x d_k tiles for the additive rule) are all its parallelism: the
+    largest tile that still gives about one program per multiprocessor (B=1, 16 heads: d_v tiles of 16
+    for the delta rule, 64 x 32 for the additive rule; B=8: 64-wide, and all of d_k for the additive
+    rule). `stages*` are Triton's num_stages (software pipelining of the chunk loop's loads; never 1 in
+    the state kernel: it gave NaN), `warps*` num_warps of the state (h), output (o), delta-rule prep,
+    cumsum (cs) and per-key intra kernels (`*_off`: blocks left of the diagonal, `*_diag`: the diagonal
+    blocks). Per-key decays: the diagonal blocks by row groups of SR (`diag="tri"`: about the lower
+    triangle's work; gla 1x4096 277 -> 233 us), the cumsum one program per 32-key tile. 16-bit inputs:
+    the delta rule's triangular inverse in one tf32 pass (`prec_t`; T is rounded to the input dtype
+    next anyway: error vs the fp32 reference unchanged, gated_delta_rule 172.7 -> 158.6 us); KDA's
+    prep in two launches (T with one warp, then W and U one tile per program: `prep_split`).
     The erase gate (Gated DeltaNet-2) keeps more tiles live in its prep and state kernels: 2 prep warps
-    spill there (297 vs 64 us at B=1 T=4096), so it keeps 4, and the state kernel's warps the rule before
-    the sweep (8 above 128 x 32 tiles)."""
+    spill there (297 vs 64 us at B=1 T=4096), so it keeps 4, the state kernel's warps the rule before
+    the sweep (8 above 128 x 32 tiles), and the fp32 inverse (not swept)."""
     bk = max(16, next_pow2(d_k))
     size = 4 if dtype == torch.float32 else 2
     bt = 64 if bk * size <= 256 else 32
@@ -258,12 +282,20 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
                 bv //= 2
             else:
                 bk_h //= 2
-    warps = 8 if bk_h * bv > (128 * 32 if erase else 128 * 64 if delta else 64 * 64) else 4
-    stages = 4 if not delta and bk_h * bv <= 64 * 32 else 3
+    if not delta:  # 8 warps at every tile of the additive rule (64 x 32 at B=1: simple_gla 78.4 -> 74.8 us)
+        warps, stages = 8, 4 if bk_h * bv <= 64 * 32 else 3
+    else:  # 2 stages once the d_v tiles are 64 wide (B=8: kda 2099 -> 2034 us; 3 at B=1, where 2 loses 8%)
+        warps = 8 if bk_h * bv > (128 * 32 if erase else 128 * 64) else 4
+        stages = 2 if bv >= 64 and not erase else 3
+    per_key, fast_inverse = gate == 2, delta and not erase and size == 2
     return {"BT": bt, "BV": bv, "num_warps": warps, "stages": stages, "BK_H": bk_h,
             "BV_O": min(128, max(16, next_pow2(d_v))), "BK_O": min(bk, 64), "warps_o": 4, "stages_o": 3,
-            "warps_prep": 4 if erase else 2,
-            "warps_off": 1, "BK_OFF": min(bk, 32), "stages_off": 3, "warps_diag": 4, "BK_DIAG": min(bk, 64)}
+            "warps_prep": 4 if erase else 1 if per_key else 2, "prep_split": per_key and delta and not erase,
+            "prec_t": "tf32" if fast_inverse else "tf32x3",
+            "warps_cs": 4, "BK_CS": min(bk, 32 if per_key else 64), "cumsum_split": per_key,
+            "warps_off": 1, "BK_OFF": min(bk, 32), "stages_off": 3,
+            "diag": "tri" if bk <= 128 else "loop", "SR": 8, "warps_diag": 1 if bk <= 128 else 4,
+            "BK_DIAG": min(bk, 64)}
 
 
 def chunk_prefill(
@@ -286,7 +318,9 @@ def chunk_prefill(
     initial_state [N, H, d_k, d_v] float32 (None: zeros) -> (o [B, T, H, d_v] in v's dtype, final
     state [N, H, d_k, d_v] float32). Varlen: B = 1 and cu_seqlens [N+1]."""
     from edgelin.kernels.chunk_ho import _chunk_h_kernel, _chunk_o_kernel
-    from edgelin.kernels.chunk_intra import _chunk_cumsum_kernel, _chunk_intra_diag_kernel, _chunk_intra_off_kernel
+    from edgelin.kernels.chunk_intra import (
+        _chunk_cumsum_kernel, _chunk_intra_diag_kernel, _chunk_intra_diag_tri_kernel, _chunk_intra_off_kernel,
+    )
 
     what = "chunk_prefill"
     if q.dim() != 4:
@@ -326,7 +360,7 @@ def chunk_prefill(
     q, k, v, g, erase = (last_dim_contiguous(x) for x in (q, k, v, g, erase))
 
     delta = beta is not None
-    cfg = chunk_config(num_seq * heads, d_k, d_v, q.dtype, device, delta, erase is not None)
+    cfg = chunk_config(num_seq * heads, d_k, d_v, q.dtype, device, delta, erase is not None, kind)
     bt, bv = cfg["BT"], block_v or cfg["BV"]
     varlen = cu_seqlens is not None
     if varlen:
@@ -343,7 +377,7 @@ def chunk_prefill(
     tokens = batch * length
     # fp32 inputs: 3-pass tf32 keeps matmuls at fp32 accuracy (the interpreter is exact anyway)
     prec = "tf32" if q.dtype != torch.float32 else ("ieee" if interpreting() else "tf32x3")
-    prec_t = "ieee" if interpreting() else "tf32x3"  # the triangular inverse: fp32 always
+    prec_t = "ieee" if interpreting() else cfg["prec_t"]  # the triangular inverse
     f32 = dict(dtype=torch.float32, device=device)
     gc = torch.empty(tokens, heads, d_k if kind == 2 else 1, **f32) if kind else q  # b, cumulative per chunk
     p = q if p_in else torch.empty(tokens, heads, bt, **f32)
@@ -356,10 +390,11 @@ def chunk_prefill(
     e_arg = erase if has_erase else q
     kg = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if kind == 2 else k  # K e^{b_last - b}
     if grid_c > 0 and (kind == 2 or (kind == 1 and not delta)):  # (the delta rule's prep stores a scalar b)
-        _chunk_cumsum_kernel[(grid_c, grid_bh)](g, gc, k, kg, cu_seqlens, chunk_indices, *strides3(g), *strides3(k),
-                                                length, heads, gc.shape[-1], BT=bt,
-                                                BK=min(bk, 64) if kind == 2 else 16, VARLEN=varlen,
-                                                SCALE_K=kind == 2, num_warps=4)
+        bk_cs = cfg["BK_CS"] if kind == 2 else 16
+        split = kind == 2 and cfg["cumsum_split"]
+        _chunk_cumsum_kernel[(grid_c, grid_bh, triton.cdiv(d_k, bk_cs) if split else 1)](
+            g, gc, k, kg, cu_seqlens, chunk_indices, *strides3(g), *strides3(k), length, heads, gc.shape[-1],
+            BT=bt, BK=bk_cs, VARLEN=varlen, SCALE_K=kind == 2, SPLIT_K=split, num_warps=cfg["warps_cs"])
     if grid_c > 0 and kind == 2:
         intra_args = (q, k, beta if beta is not None else q, gc, p, a, cu_seqlens, chunk_indices,
                       *strides3(q), *strides3(k), *strides3(beta), length, heads, d_k)
@@ -368,18 +403,29 @@ def chunk_prefill(
                 *intra_args, BT=bt, BC=SUB, BK=cfg["BK_OFF"], DELTA=delta, VARLEN=varlen, PREC=prec,
                 num_warps=cfg["warps_off"], num_stages=cfg["stages_off"],
             )
-        _chunk_intra_diag_kernel[(grid_c * (bt // SUB), grid_bh)](  # the diagonal blocks: exact exponents
-            *intra_args, BT=bt, BC=SUB, BK=cfg["BK_DIAG"], DELTA=delta, VARLEN=varlen, num_warps=cfg["warps_diag"],
-        )
+        if cfg["diag"] == "tri" and bk <= 128:  # the diagonal blocks: exact exponents, row groups
+            _chunk_intra_diag_tri_kernel[(grid_c * (bt // SUB), grid_bh)](
+                *intra_args, BT=bt, BC=SUB, BK=bk, SR=cfg["SR"], DELTA=delta, VARLEN=varlen,
+                num_warps=cfg["warps_diag"],
+            )
+        else:  # d_k > 128: d_k tiles, one row at a time
+            _chunk_intra_diag_kernel[(grid_c * (bt // SUB), grid_bh)](
+                *intra_args, BT=bt, BC=SUB, BK=cfg["BK_DIAG"], DELTA=delta, VARLEN=varlen,
+                num_warps=cfg["warps_diag"],
+            )
     if grid_c > 0 and delta:
-        _chunk_prep_kernel[(grid_c, grid_bh)](
-            q, k, v, g if g is not None else q, beta if beta is not None else q, e_arg, gc, p, a, w, u, ox,
-            cu_seqlens, chunk_indices, *strides3(q), *strides3(k), *strides3(v), *strides3(g), *strides3(beta),
-            *strides3(erase), length, heads, d_k, d_v,
-            BT=bt, BC=SUB, BK=min(bk, 64), BV=min(64, max(16, next_pow2(d_v))),
-            GATE=kind, DELTA=delta, ERASE=has_erase, STORE_P=not p_in, VARLEN=varlen, PREC=prec, PREC_T=prec_t,
-            num_warps=cfg["warps_prep"],
-        )
+        prep_args = (q, k, v, g if g is not None else q, beta if beta is not None else q, e_arg, gc, p, a, w, u, ox,
+                     cu_seqlens, chunk_indices, *strides3(q), *strides3(k), *strides3(v), *strides3(g),
+                     *strides3(beta), *strides3(erase), length, heads, d_k, d_v)
+        bk_p, bv_p = min(bk, cfg.get("BK_P", 64)), min(cfg.get("BV_P", 64), max(16, next_pow2(d_v)))
+        prep_kw = dict(BT=bt, BC=SUB, BK=bk_p, BV=bv_p, GATE=kind, DELTA=delta, ERASE=has_erase, STORE_P=not p_in,
+                       VARLEN=varlen, PREC=prec, PREC_T=prec_t)
+        if cfg["prep_split"] and not has_erase:  # T first, then W and U tile-parallel
+            _chunk_prep_kernel[(grid_c, grid_bh)](*prep_args, **prep_kw, PHASE=1, num_warps=cfg["warps_prep"])
+            _chunk_prep_kernel[(grid_c, grid_bh, triton.cdiv(d_k, bk_p) + triton.cdiv(d_v, bv_p))](
+                *prep_args, **prep_kw, PHASE=2, num_warps=cfg.get("warps_prep2", 4))
+        else:
+            _chunk_prep_kernel[(grid_c, grid_bh)](*prep_args, **prep_kw, num_warps=cfg["warps_prep"])
     h0 = initial_state if initial_state is not None else final_state
     bk_h = cfg["BK_H"]  # the additive rule's state columns are independent: K tiles too (the delta rule: all of K)
     _chunk_h_kernel[(triton.cdiv(d_v, bv), num_seq * heads, triton.cdiv(d_k, bk_h))](
