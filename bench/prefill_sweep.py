@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(STAGES))
     parser.add_argument("--shapes", default="1x4096,8x4096")
     args = parser.parse_args()
+    P.ptxas_watchdog(120)  # a stuck ptxas fails its compile instead of the whole sweep
     default, override = chunk.chunk_config, {}
     chunk.chunk_config = lambda *a, **kw: {**default(*a, **kw), **override}
     graph_us = lambda fn, n: min(P.timings(fn, n, 5)["graph_us"] for _ in range(2))  # noqa: E731
@@ -70,7 +71,11 @@ def main() -> None:
                     override.clear()
                     override.update({**best, **candidate})
                     ours = lambda: kernels.chunk_prefill(q, k, v, g, beta, s0, erase=e)  # noqa: E731
-                    us = graph_us(ours, n)
+                    try:
+                        us = P.retried(lambda: graph_us(ours, n))
+                    except Exception as exc:  # noqa: BLE001
+                        rows.append({"cfg": dict(override), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                        continue
                     o, s = ours()
                     row = {"cfg": dict(override), "us": us, "ratio": fla_us / us,
                            "err_fla": (o.float() - o_fla.float()).abs().max().item(),
