@@ -22,7 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_chunk_cumsum_kernel", "_chunk_intra_diag_kernel", "_chunk_intra_diag_tri_kernel", "_chunk_intra_off_kernel"]
+__all__ = [
+    "_chunk_cumsum_kernel", "_chunk_intra_diag_kernel", "_chunk_intra_diag_tri_kernel", "_chunk_intra_off_kernel",
+]
 
 
 @triton.jit(do_not_specialize=["T"])
