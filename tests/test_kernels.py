@@ -241,23 +241,28 @@ def test_chunk_prefill_per_key_d_k_tiles(shape, delta):
     assert_close(s, s_ref, 1e-5)
 
 
-PER_KEY_PATHS = {  # chunk_config keys that pick another kernel path than the default at this shape
-    "diag-d_k-tiles": {"diag": "loop"}, "diag-rows-4": {"SR": 4}, "diag-rows-16": {"SR": 16},
-    "one-prep-launch-cumsum-loop": {"prep_split": False, "cumsum_split": False, "warps_prep": 2, "BK_CS": 16},
+PATHS = {  # (gate, chunk_config keys that pick another kernel path than the default at this shape)
+    "diag-d_k-tiles": ("per_key", {"diag": "loop"}), "diag-rows-4": ("per_key", {"SR": 4}),
+    "diag-rows-16": ("per_key", {"SR": 16}),
+    "one-prep-launch-cumsum-loop": ("per_key", {"prep_split": False, "cumsum_split": False, "warps_prep": 2,
+                                                "BK_CS": 16}),
+    "scalar-two-prep-launches": ("scalar", {"prep_split": True, "BK_P": 16, "BV_P": 16}),
 }
 
 
-@pytest.mark.parametrize("override", PER_KEY_PATHS.values(), ids=PER_KEY_PATHS.keys())
+@pytest.mark.parametrize("path", PATHS.values(), ids=PATHS.keys())
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
-def test_chunk_prefill_per_key_paths(override, delta, monkeypatch):
-    """Each path a sweep may pick for a per-key decay (the diagonal blocks by d_k tiles instead of row
-    groups, other row-group sizes, KDA's prep in one launch, the cumsum looping over d_k tiles) gives
-    the reference's numbers too: odd length, a partial last chunk, two sequences, NaN-poisoned outputs."""
+def test_chunk_prefill_other_paths(path, delta, monkeypatch):
+    """Each path a sweep may pick (the diagonal blocks by d_k tiles instead of row groups, other
+    row-group sizes, KDA's prep in one launch, the cumsum looping over d_k tiles, a scalar decay's prep
+    in two launches over several d_k and d_v tiles) gives the reference's numbers too: odd length, a
+    partial last chunk, two sequences, NaN-poisoned outputs."""
     from edgelin.kernels import chunk
 
+    gate, override = path
     default = chunk.chunk_config
     monkeypatch.setattr(chunk, "chunk_config", lambda *a, **kw: {**default(*a, **kw), **override})
-    s0, q, k, v, g, beta = make(2, 77, 1, 32, 9, "per_key", delta, seed=8)
+    s0, q, k, v, g, beta = make(2, 77, 1, 32, 9, gate, delta, seed=8)
     o_ref, s_ref = reference(s0, q, k, v, g, beta)
     o, s = kernels.chunk_prefill(q, k, v, g, beta, s0, out=nan_like(v.shape), final_state=nan_like(s0.shape))
     assert_close(o, o_ref, 1e-5)

@@ -291,8 +291,9 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
     return {"BT": bt, "BV": bv, "num_warps": warps, "stages": stages, "BK_H": bk_h,
             "BV_O": min(128, max(16, next_pow2(d_v))), "BK_O": min(bk, 64), "warps_o": 4, "stages_o": 3,
             "warps_prep": 4 if erase else 1 if per_key else 2, "prep_split": per_key and delta and not erase,
+            "warps_prep2": 4, "BK_P": min(bk, 64), "BV_P": min(64, max(16, next_pow2(d_v))),
             "prec_t": "tf32" if fast_inverse else "tf32x3",
-            "warps_cs": 4, "BK_CS": min(bk, 32 if per_key else 64), "cumsum_split": per_key,
+            "warps_cs": 4, "BK_CS": min(bk, 32), "cumsum_split": per_key,
             "warps_off": 1, "BK_OFF": min(bk, 32), "stages_off": 3,
             "diag": "tri" if bk <= 128 else "loop", "SR": 8, "warps_diag": 1 if bk <= 128 else 4,
             "BK_DIAG": min(bk, 64)}
@@ -403,7 +404,7 @@ def chunk_prefill(
                 *intra_args, BT=bt, BC=SUB, BK=cfg["BK_OFF"], DELTA=delta, VARLEN=varlen, PREC=prec,
                 num_warps=cfg["warps_off"], num_stages=cfg["stages_off"],
             )
-        if cfg["diag"] == "tri" and bk <= 128:  # the diagonal blocks: exact exponents, row groups
+        if cfg["diag"] == "tri":  # the diagonal blocks: exact exponents, row groups (all of d_k per program)
             _chunk_intra_diag_tri_kernel[(grid_c * (bt // SUB), grid_bh)](
                 *intra_args, BT=bt, BC=SUB, BK=bk, SR=cfg["SR"], DELTA=delta, VARLEN=varlen,
                 num_warps=cfg["warps_diag"],
@@ -417,13 +418,13 @@ def chunk_prefill(
         prep_args = (q, k, v, g if g is not None else q, beta if beta is not None else q, e_arg, gc, p, a, w, u, ox,
                      cu_seqlens, chunk_indices, *strides3(q), *strides3(k), *strides3(v), *strides3(g),
                      *strides3(beta), *strides3(erase), length, heads, d_k, d_v)
-        bk_p, bv_p = min(bk, cfg.get("BK_P", 64)), min(cfg.get("BV_P", 64), max(16, next_pow2(d_v)))
+        bk_p, bv_p = cfg["BK_P"], cfg["BV_P"]
         prep_kw = dict(BT=bt, BC=SUB, BK=bk_p, BV=bv_p, GATE=kind, DELTA=delta, ERASE=has_erase, STORE_P=not p_in,
                        VARLEN=varlen, PREC=prec, PREC_T=prec_t)
         if cfg["prep_split"] and not has_erase:  # T first, then W and U tile-parallel
             _chunk_prep_kernel[(grid_c, grid_bh)](*prep_args, **prep_kw, PHASE=1, num_warps=cfg["warps_prep"])
             _chunk_prep_kernel[(grid_c, grid_bh, triton.cdiv(d_k, bk_p) + triton.cdiv(d_v, bv_p))](
-                *prep_args, **prep_kw, PHASE=2, num_warps=cfg.get("warps_prep2", 4))
+                *prep_args, **prep_kw, PHASE=2, num_warps=cfg["warps_prep2"])
         else:
             _chunk_prep_kernel[(grid_c, grid_bh)](*prep_args, **prep_kw, num_warps=cfg["warps_prep"])
     h0 = initial_state if initial_state is not None else final_state
