@@ -24,16 +24,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import prefill as P  # noqa: E402  (bench/prefill.py: inputs, fla calls, timing, reference)
 
-TRI = [{"diag": "loop", "warps_diag": 4}] + [{"SR": sr, "warps_diag": w} for sr in (4, 8, 16) for w in (1, 2)]
-STATE = [{"num_warps": 8}, {"num_warps": 4}, {"stages": 2}, {"stages": 4}, {"BV": 32}, {"BK_H": 32, "BV": 64}]
+TRI = ([{"diag": "loop", "warps_diag": 4}] + [{"diag": "tri", "SR": sr, "warps_diag": 1} for sr in (4, 8)]
+       + [{"diag": "token", "BH_DIAG": bh, "warps_diag": w} for bh, w in ((1, 1), (2, 1), (8, 4))])
+STATE = [{"num_warps": 8}, {"num_warps": 4}, {"stages": 2}, {"stages": 4}, {"BV": 32}, {"BK_H": 32, "BV": 64},
+         {"BK_H": 32, "BV": 32}, {"BK_H": 64, "BV": 32}]
+CUMSUM = [{}, {"cumsum_split": False, "BK_CS": 64}, {"warps_cs": 1, "BK_CS": 64}, {"warps_cs": 4, "BK_CS": 32}]
 STAGES = {
     "simple_gla": [[{}, *STATE]],
-    "gla": [[{}, *TRI], [{}, {"cumsum_split": False, "BK_CS": 64}, {"BK_CS": 64}, {"warps_cs": 2}], [{}, *STATE],
+    "gla": [[{}, *TRI], CUMSUM, [{}, *STATE],
             [{}, {"warps_o": 8}, {"BV_O": 64}]],
     "kda": [[{}, *TRI],
             [{}, {"prep_split": False, "warps_prep": 2}, {"warps_prep": 2}, {"warps_prep2": 2},
              {"BK_P": 32, "BV_P": 32}, {"prec_t": "tf32x3"}],
-            [{}, {"cumsum_split": False, "BK_CS": 64}, {"warps_cs": 2}], [{}, *STATE], [{}, {"warps_o": 8}]],
+            CUMSUM, [{}, *STATE], [{}, {"warps_o": 8}]],
     "gated_delta_rule": [[{}, {"prec_t": "tf32x3"}, {"warps_prep": 1}, {"warps_prep": 4},
                           {"prep_split": True, "warps_prep": 1, "warps_prep2": 2}], [{}, *STATE]],
     "delta_rule": [[{}, {"prec_t": "tf32x3"}, {"warps_prep": 1}, {"warps_prep": 4}], [{}, *STATE]],

@@ -242,8 +242,11 @@ def test_chunk_prefill_per_key_d_k_tiles(shape, delta):
 
 
 PATHS = {  # (gate, chunk_config keys that pick another kernel path than the default at this shape)
-    "diag-d_k-tiles": ("per_key", {"diag": "loop"}), "diag-rows-4": ("per_key", {"SR": 4}),
-    "diag-rows-16": ("per_key", {"SR": 16}),
+    "diag-d_k-tiles": ("per_key", {"diag": "loop"}), "diag-rows-4": ("per_key", {"diag": "tri", "SR": 4}),
+    "diag-rows-8": ("per_key", {"diag": "tri", "SR": 8}), "diag-rows-16": ("per_key", {"diag": "tri", "SR": 16}),
+    "diag-token-1-head": ("per_key", {"diag": "token", "BH_DIAG": 1}),
+    "diag-token-2-heads": ("per_key", {"diag": "token", "BH_DIAG": 2}),
+    "cumsum-64-keys-one-warp": ("per_key", {"BK_CS": 64, "warps_cs": 1}),
     "one-prep-launch-cumsum-loop": ("per_key", {"prep_split": False, "cumsum_split": False, "warps_prep": 2,
                                                 "BK_CS": 16}),
     "scalar-two-prep-launches": ("scalar", {"prep_split": True, "BK_P": 16, "BV_P": 16}),
@@ -253,10 +256,11 @@ PATHS = {  # (gate, chunk_config keys that pick another kernel path than the def
 @pytest.mark.parametrize("path", PATHS.values(), ids=PATHS.keys())
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
 def test_chunk_prefill_other_paths(path, delta, monkeypatch):
-    """Each path a sweep may pick (the diagonal blocks by d_k tiles instead of row groups, other
-    row-group sizes, KDA's prep in one launch, the cumsum looping over d_k tiles, a scalar decay's prep
-    in two launches over several d_k and d_v tiles) gives the reference's numbers too: odd length, a
-    partial last chunk, two sequences, NaN-poisoned outputs."""
+    """Each path a sweep may pick (the diagonal blocks by d_k tiles or row groups instead of a program
+    per row, one or two heads per row program, KDA's prep in one launch, the cumsum looping over d_k
+    tiles or in one part-masked 64-key tile, a scalar decay's prep in two launches over several d_k and
+    d_v tiles) gives the reference's numbers too: odd length, a partial last chunk, two sequences,
+    NaN-poisoned outputs and scratch."""
     from edgelin.kernels import chunk
 
     gate, override = path
@@ -264,6 +268,13 @@ def test_chunk_prefill_other_paths(path, delta, monkeypatch):
     monkeypatch.setattr(chunk, "chunk_config", lambda *a, **kw: {**default(*a, **kw), **override})
     s0, q, k, v, g, beta = make(2, 77, 1, 32, 9, gate, delta, seed=8)
     o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    empty = torch.empty  # the kernels' scratch (P, A, W, U, b, ...) NaN-poisoned: every entry read is written first
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
     o, s = kernels.chunk_prefill(q, k, v, g, beta, s0, out=nan_like(v.shape), final_state=nan_like(s0.shape))
     assert_close(o, o_ref, 1e-5)
     assert_close(s, s_ref, 1e-5)

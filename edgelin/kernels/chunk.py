@@ -22,8 +22,8 @@ Only kernel 2 is sequential, with two small matmuls per chunk and no output work
 per-chunk states in one kernel, the outputs of all chunks in parallel in another).
 0b. Per-key decays: `chunk_intra._chunk_intra_off_kernel` (one program per pair of 16-row blocks left
 of the diagonal: matmuls, exp(b_i - b_j) factored through the row block's first row) and
-`_chunk_intra_diag_tri_kernel` (one program per diagonal 16x16 block, token-parallel, the exact
-exponent, as fla's chunk_gla does) store P and A (the delta rule) before kernel 1. Neither forms
+`_chunk_intra_diag_token_kernel` (the diagonal 16x16 blocks, one program per row and 4 heads, the exact
+exponent, as fla's KDA does) store P and A (the delta rule) before kernel 1. Neither forms
 e^{+b}. KDA's kernel 1 runs in two launches (`prep_split`: T, then W and U one tile per program).
 Requires g <= 0 (a decay), which every family's gate guarantees.
 """
@@ -254,12 +254,14 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
     large (fp32, d_k > 64). The state kernel (h) is the only sequential one, and its programs
     (sequences x heads x d_v tiles, x d_k tiles for the additive rule) are all its parallelism: the
     largest tile that still gives about one program per multiprocessor (B=1, 16 heads: d_v tiles of 16
-    for the delta rule, 64 x 32 for the additive rule; B=8: 64-wide, and all of d_k for the additive
-    rule). `stages*` are Triton's num_stages (software pipelining of the chunk loop's loads; never 1 in
+    for the delta rule, 64 x 32 for the additive rule, 32 x 32 (two per multiprocessor) with per-key
+    decays; B=8: 64-wide, and all of d_k for the additive rule). `stages*` are Triton's num_stages (software pipelining of the chunk loop's loads; never 1 in
     the state kernel: it gave NaN), `warps*` num_warps of the state (h), output (o), delta-rule prep,
     cumsum (cs) and per-key intra kernels (`*_off`: blocks left of the diagonal, `*_diag`: the diagonal
-    blocks). Per-key decays: the diagonal blocks by row groups of SR (`diag="tri"`: about the lower
-    triangle's work; gla 1x4096 277 -> 233 us), the cumsum one program per 32-key tile. 16-bit inputs:
+    blocks). Per-key decays: the diagonal blocks one program per row and BH_DIAG heads (`diag="token"`:
+    gla 1x4096 227 -> 223 us, kda 8x4096 2110 -> 2025 us; the row groups of SR, `diag="tri"`, had taken it
+    277 -> 233 us), the cumsum one program per 32-key tile (64 keys in one warp from 64 sequence-heads on:
+    gla 8x4096 1294 -> 1267 us). 16-bit inputs:
     the delta rule's triangular inverse in one tf32 pass (`prec_t`; T is rounded to the input dtype
     next anyway: error vs the fp32 reference unchanged, gated_delta_rule 172.7 -> 158.6 us); KDA's
     prep in two launches (T with one warp, then W and U one tile per program: `prep_split`).
@@ -276,8 +278,10 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
     if delta:  # all of d_k in one program (W S needs it): only d_v tiles
         while bv > 16 and num_heads_total * triton.cdiv(d_v, bv) < want:
             bv //= 2
-    else:  # halve d_v, then d_k, down to 32 x 64
-        while num_heads_total * triton.cdiv(d_v, bv) * triton.cdiv(d_k, bk_h) < want and (bv > 32 or bk_h > 64):
+    else:  # halve d_v, then d_k, down to 32 x 64 (per-key decays: to 32 x 32, about two programs per multiprocessor:
+        # gla at B=1 T=4096 221.6 -> 219.0 us, T=32768 1659 -> 1616 us)
+        k_floor, target = (32, 2 * want) if gate == 2 else (64, want)
+        while num_heads_total * triton.cdiv(d_v, bv) * triton.cdiv(d_k, bk_h) < target and (bv > 32 or bk_h > k_floor):
             if bv > 32:
                 bv //= 2
             else:
@@ -288,15 +292,16 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
         warps = 8 if bk_h * bv > (128 * 32 if erase else 128 * 64) else 4
         stages = 2 if bv >= 64 and not erase else 3
     per_key, fast_inverse = gate == 2, delta and not erase and size == 2
+    wide = num_heads_total >= 64  # B=8 x 16 heads: the cumsum's 64-key tiles in one warp (gla 1294 -> 1267 us)
     return {"BT": bt, "BV": bv, "num_warps": warps, "stages": stages, "BK_H": bk_h,
             "BV_O": min(128, max(16, next_pow2(d_v))), "BK_O": min(bk, 64), "warps_o": 4, "stages_o": 3,
             "warps_prep": 4 if erase else 1 if per_key else 2, "prep_split": per_key and delta and not erase,
             "warps_prep2": 4, "BK_P": min(bk, 64), "BV_P": min(64, max(16, next_pow2(d_v))),
             "prec_t": "tf32" if fast_inverse else "tf32x3",
-            "warps_cs": 4, "BK_CS": min(bk, 32), "cumsum_split": per_key,
+            "warps_cs": 1 if wide and per_key else 4, "BK_CS": min(bk, 64 if wide else 32), "cumsum_split": per_key,
             "warps_off": 1, "BK_OFF": min(bk, 32), "stages_off": 3,
-            "diag": "tri" if bk <= 128 else "loop", "SR": 8, "warps_diag": 1 if bk <= 128 else 4,
-            "BK_DIAG": min(bk, 64)}
+            "diag": "token" if bk <= 128 else "loop", "SR": 8, "warps_diag": 2 if bk <= 128 else 4,
+            "BK_DIAG": min(bk, 64), "BH_DIAG": 4}
 
 
 def chunk_prefill(
@@ -320,7 +325,8 @@ def chunk_prefill(
     state [N, H, d_k, d_v] float32). Varlen: B = 1 and cu_seqlens [N+1]."""
     from edgelin.kernels.chunk_ho import _chunk_h_kernel, _chunk_o_kernel
     from edgelin.kernels.chunk_intra import (
-        _chunk_cumsum_kernel, _chunk_intra_diag_kernel, _chunk_intra_diag_tri_kernel, _chunk_intra_off_kernel,
+        _chunk_cumsum_kernel, _chunk_intra_diag_kernel, _chunk_intra_diag_token_kernel, _chunk_intra_diag_tri_kernel,
+        _chunk_intra_off_kernel,
     )
 
     what = "chunk_prefill"
@@ -407,6 +413,11 @@ def chunk_prefill(
         if cfg["diag"] == "tri":  # the diagonal blocks: exact exponents, row groups (all of d_k per program)
             _chunk_intra_diag_tri_kernel[(grid_c * (bt // SUB), grid_bh)](
                 *intra_args, BT=bt, BC=SUB, BK=bk, SR=cfg["SR"], DELTA=delta, VARLEN=varlen,
+                num_warps=cfg["warps_diag"],
+            )
+        elif cfg["diag"] == "token":  # one program per row and BH heads
+            _chunk_intra_diag_token_kernel[(grid_c * bt, grid_bh // heads * triton.cdiv(heads, cfg["BH_DIAG"]))](
+                *intra_args, BT=bt, BC=SUB, BK=bk, BH=cfg["BH_DIAG"], DELTA=delta, VARLEN=varlen,
                 num_warps=cfg["warps_diag"],
             )
         else:  # d_k > 128: d_k tiles, one row at a time

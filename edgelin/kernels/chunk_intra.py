@@ -8,13 +8,13 @@ operand), for rows r and columns j <= r of a chunk (16-row blocks, A: j < r):
 - `_chunk_intra_off_kernel`: one program per pair (row block I, column block J < I), matmuls over d_k
   tiles; e^{b_r - b_j} factors through I's first row R, e^{b_r - b_R} <= 1 and e^{b_R - b_j} <= 1
   (g <= 0), so nothing overflows;
-- the diagonal 16 x 16 blocks, one program each, per column j a d_k-vector product against the
-  block's rows with the exact exponent: `_chunk_intra_diag_tri_kernel` (d_k <= 128, the default: rows
-  in groups that skip the columns right of them) or `_chunk_intra_diag_kernel`
-  (d_k tiles, one row block at a time; wider keys).
+- the diagonal 16 x 16 blocks, per column j a d_k-vector product with the exact exponent:
+  `_chunk_intra_diag_token_kernel` (d_k <= 128, the default: one program per row and a few heads),
+  `_chunk_intra_diag_tri_kernel` (one program per block, rows in groups that skip the columns right of
+  them) or `_chunk_intra_diag_kernel` (d_k tiles, one row block at a time; wider keys).
 (Stream G, 2026-12-01: the split replaced one program per row block doing both, whose diagonal block
 was a 3-D product: 233 -> 33 + 101 us for GLA at B=1, T=4096, H=16, d_k=128 on an H200; the row
-groups then 101 -> 56 us.)
+groups then 101 -> 56 us; 2026-12-02 the program per row, 62 -> 56 us with the accuracy fix in both.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "_chunk_cumsum_kernel", "_chunk_intra_diag_kernel", "_chunk_intra_diag_tri_kernel", "_chunk_intra_off_kernel",
+    "_chunk_cumsum_kernel", "_chunk_intra_diag_kernel", "_chunk_intra_diag_token_kernel",
+    "_chunk_intra_diag_tri_kernel", "_chunk_intra_off_kernel",
 ]
 
 
@@ -260,3 +261,52 @@ def _chunk_intra_diag_tri_kernel(
                     if DELTA:
                         tl.store(a_row + j, tl.where(r_i - r0 > j, tl.sum(b_ki * b_ke, axis=1) * b_beta, 0.0),
                                  mask=m_i)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_intra_diag_token_kernel(
+    q, k, beta, gc, P, A, cu_seqlens, chunk_indices,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
+    T, H, K,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, DELTA: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """The diagonal [BC, BC] blocks (what `_chunk_intra_diag_kernel` stores) token-parallel: one program
+    per row r of a chunk and BH adjacent heads, visiting the columns j <= r of r's block (exponent
+    b_r - b_j <= 0: no clamp), then zeroing A's row right of them. Every row's program is independent,
+    so the GPU hides the per-column loads' latency with other rows (the row-group kernel waits on them)."""
+    i_cr = tl.program_id(0).to(tl.int64)
+    i_c, r = i_cr // BT, i_cr % BT
+    i_bg = tl.program_id(1).to(tl.int64)
+    n_hg = tl.cdiv(H, BH)
+    i_b, i_hg = i_bg // n_hg, i_bg % n_hg
+    i_t, bos, length, tok = _chunk_pos(i_c, i_b, T, cu_seqlens, chunk_indices, VARLEN)
+    t0 = i_t * BT
+    if t0 + r < length:
+        r0 = (r // BC) * BC
+        o_h = i_hg * BH + tl.arange(0, BH)
+        o_k = tl.arange(0, BK)
+        m_h = o_h < H
+        m2 = m_h[:, None] & (o_k < K)[None, :]
+        q += i_b * s_qb + (bos + t0) * s_qt
+        k += i_b * s_kb + (bos + t0) * s_kt
+        g_row = gc + ((tok + t0) * H + o_h[:, None]) * K + o_k[None, :]  # [BH, BK] at row 0 of the chunk
+        b_bi = tl.load(g_row + r * H * K, mask=m2, other=0.0)
+        b_qi = tl.load(q + r * s_qt + o_h[:, None] * s_qh + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        p_row = P + ((tok + t0 + r) * H + o_h) * BT  # [BH] row starts
+        if DELTA:
+            b_ki = tl.load(k + r * s_kt + o_h[:, None] * s_kh + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            b_beta = tl.load(beta + i_b * s_bb + (bos + t0 + r) * s_bt + o_h * s_bh, mask=m_h, other=0.0)
+            a_row = A + ((tok + t0 + r) * H + o_h) * BT
+        for j in range(r0, r + 1):
+            b_bj = tl.load(g_row + j * H * K, mask=m2, other=0.0)
+            b_kj = tl.load(k + j * s_kt + o_h[:, None] * s_kh + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            b_ke = b_kj * tl.exp(b_bi - b_bj)
+            tl.store(p_row + j, tl.sum(b_qi * b_ke, axis=1), mask=m_h)
+            if DELTA:
+                a_rj = tl.sum(b_ki * b_ke, axis=1) * b_beta.to(tl.float32)
+                tl.store(a_row + j, tl.where(j < r, a_rj, 0.0), mask=m_h)
+        if DELTA:  # (P needs no zeros: the output kernel masks its upper triangle; the inverse reads A's)
+            c_all = tl.arange(0, BT)
+            tl.store(a_row[:, None] + c_all[None, :], tl.zeros([BH, BT], dtype=tl.float32),
+                     mask=m_h[:, None] & (c_all > r)[None, :])
