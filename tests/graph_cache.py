@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import os
 import shutil
+import time
 from pathlib import Path
 
 ENV = "EDGELIN_TEST_GRAPH_CACHE"
@@ -130,7 +131,12 @@ def install() -> None:
             if cached.is_file():
                 shutil.copyfile(cached, path)
                 return None
+            began = time.perf_counter()
             result = traced(module, model, inputs, outputs, path, opset)
+            if os.environ.get("EDGELIN_TEST_GRAPH_LOG"):  # which test traced what, and how long it took
+                with open(os.environ["EDGELIN_TEST_GRAPH_LOG"], "a") as log:
+                    log.write(f"{time.perf_counter() - began:6.1f}s {path.name} {key[:10]} "
+                              f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\n")
             partial = root / f"{key}.{os.getpid()}.partial"
             shutil.copyfile(path, partial)
             os.replace(partial, cached)

@@ -44,17 +44,17 @@ def saved(tmp_path_factory):
     torch.set_num_threads(1)  # interpreted kernels between tiny matmuls: threads only add stalls
     cache = {}
 
-    def build(name):
-        if name not in cache:
+    def build(name, layers=2):
+        if (name, layers) not in cache:
             model_type, overrides = ALL[name]
-            model, _ = tiny_fla_model(model_type, **overrides)
+            model, _ = tiny_fla_model(model_type, num_hidden_layers=layers, **overrides)
             jitter(model)
-            folder = tmp_path_factory.mktemp(name)
+            folder = tmp_path_factory.mktemp(f"{name}-{layers}")
             model.save_pretrained(folder, safe_serialization=True)
             ids = torch.from_numpy(np.random.default_rng(0).integers(0, 100, (2, 33)))
             with torch.no_grad():
-                cache[name] = (folder, ids, model(ids).logits)
-        return cache[name]
+                cache[name, layers] = (folder, ids, model(ids).logits)
+        return cache[name, layers]
 
     yield build
     torch.set_num_threads(2)
@@ -74,7 +74,9 @@ def test_reference_matches_fla_forward(saved, name):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_onnx_rollout_matches_fla_forward(saved, name, tmp_path):
-    folder, ids, want = saved(name)
+    """One layer (tracing is CI's largest cost; stacking layers is test_onnx.py's): the converted
+    checkpoint's ONNX prefill and steps against fla's own forward."""
+    folder, ids, want = saved(name, layers=1)
     runner = open_runner(export_checkpoint(folder, tmp_path / "onnx").folder)
     ids = ids.numpy()
     logits, state = prefill(runner, ids[:, :13])
