@@ -29,6 +29,13 @@ import graph_cache  # noqa: E402  (tests/graph_cache.py: identical graphs traced
 graph_cache.install()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    """Every file starts at the worker's thread count: a file left at 2 threads made the next ones on its
+    worker oversubscribe the 2 cores (a 200-step CPU training took 182 s instead of 23)."""
+    torch.set_num_threads(THREADS)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _graph_cache(tmp_path_factory):
     """One graph cache per run: under xdist the workers' base temp folders share a parent (pytest

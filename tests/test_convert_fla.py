@@ -41,6 +41,7 @@ def jitter(model: torch.nn.Module, seed: int = 0) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    before = torch.get_num_threads()  # (1 under xdist: conftest's; a worker's later files run with it)
     torch.set_num_threads(1)  # interpreted kernels between tiny matmuls: threads only add stalls
     cache = {}
 
@@ -57,7 +58,7 @@ def saved(tmp_path_factory):
         return cache[name, layers]
 
     yield build
-    torch.set_num_threads(2)
+    torch.set_num_threads(before)
 
 
 
