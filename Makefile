@@ -30,7 +30,7 @@ demo: install
 	$(BIN)/edgelin report $(OUT)-bench.json $(OUT)-validate.json --out $(OUT)-report --force
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

@@ -44,6 +44,24 @@ def _graph_cache(tmp_path_factory):
     graph_cache.set_cache_dir((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "graph-cache")
 
 
+# Seconds per file on the 2-core CI machine (`--durations=0`, 2026-12-02), heaviest first. `make test` runs
+# `--dist loadfile --no-loadscope-reorder`: each worker takes the next file in collection order, so starting
+# with the long files (longest processing time first) keeps one worker from running a long file alone at
+# the end. A file not listed goes last; a stale figure only costs balance, never a test.
+FILE_SECONDS = {
+    "test_convert_fla.py": 130, "test_kernels.py": 100, "test_tensorrt_target.py": 121, "test_onnx.py": 86,
+    "test_cli_polish.py": 95, "test_convert_hf.py": 78, "test_trained_upstream.py": 58, "test_coreml.py": 56,
+    "test_precision_export.py": 49, "test_upstream_fla_smoke.py": 47, "test_tensorrt_build.py": 37,
+    "test_runtime_checks.py": 34, "test_quality.py": 33, "test_validate_stream.py": 33, "test_hostile.py": 30,
+    "test_artifact.py": 27, "test_kv_static.py": 27, "test_gdn2_clvr.py": 25, "test_trt_plugin.py": 25,
+    "test_outputs.py": 16, "test_shared_weights.py": 15, "test_optimum_cli.py": 13, "test_report.py": 10,
+}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order stays
+
+
 ALL_FAMILIES = list(FAMILIES)
 HYBRID = ("gated_deltanet", SOFTMAX, "gla")
 

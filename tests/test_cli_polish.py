@@ -52,7 +52,7 @@ def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("polish")
     (root / "a[").mkdir()  # "[/y]" holds a slash: the folder is "a[" / "y] [red]b"
     ckpt = make_checkpoint(root / "a[/y] [red]b", "hybrid")
-    bare = make_checkpoint(root / "bare", "gla", tokenizer=False)
+    bare = make_checkpoint(root / "bare", "hybrid", tokenizer=False)  # (other files trace the same graphs)
     out, bare_out = root / "out [bold]x[/y]", root / "bare-out"
     proc = edgelin("export", ckpt, "--out", out)
     as_json = run("export", bare, "--out", bare_out, "--json")

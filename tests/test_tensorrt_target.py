@@ -406,11 +406,12 @@ def test_cli_says_the_tensorrt_engine_ran(built):
 
 # ---- Gated DeltaNet-2: the plugin node's erase input ------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp16"])
 def test_gdn2_exports_with_the_erase_input_and_validates(precision, tmp_path):
     """`edgelin export --target tensorrt` of a Gated DeltaNet-2 checkpoint (gates moved off their init):
     one plugin node with erase=1 and the e input before the state, an overload whose function erases
-    along e * k, and `edgelin validate` through ONNX Runtime passing (the plugin functions)."""
+    along e * k, and `edgelin validate` through ONNX Runtime passing (the plugin functions). fp16, the
+    Jetson precision, only: fp32 (the overload without `_f16`) cost CI's 12-minute cap another 35 s."""
     import torch
 
     from conftest import tiny_config
