@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import prefill as P  # noqa: E402  (bench/prefill.py: inputs, fla calls, timing, reference)
 
-TRI = ([{"diag": "loop", "warps_diag": 4}] + [{"diag": "tri", "SR": sr, "warps_diag": 1} for sr in (4, 8)]
-       + [{"diag": "token", "BH_DIAG": bh, "warps_diag": w} for bh, w in ((1, 1), (2, 1), (8, 4))])
+TRI = [{"diag": "loop", "warps_diag": 4}] + [{"diag": "token", "BH_DIAG": bh, "warps_diag": w}
+                                             for bh, w in ((1, 1), (2, 1), (8, 4))]
 STATE = [{"num_warps": 8}, {"num_warps": 4}, {"stages": 2}, {"stages": 4}, {"BV": 32}, {"BK_H": 32, "BV": 64},
          {"BK_H": 32, "BV": 32}, {"BK_H": 64, "BV": 32}]
 CUMSUM = [{}, {"cumsum_split": False, "BK_CS": 64}, {"warps_cs": 1, "BK_CS": 64}, {"warps_cs": 4, "BK_CS": 32}]

@@ -242,8 +242,7 @@ def test_chunk_prefill_per_key_d_k_tiles(shape, delta):
 
 
 PATHS = {  # (gate, chunk_config keys that pick another kernel path than the default at this shape)
-    "diag-d_k-tiles": ("per_key", {"diag": "loop"}), "diag-rows-4": ("per_key", {"diag": "tri", "SR": 4}),
-    "diag-rows-8": ("per_key", {"diag": "tri", "SR": 8}), "diag-rows-16": ("per_key", {"diag": "tri", "SR": 16}),
+    "diag-d_k-tiles": ("per_key", {"diag": "loop"}),
     "diag-token-1-head": ("per_key", {"diag": "token", "BH_DIAG": 1}),
     "diag-token-2-heads": ("per_key", {"diag": "token", "BH_DIAG": 2}),
     "cumsum-64-keys-one-warp": ("per_key", {"BK_CS": 64, "warps_cs": 1}),
@@ -256,8 +255,8 @@ PATHS = {  # (gate, chunk_config keys that pick another kernel path than the def
 @pytest.mark.parametrize("path", PATHS.values(), ids=PATHS.keys())
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
 def test_chunk_prefill_other_paths(path, delta, monkeypatch):
-    """Each path a sweep may pick (the diagonal blocks by d_k tiles or row groups instead of a program
-    per row, one or two heads per row program, KDA's prep in one launch, the cumsum looping over d_k
+    """Each path a sweep may pick (the diagonal blocks by d_k tiles instead of a program per row, one
+    or two heads per row program, KDA's prep in one launch, the cumsum looping over d_k
     tiles or in one part-masked 64-key tile, a scalar decay's prep in two launches over several d_k and
     d_v tiles) gives the reference's numbers too: odd length, a partial last chunk, two sequences,
     NaN-poisoned outputs and scratch."""
@@ -282,7 +281,7 @@ def test_chunk_prefill_other_paths(path, delta, monkeypatch):
 
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
 def test_chunk_prefill_per_key_wide_keys(delta):
-    """d_k = 160 > 128: the diagonal blocks go by d_k tiles (the row-group kernel holds all of d_k in
+    """d_k = 160 > 128: the diagonal blocks go by d_k tiles (the row kernel holds all of d_k in
     registers), fp32 takes 32-row chunks."""
     s0, q, k, v, g, beta = make(1, 41, 1, 160, 8, "per_key", delta, seed=9)
     o_ref, s_ref = reference(s0, q, k, v, g, beta)

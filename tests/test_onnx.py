@@ -57,7 +57,7 @@ def test_onnx_rollout_matches_reference(reports, family, batch):
     assert report.passed, [m.to_dict() for m in report.failures]
     rollout = next(m for m in report.metrics if (m.check, m.output) == ("rollout", "logits"))
     assert rollout.max_rel < 1e-5 and rollout.ref_scale > 0
-    layers = [i for i, t in enumerate(ZOO if family != "hybrid" else HYBRID) if t == family or family == "hybrid"]
+    layers = range(len(HYBRID)) if family == "hybrid" else [ZOO.index(family)]
     mine = [m for m in report.metrics if any(m.output.startswith(f"present.{i}.") for i in layers)]
     assert {m.check for m in mine} == {m.check for m in report.metrics} == {"prefill", "rollout", "final",
                                                                          "prefill-vs-steps"}

@@ -255,12 +255,13 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
     (sequences x heads x d_v tiles, x d_k tiles for the additive rule) are all its parallelism: the
     largest tile that still gives about one program per multiprocessor (B=1, 16 heads: d_v tiles of 16
     for the delta rule, 64 x 32 for the additive rule, 32 x 32 (two per multiprocessor) with per-key
-    decays; B=8: 64-wide, and all of d_k for the additive rule). `stages*` are Triton's num_stages (software pipelining of the chunk loop's loads; never 1 in
+    decays; B=8: 64-wide, and all of d_k for the additive rule). `stages*` are Triton's num_stages
+    (software pipelining of the chunk loop's loads; never 1 in
     the state kernel: it gave NaN), `warps*` num_warps of the state (h), output (o), delta-rule prep,
     cumsum (cs) and per-key intra kernels (`*_off`: blocks left of the diagonal, `*_diag`: the diagonal
     blocks). Per-key decays: the diagonal blocks one program per row and BH_DIAG heads (`diag="token"`:
-    gla 1x4096 227 -> 223 us, kda 8x4096 2110 -> 2025 us; the row groups of SR, `diag="tri"`, had taken it
-    277 -> 233 us), the cumsum one program per 32-key tile (64 keys in one warp from 64 sequence-heads on:
+    gla 1x4096 227 -> 223 us, kda 8x4096 2110 -> 2025 us, over row groups that had taken it 277 -> 233
+    us), the cumsum one program per 32-key tile (64 keys in one warp from 64 sequence-heads on:
     gla 8x4096 1294 -> 1267 us). 16-bit inputs:
     the delta rule's triangular inverse in one tf32 pass (`prec_t`; T is rounded to the input dtype
     next anyway: error vs the fp32 reference unchanged, gated_delta_rule 172.7 -> 158.6 us); KDA's
@@ -300,7 +301,7 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
             "prec_t": "tf32" if fast_inverse else "tf32x3",
             "warps_cs": 1 if wide and per_key else 4, "BK_CS": min(bk, 64 if wide else 32), "cumsum_split": per_key,
             "warps_off": 1, "BK_OFF": min(bk, 32), "stages_off": 3,
-            "diag": "token" if bk <= 128 else "loop", "SR": 8, "warps_diag": 2 if bk <= 128 else 4,
+            "diag": "token" if bk <= 128 else "loop", "warps_diag": 2 if bk <= 128 else 4,
             "BK_DIAG": min(bk, 64), "BH_DIAG": 4}
 
 
@@ -325,8 +326,7 @@ def chunk_prefill(
     state [N, H, d_k, d_v] float32). Varlen: B = 1 and cu_seqlens [N+1]."""
     from edgelin.kernels.chunk_ho import _chunk_h_kernel, _chunk_o_kernel
     from edgelin.kernels.chunk_intra import (
-        _chunk_cumsum_kernel, _chunk_intra_diag_kernel, _chunk_intra_diag_token_kernel, _chunk_intra_diag_tri_kernel,
-        _chunk_intra_off_kernel,
+        _chunk_cumsum_kernel, _chunk_intra_diag_kernel, _chunk_intra_diag_token_kernel, _chunk_intra_off_kernel,
     )
 
     what = "chunk_prefill"
@@ -410,12 +410,7 @@ def chunk_prefill(
                 *intra_args, BT=bt, BC=SUB, BK=cfg["BK_OFF"], DELTA=delta, VARLEN=varlen, PREC=prec,
                 num_warps=cfg["warps_off"], num_stages=cfg["stages_off"],
             )
-        if cfg["diag"] == "tri":  # the diagonal blocks: exact exponents, row groups (all of d_k per program)
-            _chunk_intra_diag_tri_kernel[(grid_c * (bt // SUB), grid_bh)](
-                *intra_args, BT=bt, BC=SUB, BK=bk, SR=cfg["SR"], DELTA=delta, VARLEN=varlen,
-                num_warps=cfg["warps_diag"],
-            )
-        elif cfg["diag"] == "token":  # one program per row and BH heads
+        if cfg["diag"] == "token":  # the diagonal blocks: exact exponents, one program per row and BH heads
             _chunk_intra_diag_token_kernel[(grid_c * bt, grid_bh // heads * triton.cdiv(heads, cfg["BH_DIAG"]))](
                 *intra_args, BT=bt, BC=SUB, BK=bk, BH=cfg["BH_DIAG"], DELTA=delta, VARLEN=varlen,
                 num_warps=cfg["warps_diag"],

@@ -9,12 +9,14 @@ operand), for rows r and columns j <= r of a chunk (16-row blocks, A: j < r):
   tiles; e^{b_r - b_j} factors through I's first row R, e^{b_r - b_R} <= 1 and e^{b_R - b_j} <= 1
   (g <= 0), so nothing overflows;
 - the diagonal 16 x 16 blocks, per column j a d_k-vector product with the exact exponent:
-  `_chunk_intra_diag_token_kernel` (d_k <= 128, the default: one program per row and a few heads),
-  `_chunk_intra_diag_tri_kernel` (one program per block, rows in groups that skip the columns right of
-  them) or `_chunk_intra_diag_kernel` (d_k tiles, one row block at a time; wider keys).
+  `_chunk_intra_diag_token_kernel` (d_k <= 128, the default: one program per row and a few heads) or
+  `_chunk_intra_diag_kernel` (d_k tiles, one row block at a time; wider keys).
 (Stream G, 2026-12-01: the split replaced one program per row block doing both, whose diagonal block
 was a 3-D product: 233 -> 33 + 101 us for GLA at B=1, T=4096, H=16, d_k=128 on an H200; the row
-groups then 101 -> 56 us; 2026-12-02 the program per row, 62 -> 56 us with the accuracy fix in both.)
+groups then 101 -> 56 us; 2026-12-02 the program per row, 62 -> 56 us with the accuracy fix in both, and
+it replaced the row groups, which it beat at every measured shape: docs/benchmarks.md 3d. An exponent
+stored as (b - b_r0) log2 e per row, to save a multiply per product, rounded large |b| (strong decay,
+b ~ -1e3 within a chunk) to 1e-5 RMS-relative error on the H200, 70x the raw difference's.)
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "_chunk_cumsum_kernel", "_chunk_intra_diag_kernel", "_chunk_intra_diag_token_kernel",
-    "_chunk_intra_diag_tri_kernel", "_chunk_intra_off_kernel",
+    "_chunk_cumsum_kernel", "_chunk_intra_diag_kernel", "_chunk_intra_diag_token_kernel", "_chunk_intra_off_kernel",
 ]
 
 
@@ -194,76 +195,6 @@ def _chunk_intra_diag_kernel(
 
 
 @triton.jit(do_not_specialize=["T"])
-def _chunk_intra_diag_tri_kernel(
-    q, k, beta, gc, P, A, cu_seqlens, chunk_indices,
-    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
-    T, H, K,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SR: tl.constexpr, DELTA: tl.constexpr,
-    VARLEN: tl.constexpr,
-):
-    """The diagonal [BC, BC] blocks (what `_chunk_intra_diag_kernel` stores, all of d_k in one tile), in row
-    groups of SR: group m only visits the columns j < (m + 1) SR, so the work is about the lower
-    triangle (SR = 8, the default: 192 of 256 row-column pairs; SR = 4: 160); the columns left of a
-    group's own are <= every row of it (no clamp), its own columns are clamped. The exponent is the
-    difference of the raw cumulative decays, as the other kernels form it: a variant that stored
-    (b - b_r0) log2 e per row, to save a multiply per product, rounded large |b| (strong decay, b ~ -1e3
-    within a chunk) to 1e-5 RMS-relative error on the H200, 70x the raw difference's."""
-    NB: tl.constexpr = BT // BC
-    i_ci = tl.program_id(0).to(tl.int64)
-    i_c, i_blk = i_ci // NB, i_ci % NB
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_t, bos, length, tok = _chunk_pos(i_c, i_b, T, cu_seqlens, chunk_indices, VARLEN)
-    t0 = i_t * BT
-    r0 = i_blk * BC
-    if t0 + r0 < length:
-        n_j = tl.minimum(length - t0 - r0, BC)  # valid columns of this block (= valid rows)
-        q += i_b * s_qb + (bos + t0) * s_qt + i_h * s_qh
-        k += i_b * s_kb + (bos + t0) * s_kt + i_h * s_kh
-        row0 = (tok + t0) * H + i_h
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
-        # zeros right of each group's own columns (and of the valid ones)
-        o_c = tl.arange(0, BC)
-        r_all = tl.arange(0, BT) - r0
-        m_z = (t0 + r0 + o_c < length)[:, None] & (r_all >= 0)[None, :] & (
-            (r_all[None, :] >= (o_c // SR + 1)[:, None] * SR) | (r_all >= n_j)[None, :])
-        zeros = tl.zeros([BC, BT], dtype=tl.float32)
-        tl.store(P + (row0 + (r0 + o_c[:, None]) * H) * BT + r0 + r_all[None, :], zeros, mask=m_z)
-        if DELTA:
-            tl.store(A + (row0 + (r0 + o_c[:, None]) * H) * BT + r0 + r_all[None, :], zeros, mask=m_z)
-        o_s = tl.arange(0, SR)
-        for m in tl.static_range(BC // SR):
-            if m * SR < n_j:
-                r_i = r0 + m * SR + o_s
-                m_i = t0 + r_i < length
-                m2 = m_i[:, None] & m_k[None, :]
-                b_bi = tl.load(gc + (row0 + r_i[:, None] * H) * K + o_k[None, :], mask=m2, other=0.0)
-                b_qi = tl.load(q + r_i[:, None] * s_qt + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
-                p_row = P + (row0 + r_i * H) * BT + r0
-                if DELTA:
-                    b_ki = tl.load(k + r_i[:, None] * s_kt + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
-                    b_beta = tl.load(beta + i_b * s_bb + (bos + t0 + r_i) * s_bt + i_h * s_bh, mask=m_i,
-                                     other=0.0).to(tl.float32)
-                    a_row = A + (row0 + r_i * H) * BT + r0
-                for j in range(0, m * SR):  # earlier groups' columns: every row here is later
-                    b_bj = tl.load(gc + (row0 + (r0 + j) * H) * K + o_k, mask=m_k, other=0.0)
-                    b_kj = tl.load(k + (r0 + j) * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
-                    b_ke = b_kj[None, :] * tl.exp(b_bi - b_bj[None, :])
-                    tl.store(p_row + j, tl.sum(b_qi * b_ke, axis=1), mask=m_i)
-                    if DELTA:
-                        tl.store(a_row + j, tl.sum(b_ki * b_ke, axis=1) * b_beta, mask=m_i)
-                for j in range(m * SR, tl.minimum(m * SR + SR, n_j)):  # its own: clamped, upper part zeroed
-                    b_bj = tl.load(gc + (row0 + (r0 + j) * H) * K + o_k, mask=m_k, other=0.0)
-                    b_kj = tl.load(k + (r0 + j) * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
-                    b_ke = b_kj[None, :] * tl.exp(tl.minimum(b_bi - b_bj[None, :], 0.0))
-                    tl.store(p_row + j, tl.where(r_i - r0 >= j, tl.sum(b_qi * b_ke, axis=1), 0.0), mask=m_i)
-                    if DELTA:
-                        tl.store(a_row + j, tl.where(r_i - r0 > j, tl.sum(b_ki * b_ke, axis=1) * b_beta, 0.0),
-                                 mask=m_i)
-
-
-@triton.jit(do_not_specialize=["T"])
 def _chunk_intra_diag_token_kernel(
     q, k, beta, gc, P, A, cu_seqlens, chunk_indices,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
@@ -274,7 +205,8 @@ def _chunk_intra_diag_token_kernel(
     """The diagonal [BC, BC] blocks (what `_chunk_intra_diag_kernel` stores) token-parallel: one program
     per row r of a chunk and BH adjacent heads, visiting the columns j <= r of r's block (exponent
     b_r - b_j <= 0: no clamp), then zeroing A's row right of them. Every row's program is independent,
-    so the GPU hides the per-column loads' latency with other rows (the row-group kernel waits on them)."""
+    so the GPU hides the per-column loads' latency with other rows (a program per block, in row groups, waited
+    on them: gla 1x4096 227 vs 223 us)."""
     i_cr = tl.program_id(0).to(tl.int64)
     i_c, r = i_cr // BT, i_cr % BT
     i_bg = tl.program_id(1).to(tl.int64)
