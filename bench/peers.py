@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -70,11 +71,21 @@ class EdgelinSession:
 
 
 class LlamaSession:
-    def __init__(self, artifact: str, threads: int, n_ctx: int):
+    def __init__(self, artifact: str, threads: int, n_ctx: int, extra_bufts: bool = True):
         import ctypes
 
         import llama_cpp
+        import llama_cpp.llama as high_level
 
+        if not extra_bufts:  # llama.cpp's own switch (`--no-extra-bufts`): no AMX / repacked weight buffers
+            default = llama_cpp.llama_model_default_params
+
+            def params():
+                made = default()
+                made.use_extra_bufts = False
+                return made
+
+            high_level.llama_cpp.llama_model_default_params = params
         self.lib, self.ctypes = llama_cpp, ctypes
         self.llm = llama_cpp.Llama(artifact, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=2048,
                                    n_ubatch=512, verbose=False)
@@ -187,7 +198,8 @@ def worker(spec: dict) -> dict:
     if kind.startswith("edgelin"):
         s = EdgelinSession(spec["artifact"], threads)
     elif kind.startswith("llama"):
-        s = LlamaSession(spec["artifact"], threads, max(spec["positions"]) + 2 * spec["iters"] + 2048 + 64)
+        s = LlamaSession(spec["artifact"], threads, max(spec["positions"]) + 2 * spec["iters"] + 2048 + 64,
+                         spec.get("extra_bufts", True))
     elif kind.startswith("transformers"):
         s = TransformersSession(spec["artifact"], threads)
     elif kind.startswith("executorch"):
@@ -288,7 +300,7 @@ def _executorch_export(ckpt: Path, work: Path, pte: Path, log: Path) -> tuple[bo
     cfg = json.loads((ckpt / "config.json").read_text())
     if cfg["model_type"] != "qwen3_5_text":
         _, err = _run([PY["executorch"], "-m", "executorch.extension.llm.export.export_llm",
-                       f"base.model_class={cfg['model_type']}"], log)  # its exact refusal
+                       f"base.model_class={cfg['model_type']}", f"hydra.run.dir={work / 'hydra'}"], log)  # its refusal
         return False, err
     rope = cfg.get("rope_parameters") or {}
     params = {"dim": cfg["hidden_size"], "n_layers": cfg["num_hidden_layers"], "n_heads": cfg["num_attention_heads"],
@@ -304,14 +316,15 @@ def _executorch_export(ckpt: Path, work: Path, pte: Path, log: Path) -> tuple[bo
                     str(work / "et-weights.pth")], log)
     if not ok:
         return False, err
-    config = Path(subprocess.run([PY["executorch"], "-c", "import executorch, os; print(os.path.dirname("
-                                  "executorch.__file__))"], capture_output=True, text=True).stdout.strip())
+    config = Path(subprocess.run([PY["executorch"], "-c", "import executorch; print(list(executorch.__path__)[0])"],
+                                 capture_output=True, text=True, check=True).stdout.strip())  # (a namespace package)
     config = config / "examples" / "models" / "qwen3_5" / "config" / "qwen3_5_xnnpack_fp32.yaml"
     ok, err = _run([PY["executorch"], "-m", "executorch.extension.llm.export.export_llm", "--config", str(config),
                     "+base.model_class=qwen3_5_0_8b", f"+base.checkpoint={work / 'et-weights.pth'}",
                     f"+base.params={work / 'et-params.json'}", "export.max_seq_length=128",
                     "export.max_context_length=33000", f"+export.output_dir={work}",
-                    f"+export.output_name={pte.name}", "model.enable_dynamic_shape=True"], log)
+                    f"+export.output_name={pte}", "model.enable_dynamic_shape=True",  # (a name ending .pte is the path)
+                    f"hydra.run.dir={work / 'hydra'}"], log)  # (hydra's own log folder: not in the cwd)
     return ok and pte.is_file(), err
 
 
@@ -446,14 +459,13 @@ def main() -> None:
             if kind.endswith("-prepack"):  # the same folder with ONNX Runtime's weight prepacking on (`bench --prepack`)
                 env["EDGELIN_ORT_PREPACK"] = "1"
             py = PY[kind.split("-")[0]]
-            try:
-                proc = subprocess.run([py, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], env=env,
-                                      capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-                out = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEERS-RESULT ")]
-                result = json.loads(out[-1][13:]) if out else {
-                    "error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-            except subprocess.TimeoutExpired:
-                result = {"error": f"timed out after {args.timeout:g} s"}
+            result = run_worker(py, spec, env, args.timeout)
+            if kind.startswith("llama") and result.get("signal") == signal.SIGSEGV:
+                # llama.cpp's AMX weight buffers crash in ggml_backend_amx_mul_mat on AMX CPUs (llama.cpp issue
+                # #20824, open); the path it offers: its default buffers, no AMX or repacking (`--no-extra-bufts`)
+                crashed = result["error"]
+                result = run_worker(py, {**spec, "extra_bufts": False}, env, args.timeout)
+                result["note"] = f"default run: {crashed}; this row with use_extra_bufts=False (no AMX/repack)"
             row["runs"][str(threads)] = result
             print(f"{kind} x{threads}: {json.dumps(result)[:400]}", flush=True)
     meta["uptime_after"] = os.getloadavg()
@@ -463,6 +475,21 @@ def main() -> None:
     if args.plot:
         plot(report, args.plot)
     print(render(report))
+
+
+def run_worker(py: str, spec: dict, env: dict, timeout: float) -> dict:
+    """One timed worker process: its PEERS-RESULT, or {"error": why} (with "signal" when a signal killed it)."""
+    try:
+        proc = subprocess.run([py, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], env=env,
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:g} s"}
+    out = [ln for ln in proc.stdout.splitlines() if ln.startswith("PEERS-RESULT ")]
+    if out:
+        return json.loads(out[-1][13:])
+    if proc.returncode < 0:
+        return {"error": f"killed by {signal.Signals(-proc.returncode).name}", "signal": -proc.returncode}
+    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -529,9 +556,12 @@ def render(report: dict) -> str:
                 lat = run["latency"].get(str(p))
                 cells.append("not reached" if lat is None
                              else lat.get("error") or f"{lat['p50']:.2f} / {lat['p99']:.2f}")
-            lines.append(f"| {r['runtime']} | {r['bytes_on_disk'] / 2**20:.1f} | {run['peak_rss_mib']:.0f} | "
+            mark = " (*)" if run.get("note") else ""
+            lines.append(f"| {r['runtime']}{mark} | {r['bytes_on_disk'] / 2**20:.1f} | {run['peak_rss_mib']:.0f} | "
                          f"{run['prefill_tok_s']:,.0f} | " + " | ".join(cells)
                          + f" | {_agreement(ref, run['greedy'])} |")
+        notes = sorted({run["note"] for r in rows if (run := r["runs"].get(threads)) and run.get("note")})
+        lines += [f"\n(*) {note}" for note in notes]
         lines += ratios(rows, threads, positions)
     return "\n".join(lines)
 

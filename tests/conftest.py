@@ -54,7 +54,8 @@ FILE_SECONDS = {
     "test_precision_export.py": 49, "test_upstream_fla_smoke.py": 47, "test_tensorrt_build.py": 37,
     "test_runtime_checks.py": 34, "test_quality.py": 33, "test_validate_stream.py": 33, "test_hostile.py": 30,
     "test_artifact.py": 27, "test_kv_static.py": 27, "test_gdn2_clvr.py": 25, "test_trt_plugin.py": 25,
-    "test_outputs.py": 16, "test_shared_weights.py": 15, "test_optimum_cli.py": 13, "test_report.py": 10,
+    "test_kernel_compile.py": 22, "test_outputs.py": 16, "test_shared_weights.py": 15, "test_optimum_cli.py": 13,
+    "test_report.py": 10,
 }
 
 

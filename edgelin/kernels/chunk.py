@@ -113,8 +113,16 @@ def _unit_lower_inverse(A, row0, t0, length, H, BT: tl.constexpr, BC: tl.constex
         _st_blk(A, row0, t0, length, H, t42, 3, 1, BT, BC)
         _st_blk(A, row0, t0, length, H, t43, 3, 2, BT, BC)
     tl.debug_barrier()
+    return _ld_lower(A, row0, t0, length, H, BT, BC)
+
+
+@triton.jit
+def _ld_lower(A, row0, t0, length, H, BT: tl.constexpr, BC: tl.constexpr):
+    """This chunk's T (stored over A): its BC-row blocks on and left of the diagonal, zeros right of them
+    (never stored there: the per-key intra kernels write only what the inverse reads)."""
     rows = tl.arange(0, BT)
-    return tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=(t0 + rows < length)[:, None], other=0.0)
+    m = (t0 + rows < length)[:, None] & (rows[:, None] // BC >= rows[None, :] // BC)
+    return tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m, other=0.0)
 
 
 @triton.jit(do_not_specialize=["T"])  # T == 1 must take the general path (and not recompile)
@@ -202,7 +210,7 @@ def _chunk_prep_kernel(
         tl.debug_barrier()  # A rows are re-read below by other threads
         b_t = _unit_lower_inverse(A, row0, t0, length, H, BT, BC, PREC_T).to(dt)
     if DELTA and PHASE == 2:  # T from phase 1 (over A); b from the cumsum phase 1 stored
-        b_t = tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m_t[:, None], other=0.0).to(dt)
+        b_t = _ld_lower(A, row0, t0, length, H, BT, BC).to(dt)
         if GATE == 1:
             b_b = tl.load(gc + row0 + rows * H, mask=m_t, other=0.0)
     if DELTA and PHASE != 1:
@@ -387,7 +395,8 @@ def chunk_prefill(
     prec_t = "ieee" if interpreting() else cfg["prec_t"]  # the triangular inverse
     f32 = dict(dtype=torch.float32, device=device)
     gc = torch.empty(tokens, heads, d_k if kind == 2 else 1, **f32) if kind else q  # b, cumulative per chunk
-    p = q if p_in else torch.empty(tokens, heads, bt, **f32)
+    # P in q's dtype: the output kernel rounds it to that for its matmul anyway (fp32 inputs: fp32)
+    p = q if p_in else torch.empty(tokens, heads, bt, dtype=q.dtype, device=device)
     a = torch.empty(tokens, heads, bt, **f32) if delta else p
     w = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if delta else q
     u = torch.empty(tokens, heads, d_v, dtype=v.dtype, device=device) if delta else v

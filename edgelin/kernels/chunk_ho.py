@@ -171,8 +171,7 @@ def _chunk_o_kernel(
     if P_IN:
         b_p = tl.where(causal, b_p, 0.0)
     else:
-        b_p = tl.load(P + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
-        b_p = tl.where(causal, b_p, 0.0)
+        b_p = tl.load(P + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m_t[:, None] & causal, other=0.0)
     if DELTA:
         b_u = tl.load(U + (row0 + rows[:, None] * H) * V + o_v[None, :], mask=m_tv, other=0.0)
     else:

@@ -146,8 +146,8 @@ def _chunk_intra_diag_kernel(
 ):
     """One program per diagonal [BC, BC] block of a chunk, token-parallel: for each column j the rows'
     d_k-vector products q_r . (k_j e^{b_r - b_j}) with the exact exponent (<= 0 for r >= j; rows r < j
-    are clamped to 0 and then zeroed, so nothing overflows). Also zeroes the blocks right of the
-    diagonal one (P's and A's rows are read whole)."""
+    are clamped to 0 and then zeroed, so nothing overflows). Nothing right of the diagonal block: the
+    output kernel masks P there, the inverse reads A's blocks on and left of the diagonal only."""
     NB: tl.constexpr = BT // BC
     i_ci = tl.program_id(0).to(tl.int64)
     i_c, i_blk = i_ci // NB, i_ci % NB
@@ -182,16 +182,11 @@ def _chunk_intra_diag_kernel(
                 if DELTA:
                     b_a = tl.where(o_c[None, :] == j, b_a + tl.sum(b_ki * b_ke, axis=1)[:, None], b_a)
         causal = (o_c[:, None] >= o_c[None, :]) & m_i[:, None]
-        r_all = tl.arange(0, BT)
-        m_right = m_i[:, None] & (r_all >= r0 + BC)[None, :]  # zeros right of the diagonal block
-        zeros = tl.zeros([BC, BT], dtype=tl.float32)
         tl.store(P + (row0 + r_i[:, None] * H) * BT + r_i[None, :], tl.where(causal, b_p, 0.0), mask=m_i[:, None])
-        tl.store(P + (row0 + r_i[:, None] * H) * BT + r_all[None, :], zeros, mask=m_right)
         if DELTA:
             b_beta = tl.load(beta + i_b * s_bb + (bos + t0 + r_i) * s_bt + i_h * s_bh, mask=m_i, other=0.0)
             b_a = tl.where(o_c[:, None] > o_c[None, :], b_a * b_beta.to(tl.float32)[:, None], 0.0)
             tl.store(A + (row0 + r_i[:, None] * H) * BT + r_i[None, :], b_a, mask=m_i[:, None])
-            tl.store(A + (row0 + r_i[:, None] * H) * BT + r_all[None, :], zeros, mask=m_right)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -204,7 +199,7 @@ def _chunk_intra_diag_token_kernel(
 ):
     """The diagonal [BC, BC] blocks (what `_chunk_intra_diag_kernel` stores) token-parallel: one program
     per row r of a chunk and BH adjacent heads, visiting the columns j <= r of r's block (exponent
-    b_r - b_j <= 0: no clamp), then zeroing A's row right of them. Every row's program is independent,
+    b_r - b_j <= 0: no clamp); nothing right of them (see `_chunk_intra_diag_kernel`). Every row's program is independent,
     so the GPU hides the per-column loads' latency with other rows (a program per block, in row groups, waited
     on them: gla 1x4096 227 vs 223 us)."""
     i_cr = tl.program_id(0).to(tl.int64)
@@ -238,7 +233,4 @@ def _chunk_intra_diag_token_kernel(
             if DELTA:
                 a_rj = tl.sum(b_ki * b_ke, axis=1) * b_beta.to(tl.float32)
                 tl.store(a_row + j, tl.where(j < r, a_rj, 0.0), mask=m_h)
-        if DELTA:  # (P needs no zeros: the output kernel masks its upper triangle; the inverse reads A's)
-            c_all = tl.arange(0, BT)
-            tl.store(a_row[:, None] + c_all[None, :], tl.zeros([BH, BT], dtype=tl.float32),
-                     mask=m_h[:, None] & (c_all > r)[None, :])
+
