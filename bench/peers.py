@@ -75,17 +75,17 @@ class LlamaSession:
         import ctypes
 
         import llama_cpp
-        import llama_cpp.llama as high_level
 
         if not extra_bufts:  # llama.cpp's own switch (`--no-extra-bufts`): no AMX / repacked weight buffers
-            default = llama_cpp.llama_model_default_params
+            low = llama_cpp.llama_cpp  # (Llama() takes its model params from this module's defaults)
+            default = low.llama_model_default_params
 
             def params():
                 made = default()
                 made.use_extra_bufts = False
                 return made
 
-            high_level.llama_cpp.llama_model_default_params = params
+            low.llama_model_default_params = params
         self.lib, self.ctypes = llama_cpp, ctypes
         self.llm = llama_cpp.Llama(artifact, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=2048,
                                    n_ubatch=512, verbose=False)

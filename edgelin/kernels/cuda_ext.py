@@ -24,7 +24,11 @@ HEADERS = ("edgelin_step.h", "step.cuh")
 ARCHS = ("86", "87", "89", "90")
 
 
-def gencode_flags(archs: tuple[str, ...] | list[str]) -> list[str]:
+def gencode_flags(archs: tuple[str, ...] | list[str], one_ptx: bool = False) -> list[str]:
+    """nvcc's -gencode flags: each arch from its own PTX, or (`one_ptx`) the lowest arch's PTX assembled
+    into every arch's SASS (one front-end pass instead of one per arch)."""
+    if one_ptx:
+        return [f"-gencode=arch=compute_{min(archs, key=int)},code=[{','.join(f'sm_{a}' for a in archs)}]"]
     return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
 
 
@@ -40,9 +44,7 @@ def nvcc_build(out_dir: Path, archs: tuple[str, ...] = ARCHS, nvcc: str | None =
     out_dir.mkdir(parents=True, exist_ok=True)
     obj = out_dir / "edgelin_step.o"
     cmd = [nvcc, "-c", str(CUDA_DIR / "step.cu"), "-o", str(obj), "-O3", "-std=c++17", f"--threads={threads}",
-           "-Werror=all-warnings",
-           *([f"-gencode=arch=compute_{min(archs, key=int)},code=[{','.join(f'sm_{a}' for a in archs)}]"] if one_ptx
-             else gencode_flags(archs))]
+           "-Werror=all-warnings", *gencode_flags(archs, one_ptx)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise KernelError("nvcc failed on step.cu", (done.stdout + done.stderr)[-2000:], "fix the CUDA source")
