@@ -330,13 +330,13 @@ def _executorch_export(ckpt: Path, work: Path, pte: Path, log: Path) -> tuple[bo
 
 def prepare(kind: str, ckpt: Path, work: Path, context: int | None = None) -> tuple[Path | None, str]:
     """(artifact, '') or (None, the exact error). Cached in work/. `context`: edgelin exports a model with
-    full attention layers with an in-place KV cache of that many tokens (--kv-cache static; not fp16, whose
-    graphs cast the cache), in work/<kind>-kv<context>."""
+    full attention layers with an in-place KV cache of that many tokens (--kv-cache static; fp16 graphs keep that
+    cache float32), in work/<kind>-kv<context>."""
     kind = kind.removesuffix("-prepack")  # the same export, run with prepacking on
     out = work / kind
     log = work / f"{kind}.log"
     if kind.startswith("edgelin"):
-        static = context is not None and not kind.endswith("fp16") and "full_attention" in json.loads(
+        static = context is not None and "full_attention" in json.loads(
             (ckpt / "config.json").read_text()).get("layer_types", [])
         out = work / f"{kind}-kv{context}" if static else out
         if not (out / "manifest.json").is_file():

@@ -249,6 +249,8 @@ PATHS = {  # (gate, chunk_config keys that pick another kernel path than the def
     "one-prep-launch-cumsum-loop": ("per_key", {"prep_split": False, "cumsum_split": False, "warps_prep": 2,
                                                 "BK_CS": 16}),
     "scalar-two-prep-launches": ("scalar", {"prep_split": True, "BK_P": 16, "BV_P": 16}),
+    "kg-in-cumsum": ("per_key", {"kg_in_diag": False}),
+    "diag-d_k-tiles-kg-in-cumsum": ("per_key", {"diag": "loop", "kg_in_diag": False}),
 }
 
 
@@ -256,9 +258,9 @@ PATHS = {  # (gate, chunk_config keys that pick another kernel path than the def
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
 def test_chunk_prefill_other_paths(path, delta, monkeypatch):
     """Each path a sweep may pick (the diagonal blocks by d_k tiles instead of a program per row, one
-    or two heads per row program, KDA's prep in one launch, the cumsum looping over d_k
-    tiles or in one part-masked 64-key tile, a scalar decay's prep in two launches over several d_k and
-    d_v tiles) gives the reference's numbers too: odd length, a partial last chunk, two sequences,
+    or two heads per row program, KDA's prep in one launch, K e^{b_last - b} stored by the cumsum kernel
+    instead of the diagonal-block one, the cumsum looping over d_k tiles or in one part-masked 64-key
+    tile, a scalar decay's prep in two launches over several d_k and d_v tiles) gives the reference's numbers too: odd length, a partial last chunk, two sequences,
     NaN-poisoned outputs and scratch."""
     from edgelin.kernels import chunk
 
@@ -277,6 +279,44 @@ def test_chunk_prefill_other_paths(path, delta, monkeypatch):
     o, s = kernels.chunk_prefill(q, k, v, g, beta, s0, out=nan_like(v.shape), final_state=nan_like(s0.shape))
     assert_close(o, o_ref, 1e-5)
     assert_close(s, s_ref, 1e-5)
+
+
+@pytest.mark.parametrize("diag", ["token", "loop"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("delta", RULES, ids=["gla", "kda"])
+def test_chunk_prefill_kg_either_kernel(delta, varlen, diag, monkeypatch):
+    """The state kernel's operand K e^{b_last - b} (per-key decay) stored by the diagonal-block kernel
+    (`kg_in_diag`: a program per row and 4 of 3 heads, or d_k tiles of 32 over 48 keys) or by the cumsum
+    kernel: the same formula on the same b, so the same bits out, with partial last chunks (b_last:
+    the last valid row), sequences that start mid-chunk, initial states and NaN-poisoned scratch."""
+    from edgelin.kernels import chunk
+
+    default = chunk.chunk_config
+    s0, q, k, v, g, beta = make(1, 150, 3, 48, 9, "per_key", delta, seed=11)
+    cu = torch.tensor([0, 1, 70, 150], dtype=torch.int32, device=DEVICE) if varlen else None
+    states = torch.randn(3, 3, 48, 9, device=DEVICE) * 0.1 if varlen else s0
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        x = empty(*args, **kwargs)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+    runs = []
+    for in_diag in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(chunk, "chunk_config", lambda *a, **kw: {**default(*a, **kw), "diag": diag, "BK_DIAG": 32,
+                                                                "kg_in_diag": in_diag})
+            m.setattr(torch, "empty", poisoned)
+            runs.append(kernels.chunk_prefill(q, k, v, g, beta, states, cu_seqlens=cu, out=nan_like(v.shape),
+                                              final_state=nan_like(states.shape)))
+    assert default(3, 48, 9, torch.float32, q.device, delta, False, 2)["kg_in_diag"]
+    assert not default(3, 48, 9, torch.float32, q.device, delta, False, 1)["kg_in_diag"]
+    assert torch.isfinite(runs[0][0]).all() and torch.isfinite(runs[0][1]).all()
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    if not varlen:
+        o_ref, s_ref = reference(s0, q, k, v, g, beta)
+        assert_close(runs[0][0], o_ref, 1e-5)
+        assert_close(runs[0][1], s_ref, 1e-5)
 
 
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from helpers import assert_close
 from edgelin.checkpoint import save_checkpoint
+from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
 from edgelin.export.manifest import Manifest
 from edgelin.export.onnx_target import OnnxOptions
@@ -73,6 +75,47 @@ def test_rollout_matches_the_growing_export(folders, batch):
     assert a[KEY].shape == b[KEY].shape == (batch, 2, 40, 16)
     for name in b:
         np.testing.assert_allclose(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def fp16_static(folders, tmp_path_factory):
+    """The same checkpoint as fp16 graphs with the static cache (float32 inside the graphs)."""
+    root = tmp_path_factory.mktemp("kv-static-fp16")
+    return export_checkpoint(folders[0].parent / "ckpt", root / "static", settings=ExportSettings(precision="fp16"),
+                             options=OnnxOptions(kv_cache="static", context=CAPACITY)).folder
+
+
+def test_fp16_graphs_keep_the_static_cache_float32_and_uncast(fp16_static):
+    """An fp16 graph casts its growing cache to fp16 and back every call (a copy of all of it); with the
+    static cache the GroupQueryAttention node reads the bound float32 buffer itself: no Cast of it."""
+    import onnx
+
+    names = {KEY, KEY[:-3] + "value"}
+    graph = onnx.load(fp16_static / "step.onnx", load_external_data=False).graph
+    assert {i.name: i.type.tensor_type.elem_type for i in graph.input if i.name in names} == dict.fromkeys(
+        names, onnx.TensorProto.FLOAT)
+    readers = [n.op_type for n in graph.node if names & set(n.input)]
+    assert "GroupQueryAttention" in readers and "Cast" not in readers, readers
+    assert Manifest.load(fp16_static).kv_capacity == CAPACITY
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fp16_rollout_with_the_static_cache_matches_fp32(fp16_static, folders, batch):
+    """fp16 graphs on the static cache against the fp32 (growing-cache) export: logits to fp16 rounding over
+    a two-piece prefill and 19 steps; the cache read back is float32 and holds every token."""
+    half, exact = open_runner(fp16_static), open_runner(folders[1])
+    rng = np.random.default_rng(10 + batch)
+    ids = rng.integers(0, 97, (batch, 30), dtype=np.int64)
+    states = [r.new_state(batch) for r in (half, exact)]
+    for lo, hi in ((0, 5), (5, 11)):
+        got = [prefill(r, ids[:, lo:hi], s, start=lo)[0] for r, s in zip((half, exact), states)]
+        assert_close(got[0], got[1], 2e-2, f"fp16 static vs fp32, prefill to {hi}")
+    for t in range(11, 30):
+        pos = np.full(batch, t, np.int64)
+        got = [r.step(ids[:, t], s, pos) for r, s in zip((half, exact), states)]
+        assert_close(got[0], got[1], 2e-2, f"fp16 static vs fp32, step {t}")
+    cache = half.read_state(states[0])[KEY]
+    assert cache.dtype == np.float32 and cache.shape == (batch, 2, 30, 16)
 
 
 def test_the_buffer_is_updated_in_place(folders):

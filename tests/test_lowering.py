@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from helpers import assert_close
 from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
 from edgelin.export import lowering as lowering_mod
@@ -117,6 +118,45 @@ def test_onnx_lowering_runs_the_chunk_loop_as_scan():
     o, s = entry.engine.chunked(s0, q, k, v, g, None, 16)
     o_ref, s_ref = recurrence.recurrent(s0, q, k, v, g)
     assert (o - o_ref).abs().max() < 1e-5 and (s - s_ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("kind", ["additive", "scalar-decay", "per-key-decay", "delta", "gated-delta",
+                                  "per-key-delta", "erase"])
+def test_onnx_chunked_form_with_the_prep_in_the_loop_matches_the_token_loop(kind, batch):
+    """The ONNX engine runs each chunk's preparation inside its scan body (one chunk at a time, the
+    default) or batched before it: both equal the naive token loop, at an odd length and from a state."""
+    gen = torch.Generator().manual_seed(len(kind) + batch)
+    length, heads, d_k, d_v = 45, 2, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(batch, length, heads, d_k, generator=gen), dim=-1)
+            for _ in range(2))
+    v = torch.randn(batch, length, heads, d_v, generator=gen)
+    width = d_k if "per-key" in kind or kind == "erase" else 1
+    g = None if kind in ("additive", "delta") else -torch.rand(batch, length, heads, width, generator=gen) * 0.2
+    beta = torch.rand(batch, length, heads, generator=gen) if "delta" in kind or kind == "erase" else None
+    erase = torch.rand(batch, length, heads, d_k, generator=gen) if kind == "erase" else None
+    s0 = torch.randn(batch, heads, d_k, d_v, generator=gen) * 0.5
+    want_o, want_s = recurrence.recurrent(s0, q, k, v, g, beta, erase)
+    engine = get_lowering("onnx").engine
+    assert engine.prep_in_loop  # the shipped default
+    for prep_in_loop in (True, False):
+        o, s = dataclasses.replace(engine, prep_in_loop=prep_in_loop).chunked(s0, q, k, v, g, beta, 16, erase=erase)
+        assert_close(o, want_o, 1e-4, f"{kind} outputs, prep in loop: {prep_in_loop}")
+        assert_close(s, want_s, 1e-4, f"{kind} state, prep in loop: {prep_in_loop}")
+
+
+def test_onnx_prefill_prepares_each_chunk_inside_the_scan(tmp_path):
+    """A per-key decay's [C, C, d_k] decays exist for one chunk at a time: the exported prefill graph computes
+    the decays and pair products (Exp, Einsum) only inside its Scan bodies, none over all chunks before them."""
+    torch.manual_seed(0)
+    target = OnnxTarget()
+    target.export(CausalLM(tiny_config(("gla",))).eval(), None, ExportSettings(), target.default_options(), tmp_path)
+    graph = onnx.load(tmp_path / "prefill.onnx", load_external_data=False).graph
+    bodies = [a.g for n in graph.node if n.op_type == "Scan"
+              for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    top = {n.op_type for n in graph.node}
+    inside = {n.op_type for body in bodies for n in body.node}
+    assert bodies and {"Exp", "Einsum"} <= inside and not {"Exp", "Einsum"} & top
 
 
 def test_state_names_and_roles_come_from_one_place():

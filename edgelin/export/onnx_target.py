@@ -136,13 +136,15 @@ def strip_trace_metadata(graph) -> None:
                 strip_trace_metadata(sub)
 
 
-def graph_modules(model: "CausalLM", precision: str) -> dict[str, "torch.nn.Module"]:
+def graph_modules(model: "CausalLM", precision: str, static: bool = False) -> dict[str, "torch.nn.Module"]:
     """The modules traced for each graph at `precision`. fp32: the graphs as they are. fp16: the graphs
     of a float16 copy of the model (edgelin.model.lm.with_compute_dtype: weights and matmuls fp16; the
     recurrence, its state, decay and gates float32, cast inside LinearMixer) behind a float32 I/O
     boundary: state inputs are cast to the dtype the model keeps them in (accumulators float32, conv
     and KV caches fp16, which hold fp16 projections anyway, so the cast loses nothing) and every
-    output back to float32, so the state I/O and logits stay float32 whatever the precision."""
+    output back to float32, so the state I/O and logits stay float32 whatever the precision. With `static`
+    (--kv-cache static) the growing KV caches stay float32 inside too: GroupQueryAttention updates the bound
+    buffer in place, which a cast of the cache (a copy of all of it per call) would defeat."""
     import torch
 
     from edgelin.export.graphs import GRAPHS
@@ -152,7 +154,8 @@ def graph_modules(model: "CausalLM", precision: str) -> dict[str, "torch.nn.Modu
         return {kind: graph(model).eval() for kind, graph in GRAPHS.items()}
     dtype = {"fp16": torch.float16}[precision]
     low = with_compute_dtype(model, dtype).eval()
-    kept = [torch.float32 if t.accumulates else dtype for layer in model.state_tensors() for t in layer]
+    kept = [torch.float32 if t.accumulates or (static and "past_sequence" in t.dims) else dtype
+            for layer in model.state_tensors() for t in layer]
 
     class Float32IO(torch.nn.Module):
         def __init__(self, graph: torch.nn.Module):
@@ -236,16 +239,13 @@ _RUN_NEEDS = ("onnxruntime",)
 
 
 def check_static_cache(model: "CausalLM", target: str, settings: "ExportSettings") -> None:
-    """--kv-cache static is for ONNX Runtime, fp32 graphs and a model with a growing KV cache."""
+    """--kv-cache static is for ONNX Runtime and a model with a growing KV cache (fp16 graphs keep that cache
+    float32: graph_modules)."""
     from edgelin.model.attention import SoftmaxAttention
 
     if target != "onnx":
         raise EdgelinError(f"--kv-cache static with --target {target}", "the fixed-capacity cache is ONNX Runtime's "
                            "GroupQueryAttention contrib op", "export with --target onnx, or drop --kv-cache")
-    if settings.precision != "fp32":
-        raise EdgelinError(f"--kv-cache static with --precision {settings.precision}", "the in-place cache binds the "
-                           "graphs' float32 KV state directly to GroupQueryAttention (an fp16 graph casts it)",
-                           "export with --precision fp32 (--quantize int4/int8 keeps fp32 graphs)")
     if not any(isinstance(m, SoftmaxAttention) and m.cfg.window is None for m in model.modules()):
         raise EdgelinError("--kv-cache static on a model without a growing KV cache", "its state is constant-size "
                            "already (linear layers, sliding-window attention)", "drop --kv-cache static")
@@ -321,6 +321,8 @@ class OnnxTarget(Target):
         if settings.state_dtype != "float32":  # float16 state: issue 11
             raise EdgelinError(f"ONNX state dtype {settings.state_dtype!r}", "this target stores the state as float32",
                                "export with state dtype float32 (pick a device profile whose state_dtype is float32)")
+        import torch
+
         from edgelin.export.graphs import graph_io
         from edgelin.export.lowering import lowering
         from edgelin.model.attention import grouped_query_attention
@@ -329,8 +331,10 @@ class OnnxTarget(Target):
         if static:
             check_static_cache(model, self.name, settings)
         files, written = {}, {}
-        modules = graph_modules(model, settings.precision)
-        attention = grouped_query_attention(model) if static else contextlib.nullcontext(0)
+        modules = graph_modules(model, settings.precision, static)
+        # the traced modules' layers (an fp16 graph traces a float16 copy of the model)
+        traced = torch.nn.ModuleList(modules.values())
+        attention = grouped_query_attention(traced) if static else contextlib.nullcontext(0)
         with lowering(self.name), attention as layers:  # the ONNX forms of the recurrences (chunk loop -> one Scan)
             for kind, module in modules.items():
                 inputs, outputs = graph_io(model, kind, settings.state_dtype)

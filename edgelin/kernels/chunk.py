@@ -4,8 +4,9 @@ DeltaNet-2's erase gate included, fixed-length batches or varlen (`cu_seqlens`) 
 The chunked form of `edgelin.reference.recurrence.chunked` (same notation), in two to five kernels
 (tile sizes: `chunk_config`):
 0. `chunk_intra._chunk_cumsum_kernel`: the cumulative log-decay b within each chunk (`gc`), for a
-   per-key decay (and K e^{b_last - b}, the state kernel's operand) and the additive rule's scalar
-   decay (the delta rule's prep stores a scalar b itself);
+   per-key decay (and K e^{b_last - b}, the state kernel's operand, unless kernel 0b's diagonal-block
+   kernel stores it: `kg_in_diag`) and the additive rule's scalar decay (the delta rule's prep stores
+   a scalar b itself);
 1. `_chunk_prep_kernel` (the delta rule only), parallel over every chunk of every head: with no or a
    scalar decay A = diag(beta) (K K^T * R) (and P with an erase gate: else the output kernel forms P
    itself), then the chunk's WY form: T = (I + A)^-1 (`_unit_lower_inverse`: 16-row diagonal blocks by
@@ -23,7 +24,8 @@ per-chunk states in one kernel, the outputs of all chunks in parallel in another
 0b. Per-key decays: `chunk_intra._chunk_intra_off_kernel` (one program per pair of 16-row blocks left
 of the diagonal: matmuls, exp(b_i - b_j) factored through the row block's first row) and
 `_chunk_intra_diag_token_kernel` (the diagonal 16x16 blocks, one program per row and 4 heads, the exact
-exponent, as fla's KDA does) store P and A (the delta rule) before kernel 1. Neither forms
+exponent, as fla's KDA does; with `kg_in_diag` also K e^{b_last - b}) store P and A (the delta rule)
+before kernel 1. Neither forms
 e^{+b}. KDA's kernel 1 runs in two launches (`prep_split`: T, then W and U one tile per program).
 Requires g <= 0 (a decay), which every family's gate guarantees.
 """
@@ -270,7 +272,10 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
     blocks). Per-key decays: the diagonal blocks one program per row and BH_DIAG heads (`diag="token"`:
     gla 1x4096 227 -> 223 us, kda 8x4096 2110 -> 2025 us, over row groups that had taken it 277 -> 233
     us), the cumsum one program per 32-key tile (64 keys in one warp from 64 sequence-heads on:
-    gla 8x4096 1294 -> 1267 us). 16-bit inputs:
+    gla 8x4096 1294 -> 1267 us), and the state kernel's operand K e^{b_last - b} stored by the diagonal-block
+    kernel, which loads K and b for its rows anyway, the cumsum then storing b only (`kg_in_diag`, 2026-12-02:
+    gla 1x4096 217.5 -> 204.6 us, 8x4096 1267 -> 1158, 1x32768 1625 -> 1486; kda 339.9 -> 332.9, 1964 -> 1903,
+    2533 -> 2436; storing it from KDA's prep instead lost 1-3%). 16-bit inputs:
     the delta rule's triangular inverse in one tf32 pass (`prec_t`; T is rounded to the input dtype
     next anyway: error vs the fp32 reference unchanged, gated_delta_rule 172.7 -> 158.6 us); KDA's
     prep in two launches (T with one warp, then W and U one tile per program: `prep_split`).
@@ -310,7 +315,7 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
             "warps_cs": 1 if wide and per_key else 4, "BK_CS": min(bk, 64 if wide else 32), "cumsum_split": per_key,
             "warps_off": 1, "BK_OFF": min(bk, 32), "stages_off": 3,
             "diag": "token" if bk <= 128 else "loop", "warps_diag": 2 if bk <= 128 else 4,
-            "BK_DIAG": min(bk, 64), "BH_DIAG": 4}
+            "BK_DIAG": min(bk, 64), "BH_DIAG": 4, "kg_in_diag": per_key}
 
 
 def chunk_prefill(
@@ -405,12 +410,14 @@ def chunk_prefill(
     bk = max(16, next_pow2(d_k))
     e_arg = erase if has_erase else q
     kg = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if kind == 2 else k  # K e^{b_last - b}
+    kg_in_diag = kind == 2 and bool(cfg["kg_in_diag"])  # else the cumsum kernel stores KG
     if grid_c > 0 and (kind == 2 or (kind == 1 and not delta)):  # (the delta rule's prep stores a scalar b)
         bk_cs = cfg["BK_CS"] if kind == 2 else 16
         split = kind == 2 and cfg["cumsum_split"]
         _chunk_cumsum_kernel[(grid_c, grid_bh, triton.cdiv(d_k, bk_cs) if split else 1)](
             g, gc, k, kg, cu_seqlens, chunk_indices, *strides3(g), *strides3(k), length, heads, gc.shape[-1],
-            BT=bt, BK=bk_cs, VARLEN=varlen, SCALE_K=kind == 2, SPLIT_K=split, num_warps=cfg["warps_cs"])
+            BT=bt, BK=bk_cs, VARLEN=varlen, SCALE_K=kind == 2 and not kg_in_diag, SPLIT_K=split,
+            num_warps=cfg["warps_cs"])
     if grid_c > 0 and kind == 2:
         intra_args = (q, k, beta if beta is not None else q, gc, p, a, cu_seqlens, chunk_indices,
                       *strides3(q), *strides3(k), *strides3(beta), length, heads, d_k)
@@ -421,13 +428,13 @@ def chunk_prefill(
             )
         if cfg["diag"] == "token":  # the diagonal blocks: exact exponents, one program per row and BH heads
             _chunk_intra_diag_token_kernel[(grid_c * bt, grid_bh // heads * triton.cdiv(heads, cfg["BH_DIAG"]))](
-                *intra_args, BT=bt, BC=SUB, BK=bk, BH=cfg["BH_DIAG"], DELTA=delta, VARLEN=varlen,
-                num_warps=cfg["warps_diag"],
+                *intra_args[:6], kg, *intra_args[6:], BT=bt, BC=SUB, BK=bk, BH=cfg["BH_DIAG"], DELTA=delta,
+                VARLEN=varlen, STORE_KG=kg_in_diag, num_warps=cfg["warps_diag"],
             )
         else:  # d_k > 128: d_k tiles, one row at a time
             _chunk_intra_diag_kernel[(grid_c * (bt // SUB), grid_bh)](
-                *intra_args, BT=bt, BC=SUB, BK=cfg["BK_DIAG"], DELTA=delta, VARLEN=varlen,
-                num_warps=cfg["warps_diag"],
+                *intra_args[:6], kg, *intra_args[6:], BT=bt, BC=SUB, BK=cfg["BK_DIAG"], DELTA=delta,
+                VARLEN=varlen, STORE_KG=kg_in_diag, num_warps=cfg["warps_diag"],
             )
     if grid_c > 0 and delta:
         prep_args = (q, k, v, g if g is not None else q, beta if beta is not None else q, e_arg, gc, p, a, w, u, ox,

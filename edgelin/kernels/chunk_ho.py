@@ -4,8 +4,8 @@
    for the additive rule), the state tile in registers. Per chunk it only stores the state entering
    the chunk (h, in the matmul operand dtype) and, for the delta rule, U = U0 - W S (over U0, in place);
    then S = e^{b_C} S + K^T (e^{b_C - b} U): a scalar decay scales U's rows (BT x BV); a per-key one
-   K's columns, once, in the cumsum kernel (KG, read instead of K); K is read transposed ([BK, BT])
-   straight into the matmul. The cumulative log-decay b
+   K's columns, once, in the cumsum or diagonal-block kernel (KG, read instead of K); K is read
+   transposed ([BK, BT]) straight into the matmul. The cumulative log-decay b
    (`gc`) comes from the prep kernel (the delta rule with a scalar decay) or the cumsum kernel.
    Nothing quadratic in the chunk and no output is on this sequential path.
 2. `_chunk_o_kernel`, parallel over every chunk x head x d_v tile: O = (Q * e^b) h + P U
@@ -74,7 +74,7 @@ def _chunk_h_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         tl.store(h + ((c0 + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_s.to(h.dtype.element_ty),
                  mask=m_s)
-        if GATE == 2:  # K^T [BK, BT] already scaled by e^{b_last - b} (the cumsum kernel's KG)
+        if GATE == 2:  # K^T [BK, BT] already scaled by e^{b_last - b} (KG: the cumsum or diagonal-block kernel)
             b_kt = tl.load(KG + (row0 + rows[None, :] * H) * K + o_k[:, None], mask=m_kt, other=0.0)
         else:
             b_kt = tl.load(k + (t0 + rows[None, :]) * s_kt + o_k[:, None], mask=m_kt, other=0.0)  # K^T [BK, BT]

@@ -3,14 +3,17 @@
 
 With b the cumulative log-decay per key within a chunk (`_chunk_cumsum_kernel`, one program per
 chunk: `gc`, which the state, output and WY kernels read too, and K e^{b_last - b}, the state kernel's
-operand), for rows r and columns j <= r of a chunk (16-row blocks, A: j < r):
+operand, unless the diagonal-block kernels store that one: `chunk_config`'s `kg_in_diag`), for rows r
+and columns j <= r of a chunk (16-row blocks, A: j < r):
   P[r, j] = sum_c q_rc k_jc e^{b_rc - b_jc},  A[r, j] = beta_r sum_c k_rc k_jc e^{b_rc - b_jc}
 - `_chunk_intra_off_kernel`: one program per pair (row block I, column block J < I), matmuls over d_k
   tiles; e^{b_r - b_j} factors through I's first row R, e^{b_r - b_R} <= 1 and e^{b_R - b_j} <= 1
   (g <= 0), so nothing overflows;
 - the diagonal 16 x 16 blocks, per column j a d_k-vector product with the exact exponent:
   `_chunk_intra_diag_token_kernel` (d_k <= 128, the default: one program per row and a few heads) or
-  `_chunk_intra_diag_kernel` (d_k tiles, one row block at a time; wider keys).
+  `_chunk_intra_diag_kernel` (d_k tiles, one row block at a time; wider keys). With STORE_KG they
+  also store their rows of K e^{b_last - b} (KG; they load those rows' K and b anyway), and the cumsum
+  kernel only b.
 (Stream G, 2026-12-01: the split replaced one program per row block doing both, whose diagonal block
 was a 3-D product: 233 -> 33 + 101 us for GLA at B=1, T=4096, H=16, d_k=128 on an H200; the row
 groups then 101 -> 56 us; 2026-12-02 the program per row, 62 -> 56 us with the accuracy fix in both, and
@@ -35,7 +38,8 @@ def _chunk_cumsum_kernel(g, gc, k, KG, cu_seqlens, chunk_indices, s_gb, s_gt, s_
                          SPLIT_K: tl.constexpr = False):
     """gc[token, head, :] = the per-key cumulative log-decay b within each chunk (float32); with SCALE_K
     also KG = k e^{b_last - b} (b_last: the chunk's last valid row; exponent <= 0) in k's dtype, the
-    state kernel's operand (it would otherwise load b and exponentiate once per d_v tile).
+    state kernel's operand (it would otherwise load b and exponentiate once per d_v tile); without it
+    the diagonal-block kernel stores KG (`kg_in_diag`).
     SPLIT_K: one program per d_k tile (grid axis 2) instead of a loop over the tiles."""
     i_c = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -139,15 +143,18 @@ def _chunk_intra_off_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_intra_diag_kernel(
-    q, k, beta, gc, P, A, cu_seqlens, chunk_indices,
+    q, k, beta, gc, P, A, KG, cu_seqlens, chunk_indices,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     T, H, K,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr,
+    STORE_KG: tl.constexpr = False,
 ):
     """One program per diagonal [BC, BC] block of a chunk, token-parallel: for each column j the rows'
     d_k-vector products q_r . (k_j e^{b_r - b_j}) with the exact exponent (<= 0 for r >= j; rows r < j
     are clamped to 0 and then zeroed, so nothing overflows). Nothing right of the diagonal block: the
-    output kernel masks P there, the inverse reads A's blocks on and left of the diagonal only."""
+    output kernel masks P there, the inverse reads A's blocks on and left of the diagonal only.
+    STORE_KG: also KG = K e^{b_last - b} for the block's rows (`_chunk_cumsum_kernel`'s formula, on the
+    b it stored; b_last: the chunk's last valid row)."""
     NB: tl.constexpr = BT // BC
     i_ci = tl.program_id(0).to(tl.int64)
     i_c, i_blk = i_ci // NB, i_ci % NB
@@ -164,6 +171,7 @@ def _chunk_intra_diag_kernel(
         q += i_b * s_qb + (bos + t0) * s_qt + i_h * s_qh
         k += i_b * s_kb + (bos + t0) * s_kt + i_h * s_kh
         row0 = (tok + t0) * H + i_h
+        last = tl.minimum(length - t0, BT) - 1  # the chunk's last valid row
         b_p = tl.zeros([BC, BC], dtype=tl.float32)
         b_a = tl.zeros([BC, BC], dtype=tl.float32)
         for i_k in range(0, tl.cdiv(K, BK)):
@@ -172,8 +180,12 @@ def _chunk_intra_diag_kernel(
             m2 = m_i[:, None] & m_k[None, :]
             b_bi = tl.load(gc + (row0 + r_i[:, None] * H) * K + o_k[None, :], mask=m2, other=0.0)
             b_qi = tl.load(q + r_i[:, None] * s_qt + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
-            if DELTA:
+            if DELTA or STORE_KG:
                 b_ki = tl.load(k + r_i[:, None] * s_kt + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
+            if STORE_KG:
+                b_last = tl.load(gc + (row0 + last * H) * K + o_k, mask=m_k, other=0.0)
+                tl.store(KG + (row0 + r_i[:, None] * H) * K + o_k[None, :],
+                         (b_ki * tl.exp(b_last[None, :] - b_bi)).to(KG.dtype.element_ty), mask=m2)
             for j in range(0, n_j):
                 b_bj = tl.load(gc + (row0 + (r0 + j) * H) * K + o_k, mask=m_k, other=0.0)
                 b_kj = tl.load(k + (r0 + j) * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -191,17 +203,19 @@ def _chunk_intra_diag_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_intra_diag_token_kernel(
-    q, k, beta, gc, P, A, cu_seqlens, chunk_indices,
+    q, k, beta, gc, P, A, KG, cu_seqlens, chunk_indices,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     T, H, K,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, DELTA: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, STORE_KG: tl.constexpr = False,
 ):
     """The diagonal [BC, BC] blocks (what `_chunk_intra_diag_kernel` stores) token-parallel: one program
     per row r of a chunk and BH adjacent heads, visiting the columns j <= r of r's block (exponent
     b_r - b_j <= 0: no clamp); nothing right of them (see `_chunk_intra_diag_kernel`). Every row's program is independent,
     so the GPU hides the per-column loads' latency with other rows (a program per block, in row groups, waited
-    on them: gla 1x4096 227 vs 223 us)."""
+    on them: gla 1x4096 227 vs 223 us). STORE_KG: also row r of KG = K e^{b_last - b}
+    (`_chunk_cumsum_kernel`'s formula, on the b it stored; b_last: the chunk's last valid row, one more
+    row load the chunk's programs share through L2)."""
     i_cr = tl.program_id(0).to(tl.int64)
     i_c, r = i_cr // BT, i_cr % BT
     i_bg = tl.program_id(1).to(tl.int64)
@@ -221,8 +235,14 @@ def _chunk_intra_diag_token_kernel(
         b_bi = tl.load(g_row + r * H * K, mask=m2, other=0.0)
         b_qi = tl.load(q + r * s_qt + o_h[:, None] * s_qh + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
         p_row = P + ((tok + t0 + r) * H + o_h) * BT  # [BH] row starts
-        if DELTA:
+        if DELTA or STORE_KG:
             b_ki = tl.load(k + r * s_kt + o_h[:, None] * s_kh + o_k[None, :], mask=m2, other=0.0).to(tl.float32)
+        if STORE_KG:
+            last = tl.minimum(length - t0, BT) - 1  # the chunk's last valid row
+            b_last = tl.load(g_row + last * H * K, mask=m2, other=0.0)
+            tl.store(KG + ((tok + t0 + r) * H + o_h[:, None]) * K + o_k[None, :],
+                     (b_ki * tl.exp(b_last - b_bi)).to(KG.dtype.element_ty), mask=m2)
+        if DELTA:
             b_beta = tl.load(beta + i_b * s_bb + (bos + t0 + r) * s_bt + o_h * s_bh, mask=m_h, other=0.0)
             a_row = A + ((tok + t0 + r) * H + o_h) * BT
         for j in range(r0, r + 1):

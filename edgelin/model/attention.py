@@ -123,6 +123,10 @@ class SoftmaxAttention(nn.Module):
         gives both one buffer of enough capacity (written in place)."""
         cfg = self.cfg
         batch, length = q.shape[:2]
+        # An fp16 graph keeps this cache float32 (edgelin.export.onnx_target.graph_modules): the node runs on
+        # the cache's dtype, so only this call's q/k/v are cast, never the whole cache.
+        compute = q.dtype
+        q, k, v = (t.to(state["key"].dtype) for t in (q, k, v))
         seqlens = (start + (length - 1)).to(torch.int32)
         total = (seqlens.max() + 1).reshape(())
         past = state["key"].shape[2]
@@ -134,7 +138,7 @@ class SoftmaxAttention(nn.Module):
              "do_rotary": 0, "local_window_size": -1},
             dtypes=(q.dtype, k.dtype, v.dtype), shapes=((batch, length, cfg.num_heads * cfg.head_dim), kv_shape,
                                                          kv_shape), version=1)
-        return out, {"key": keys, "value": values}
+        return out.to(compute), {"key": keys, "value": values}
 
     def _ring_step(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Tensor], position: Tensor):
         window = self.cfg.window

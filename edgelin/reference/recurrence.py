@@ -230,9 +230,30 @@ def chunked(
         S1 = e^{b_C} S0 + (K * e^{b_C - b})^T diag(beta) V - (F * e^{b_C - b})^T r
     With f = k, U = diag(beta) V - r recovers the delta rule's form above.
     """
-    batch, length, heads, d_k = q.shape
-    num_chunks = (length + chunk_size - 1) // chunk_size
-    q, k, v = (_chunk(x, chunk_size, num_chunks) for x in (q, k, v))
+    blocks = chunk_inputs(q, k, v, g, beta, erase, chunk_size)
+    state, out = chunked_blocks(state, *blocks, loop=loop)
+    return unchunk(out, q.shape[1]), state
+
+
+def chunk_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | None, erase: Tensor | None,
+                 chunk_size: int) -> tuple[Tensor | None, ...]:
+    """`chunked`'s inputs as zero-padded chunks [N, B, H, C, D] (beta [N, B, H, C, 1]); None stays None."""
+    num_chunks = (q.shape[1] + chunk_size - 1) // chunk_size
+    beta = None if beta is None else beta.unsqueeze(-1)
+    return tuple(None if x is None else _chunk(x, chunk_size, num_chunks) for x in (q, k, v, g, beta, erase))
+
+
+def unchunk(out: Tensor, length: int) -> Tensor:
+    """Chunked outputs [N, B, H, C, d_v] -> [B, length, H, d_v]."""
+    num_chunks, batch, heads, chunk_size, d_v = out.shape
+    return out.permute(1, 0, 3, 2, 4).reshape(batch, num_chunks * chunk_size, heads, d_v)[:, :length]
+
+
+def chunked_blocks(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta_c: Tensor | None,
+                   erase: Tensor | None, loop: ChunkLoop = python_loop) -> tuple[Tensor, Tensor]:
+    """`chunked` on inputs already in chunks (`chunk_inputs`): -> (final state, outputs [N, B, H, C, d_v]).
+    A lowering may call it on one chunk at a time (N = 1) inside its own loop."""
+    chunk_size = q.shape[-2]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     strict = causal.tril(-1)
 
@@ -240,7 +261,7 @@ def chunked(
         decay = causal.to(q.dtype)
         q_hat, k_hat, to_end, decay_end = q, k, None, None
     else:
-        b, decay = _decays(_chunk(g, chunk_size, num_chunks), chunk_size)  # b [N, B, H, C, 1|d_k]
+        b, decay = _decays(g, chunk_size)  # b [N, B, H, C, 1|d_k]
         b_end = b[..., -1:, :]
         q_hat, k_hat = q * b.exp(), k * b.exp()
         to_end = (b_end - b).exp()
@@ -249,10 +270,9 @@ def chunked(
     k_end = k if to_end is None else k * to_end
 
     if erase is not None:
-        if beta is None:
+        if beta_c is None:
             raise ValueError("an erase gate needs the delta rule (beta)")
-        beta_c = _chunk(beta.unsqueeze(-1), chunk_size, num_chunks)  # [N, B, H, C, 1]
-        f = _chunk(erase, chunk_size, num_chunks) * k  # the erase directions
+        f = erase * k  # the erase directions
         t_inv = invert_unit_lower(beta_c * torch.where(strict, _pairs(k, f, decay), 0.0))
         bv = beta_c * v
         r_v = t_inv @ (beta_c * (torch.where(strict, kk, 0.0) @ bv))
@@ -267,10 +287,9 @@ def chunked(
 
         xs = (q_hat, qk, bv, k_end, r_v, m, _pairs(q, f, decay), f if to_end is None else f * to_end)
     else:
-        if beta is None:
+        if beta_c is None:
             w_v, w_k = v, None
         else:
-            beta_c = _chunk(beta.unsqueeze(-1), chunk_size, num_chunks)  # [N, B, H, C, 1]
             t_inv = invert_unit_lower(beta_c * torch.where(strict, kk, 0.0))
             w_v, w_k = t_inv @ (beta_c * v), t_inv @ (beta_c * k_hat)
 
@@ -283,6 +302,4 @@ def chunked(
 
         xs = (q_hat, qk, w_v, k_end) + (() if w_k is None else (w_k,))
     xs = xs + (() if decay_end is None else (decay_end,))
-    state, out = loop(body, state, tuple(x.contiguous() for x in xs))
-    out = out.permute(1, 0, 3, 2, 4).reshape(batch, num_chunks * chunk_size, heads, v.shape[-1])
-    return out[:, :length], state
+    return loop(body, state, tuple(x.contiguous() for x in xs))
