@@ -145,6 +145,30 @@ def test_onnx_chunked_form_with_the_prep_in_the_loop_matches_the_token_loop(kind
         assert_close(s, want_s, 1e-4, f"{kind} state, prep in loop: {prep_in_loop}")
 
 
+@pytest.mark.parametrize("family", ["mamba2", "gated_deltanet2"])
+def test_onnx_chunked_form_keeps_one_shared_key_head(family, monkeypatch):
+    """One key head for four value heads (Mamba2's single group): under the ONNX lowering the chunked form
+    gets q and k with that one head (its products broadcast over the value heads) and the model's outputs
+    equal the reference engine's, which repeats the head."""
+    heads_seen = []
+    chunk_inputs = recurrence.chunk_inputs
+
+    def recording(q, *args):
+        heads_seen.append(q.shape[2])
+        return chunk_inputs(q, *args)
+
+    monkeypatch.setattr(recurrence, "chunk_inputs", recording)
+    model = CausalLM(tiny_config((family, family), num_heads=4, num_k_heads=1)).eval()
+    ids = torch.randint(0, 97, (3, 37))
+    with torch.no_grad():
+        plain, _ = model(ids)
+        assert heads_seen == [4, 4]  # the reference engine: the key head repeated
+        with lowering("onnx"):
+            patched, _ = model(ids)
+    assert heads_seen[2:] == [1, 1]
+    assert_close(patched, plain, 1e-5, family)
+
+
 def test_onnx_prefill_prepares_each_chunk_inside_the_scan(tmp_path):
     """A per-key decay's [C, C, d_k] decays exist for one chunk at a time: the exported prefill graph computes
     the decays and pair products (Exp, Einsum) only inside its Scan bodies, none over all chunks before them."""

@@ -105,6 +105,9 @@ class OnnxEngine(TorchEngine):
     # chunk's intermediates at a time, not the piece's (per-key decays' [C, C, d_k] ones above all: KDA prefill
     # peak RSS 269 -> 183 MiB, GLA 382 -> 210, both faster; docs/benchmarks.md, issue 13, eighth session).
     prep_in_loop: bool = True
+    # q and k of one key head shared by every value head (Mamba2's single group) stay one head in the chunked
+    # form: its products broadcast over the heads (edgelin.model.mixer), one q k^T per chunk instead of H.
+    broadcasts_one_key_head: ClassVar[bool] = True
 
     def chunked(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
                 beta: Tensor | None = None, chunk_size: int = 64,

@@ -169,7 +169,9 @@ class LinearMixer(nn.Module):
             q, k = F.normalize(q, p=1, dim=-1, eps=1e-6), F.normalize(k, p=1, dim=-1, eps=1e-6)
         if spec.scale_queries and not scaled:
             q = q * self.d_state**-0.5
-        if hk != h and not t1:  # grouped value heads share a key head
+        # One key head for all (Mamba2's single group): an engine whose chunked form broadcasts it takes it as is
+        shared = hk == 1 and mode == "chunked" and getattr(installed, "broadcasts_one_key_head", False)
+        if hk != h and not t1 and not shared:  # grouped value heads share a key head
             q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
 
         g, dt = self._log_decay(x, batch, length)  # float32 whatever x's dtype (see there)
