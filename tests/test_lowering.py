@@ -145,11 +145,13 @@ def test_onnx_chunked_form_with_the_prep_in_the_loop_matches_the_token_loop(kind
         assert_close(s, want_s, 1e-4, f"{kind} state, prep in loop: {prep_in_loop}")
 
 
-@pytest.mark.parametrize("family", ["mamba2", "gated_deltanet2"])
-def test_onnx_chunked_form_keeps_one_shared_key_head(family, monkeypatch):
-    """One key head for four value heads (Mamba2's single group): under the ONNX lowering the chunked form
-    gets q and k with that one head (its products broadcast over the value heads) and the model's outputs
-    equal the reference engine's, which repeats the head."""
+@pytest.mark.parametrize(("family", "key_heads"), [("mamba2", 1), ("mamba2", 2), ("gated_deltanet2", 1),
+                                                   ("gated_deltanet", 2), ("linear_attn", 1)])
+def test_onnx_chunked_form_keeps_one_shared_key_head(family, key_heads, monkeypatch):
+    """One key head shared by the 4 value heads (Mamba2's single group): under the ONNX lowering the chunked
+    form gets q and k with that one head (its products broadcast over the value heads); other groupings, and a
+    normaliser's layers (whose forms take them repeated), get them repeated. Outputs equal the reference
+    engine's, which always repeats them."""
     heads_seen = []
     chunk_inputs = recurrence.chunk_inputs
 
@@ -158,14 +160,14 @@ def test_onnx_chunked_form_keeps_one_shared_key_head(family, monkeypatch):
         return chunk_inputs(q, *args)
 
     monkeypatch.setattr(recurrence, "chunk_inputs", recording)
-    model = CausalLM(tiny_config((family, family), num_heads=4, num_k_heads=1)).eval()
+    model = CausalLM(tiny_config((family, family), num_heads=4, num_k_heads=key_heads)).eval()
     ids = torch.randint(0, 97, (3, 37))
     with torch.no_grad():
         plain, _ = model(ids)
-        assert heads_seen == [4, 4]  # the reference engine: the key head repeated
         with lowering("onnx"):
             patched, _ = model(ids)
-    assert heads_seen[2:] == [1, 1]
+    shared = key_heads == 1 and family != "linear_attn"
+    assert heads_seen[:2] == [4, 4] and heads_seen[2:] == [1 if shared else 4] * 2, heads_seen
     assert_close(patched, plain, 1e-5, family)
 
 

@@ -170,7 +170,9 @@ class LinearMixer(nn.Module):
         if spec.scale_queries and not scaled:
             q = q * self.d_state**-0.5
         # One key head for all (Mamba2's single group): an engine whose chunked form broadcasts it takes it as is
-        shared = hk == 1 and mode == "chunked" and getattr(installed, "broadcasts_one_key_head", False)
+        # (not a normaliser's: its forms take them repeated)
+        shared = (hk == 1 and mode == "chunked" and not spec.normalizer
+                  and getattr(installed, "broadcasts_one_key_head", False))
         if hk != h and not t1 and not shared:  # grouped value heads share a key head
             q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
 
