@@ -25,7 +25,9 @@ def worker(folder: str, positions: list[int], iters: int, threads: int) -> dict:
 
     import numpy as np
 
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+    from peers import _rss_mib  # this process's VmHWM, as peers.py reads it
+
     from edgelin.runtime import open_runner, prefill
 
     runner = open_runner(Path(folder), threads=threads)
@@ -44,8 +46,7 @@ def worker(folder: str, positions: list[int], iters: int, threads: int) -> dict:
             pos += 1
         out["latency"][str(p)] = {"p50": round(float(np.percentile(ms[3:], 50)), 3),
                                   "p99": round(float(np.percentile(ms[3:], 99)), 3)}
-    with open("/proc/self/status") as fh:
-        out["peak_rss_mib"] = round(next(int(ln.split()[1]) for ln in fh if ln.startswith("VmHWM:")) / 1024, 1)
+    out["peak_rss_mib"] = round(_rss_mib(), 1)
     return out
 
 

@@ -260,8 +260,8 @@ def test_chunk_prefill_other_paths(path, delta, monkeypatch):
     """Each path a sweep may pick (the diagonal blocks by d_k tiles instead of a program per row, one
     or two heads per row program, KDA's prep in one launch, K e^{b_last - b} stored by the cumsum kernel
     instead of the diagonal-block one, the cumsum looping over d_k tiles or in one part-masked 64-key
-    tile, a scalar decay's prep in two launches over several d_k and d_v tiles) gives the reference's numbers too: odd length, a partial last chunk, two sequences,
-    NaN-poisoned outputs and scratch."""
+    tile, a scalar decay's prep in two launches over several d_k and d_v tiles) gives the reference's
+    numbers too: odd length, a partial last chunk, two sequences, NaN-poisoned outputs and scratch."""
     from edgelin.kernels import chunk
 
     gate, override = path

@@ -419,8 +419,9 @@ def chunk_prefill(
             BT=bt, BK=bk_cs, VARLEN=varlen, SCALE_K=kind == 2 and not kg_in_diag, SPLIT_K=split,
             num_warps=cfg["warps_cs"])
     if grid_c > 0 and kind == 2:
-        intra_args = (q, k, beta if beta is not None else q, gc, p, a, cu_seqlens, chunk_indices,
-                      *strides3(q), *strides3(k), *strides3(beta), length, heads, d_k)
+        outs = (q, k, beta if beta is not None else q, gc, p, a)  # inputs, then what the kernels store
+        rest = (cu_seqlens, chunk_indices, *strides3(q), *strides3(k), *strides3(beta), length, heads, d_k)
+        intra_args, diag_args = (*outs, *rest), (*outs, kg, *rest)  # the diagonal kernels may store KG too
         if bt > SUB:  # the blocks left of the diagonal ones: matmuls through a reference row
             _chunk_intra_off_kernel[(grid_c * (bt // SUB) * (bt // SUB - 1) // 2, grid_bh)](
                 *intra_args, BT=bt, BC=SUB, BK=cfg["BK_OFF"], DELTA=delta, VARLEN=varlen, PREC=prec,
@@ -428,12 +429,12 @@ def chunk_prefill(
             )
         if cfg["diag"] == "token":  # the diagonal blocks: exact exponents, one program per row and BH heads
             _chunk_intra_diag_token_kernel[(grid_c * bt, grid_bh // heads * triton.cdiv(heads, cfg["BH_DIAG"]))](
-                *intra_args[:6], kg, *intra_args[6:], BT=bt, BC=SUB, BK=bk, BH=cfg["BH_DIAG"], DELTA=delta,
+                *diag_args, BT=bt, BC=SUB, BK=bk, BH=cfg["BH_DIAG"], DELTA=delta,
                 VARLEN=varlen, STORE_KG=kg_in_diag, num_warps=cfg["warps_diag"],
             )
         else:  # d_k > 128: d_k tiles, one row at a time
             _chunk_intra_diag_kernel[(grid_c * (bt // SUB), grid_bh)](
-                *intra_args[:6], kg, *intra_args[6:], BT=bt, BC=SUB, BK=cfg["BK_DIAG"], DELTA=delta,
+                *diag_args, BT=bt, BC=SUB, BK=cfg["BK_DIAG"], DELTA=delta,
                 VARLEN=varlen, STORE_KG=kg_in_diag, num_warps=cfg["warps_diag"],
             )
     if grid_c > 0 and delta:

@@ -211,8 +211,8 @@ def _chunk_intra_diag_token_kernel(
 ):
     """The diagonal [BC, BC] blocks (what `_chunk_intra_diag_kernel` stores) token-parallel: one program
     per row r of a chunk and BH adjacent heads, visiting the columns j <= r of r's block (exponent
-    b_r - b_j <= 0: no clamp); nothing right of them (see `_chunk_intra_diag_kernel`). Every row's program is independent,
-    so the GPU hides the per-column loads' latency with other rows (a program per block, in row groups, waited
+    b_r - b_j <= 0: no clamp); nothing right of them (see `_chunk_intra_diag_kernel`). Every row's program is
+    independent, so the GPU hides the per-column loads' latency with other rows (a program per block, in row groups, waited
     on them: gla 1x4096 227 vs 223 us). STORE_KG: also row r of KG = K e^{b_last - b}
     (`_chunk_cumsum_kernel`'s formula, on the b it stored; b_last: the chunk's last valid row, one more
     row load the chunk's programs share through L2)."""
