@@ -73,6 +73,14 @@ def test_recorded_reference_vectors_replay(exports, model):
     assert max(m.max_rel for m in report.metrics) < 1e-5
 
 
+@pytest.mark.parametrize("model", ["zoo", "hybrid"])
+def test_every_state_is_updated_in_place(exports, model):
+    """Every family's step writes each state over its past (edgelin.export.onnx_in_place), so the runner
+    binds one buffer per state; the rollout tests above run through those bindings."""
+    runner = open_runner(exports[model])
+    assert sorted(runner.state_names[i] for i in runner._in_place) == sorted(runner.state_names)
+
+
 @pytest.mark.parametrize("family", ["zoo", "hybrid"])
 def test_saved_graphs_keep_named_dynamic_axes(exports, family):
     """The axes in the saved files against what the torch model computes (not against the manifest,

@@ -6,7 +6,11 @@ with it. The export half is edgelin.export.onnx_target.
 State handles: a constant-memory model's state lives in two sets of preallocated OrtValues per handle,
 and each step binds one set as the past inputs and the other as the present outputs, then swaps them
 (ping-pong), so no state tensor is copied or allocated per step; the step's two IO bindings are built
-once per handle, and a step only writes the token and position into their bound buffers. A growing KV
+once per handle, and a step only writes the token and position into their bound buffers. A state the
+step graph's metadata lists as safe to update in place (edgelin.export.onnx_in_place: every state of
+every family edgelin exports) is bound to one buffer as both its past and its present instead, and
+stays there across steps: half the state's cache footprint. A prefill still ping-pongs every state
+(its Scan reads the past while it writes), after which the step bindings are rebuilt. A growing KV
 cache changes shape every call: its outputs are allocated by ONNX Runtime and kept as the next
 inputs (still no numpy round trip). Only read_state / write_state copy state to or from numpy.
 
@@ -124,13 +128,19 @@ class _Buffers:
         # number of tokens its cache holds.
         self.arrays, self.length = arrays, 0
 
-    def swap(self) -> None:
-        """The present just written is the next past; the next call writes over the old past."""
+    def swap(self, keep: frozenset[int] = frozenset()) -> None:
+        """The present just written is the next past; the next call writes over the old past. The states in
+        `keep` were written in place (their one buffer stays current)."""
         self.current, self.spare = self.spare, self.current
+        for index in keep:
+            self.current[index], self.spare[index] = self.spare[index], self.current[index]
         if self.bindings is not None:
             self.bindings.reverse()
         if self.arrays is not None:
             self.arrays.reverse()
+            current, spare = self.arrays
+            for index in keep:
+                current[index], spare[index] = spare[index], current[index]
 
 
 class OnnxRunner(Runner):
@@ -187,6 +197,8 @@ class OnnxRunner(Runner):
                          for t in manifest.state_inputs]
         # fixed shapes: preallocated ping-pong buffers (a static cache's KV buffers: one, bound both ways)
         self._fixed = manifest.constant_memory or self.capacity is not None
+        # the states the step graph updates in place (one buffer bound both ways; edgelin.export.onnx_in_place)
+        self._in_place = _in_place_states(self.sessions["step"], self.state_names) if self._fixed else frozenset()
 
     # ---- handles ---------------------------------------------------------------------------------
     def _ortvalue(self, array: np.ndarray):
@@ -288,6 +300,7 @@ class OnnxRunner(Runner):
         outputs = self._bound_call(kind, ids, position, buffers.current, presents)
         if self._fixed:
             buffers.swap()
+            self._rebind(buffers, len(ids))
         else:
             buffers.current = list(outputs[1:])
         return np.array(outputs[0].numpy(), copy=True)
@@ -326,6 +339,7 @@ class OnnxRunner(Runner):
             outputs = self._bound_call("prefill", ids[row:row + 1], position[row:row + 1], *views)
             logits.append(np.array(outputs[0].numpy(), copy=True))
         buffers.swap()
+        self._rebind(buffers, len(ids))
         return np.concatenate(logits)
 
     def _fixed_step(self, buffers: _Buffers, ids: np.ndarray, position: np.ndarray | None) -> np.ndarray:
@@ -335,8 +349,14 @@ class OnnxRunner(Runner):
         if buffers.position is not None:
             buffers.position.update_inplace(position)
         self.sessions["step"].run_with_iobinding(buffers.bindings[0])
-        buffers.swap()
+        buffers.swap(self._in_place)
         return np.array(buffers.logits.numpy(), copy=True)  # the bound logits buffer is reused next step
+
+    def _rebind(self, buffers: _Buffers, batch: int) -> None:
+        """After a call that ping-ponged every state (prefill): the states the step updates in place now live
+        in the other buffer, so step bindings built before point at the old one: build them again."""
+        if self._in_place and buffers.bindings is not None:
+            self._bind_step(buffers, batch)
 
     def _bind_step(self, buffers: _Buffers, batch: int) -> None:
         session = self.sessions["step"]
@@ -346,6 +366,9 @@ class OnnxRunner(Runner):
         buffers.logits = self._ortvalue(_filled((batch, self.manifest.vocab_size), np.float32))
         bindings = []
         for past, present in ((buffers.current, buffers.spare), (buffers.spare, buffers.current)):
+            # a state updated in place keeps one buffer (the current one) as its past and present
+            past = [buffers.current[i] if i in self._in_place else value for i, value in enumerate(past)]
+            present = [buffers.current[i] if i in self._in_place else value for i, value in enumerate(present)]
             binding = session.io_binding()
             binding.bind_ortvalue_input("input_ids", buffers.ids)
             if buffers.position is not None:
@@ -374,6 +397,20 @@ def _check_weights(folder: Path, entry: dict) -> None:
     if actual != size:
         raise EdgelinError(f"{path} has {actual} bytes, the manifest says {size}",
                            "the file is truncated or belongs to another export", "re-run `edgelin export`")
+
+
+def _in_place_states(session: "ort.InferenceSession", state_names: list[str]) -> frozenset[int]:
+    """The indices (in the runner's state order) of the states the step graph's metadata lists as updated
+    in place (edgelin.export.onnx_in_place; an export from before it lists none)."""
+    from edgelin.export.onnx_in_place import IN_PLACE_KEY
+
+    recorded = session.get_modelmeta().custom_metadata_map.get(IN_PLACE_KEY, "")
+    names = [name for name in recorded.split(",") if name]
+    unknown = sorted(set(names) - set(state_names))
+    if unknown:
+        raise EdgelinError(f"the step graph's {IN_PLACE_KEY} names {unknown[0]}, which is not a state input",
+                           "the folder was edited or mixed with another export", "re-run `edgelin export`")
+    return frozenset(state_names.index(name) for name in names)
 
 
 def _check_capacity(sessions: dict, capacity: int) -> None:

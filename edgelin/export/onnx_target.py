@@ -175,15 +175,16 @@ def graph_modules(model: "CausalLM", precision: str, static: bool = False) -> di
 SHARED_WEIGHTS = ("onnx", "tensorrt")
 
 
-def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings",
-                  share: bool = True, embeddings: bool = True) -> dict[str, str]:
-    """After tracing: sibling MatMuls fused (edgelin.export.fuse_matmuls), --quantize (both graphs alike, so their quantised weights still match; with
-    `embeddings`, the embedding table and LM head too), then (with `share`) one copy of the weights, a
-    weights.bin both graphs reference (ONNX external data). Returns the files it adds
-    ({"weights": "weights.bin"} or nothing)."""
-    from edgelin.export.weights import WEIGHTS_KEY, share_weights
-
+def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings", share: bool = True,
+                  embeddings: bool = True, step_outputs: list[TensorIO] | None = None) -> dict[str, str]:
+    """After tracing: sibling MatMuls fused (edgelin.export.fuse_matmuls), --quantize (both graphs alike, so
+    their quantised weights still match; with `embeddings`, the embedding table and LM head too), then (with
+    `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data), and, given
+    the step graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the
+    graph as written). Returns the files it adds ({"weights": "weights.bin"} or nothing)."""
     from edgelin.export.fuse_matmuls import fuse_matmuls
+    from edgelin.export.onnx_in_place import mark_in_place_states
+    from edgelin.export.weights import WEIGHTS_KEY, share_weights
 
     graphs = [files[kind] for kind in ("step", "prefill")]
     for file in graphs:  # sibling projections as one MatMul + Split (before quantising: one wider MatMulNBits)
@@ -193,7 +194,10 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
 
         for file in graphs:
             quantize_graph(folder / file, settings.quantize, settings.block_size, embeddings)
-    return {WEIGHTS_KEY: share_weights(folder, graphs)} if share else {}
+    added = {WEIGHTS_KEY: share_weights(folder, graphs)} if share else {}
+    if step_outputs is not None:
+        mark_in_place_states(folder / files["step"], step_outputs)
+    return added
 
 
 @dataclass(frozen=True)
@@ -341,7 +345,7 @@ class OnnxTarget(Target):
                 files[kind], written[kind] = f"{kind}.onnx", outputs
                 export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)
         shared = finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS,
-                               embeddings=options.quantize_embeddings)
+                               embeddings=options.quantize_embeddings, step_outputs=written["step"])
         if static:  # on the graphs as written (quantised, weights shared)
             for kind, outputs in written.items():
                 mark_static_cache(Path(folder) / files[kind], outputs, layers, options.context)

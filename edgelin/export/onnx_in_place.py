@@ -1,0 +1,99 @@
+"""Which recurrent states an ONNX step graph may update in place (one buffer bound as both the past input
+and the present output), found on the graph as written and recorded in its metadata for the runner.
+
+Why: ping-pong buffers (the past in one set, the present written to another) double the state's cache
+footprint, and each step writes to lines it has not read. Bound in place, a state's update writes over
+what it just read: the Mamba2 peer's int4 step 1.25 -> 1.15 ms, fp32 3.0 -> 2.86 ms on one thread
+(docs/benchmarks.md, issue 13, ninth session).
+
+When it is safe: ONNX Runtime runs nodes in an order that respects data dependencies and never writes a
+graph input, so one buffer can serve both roles when every read of the past is finished before the
+first write of the present, or reads the same element just before writing it. That holds when
+  - every node that reads the past's data, directly or from inside a subgraph, other than the node that
+    writes the present, is an ancestor of that node (it has finished before that node starts), and
+  - the node that writes the present does not read the past, or is an elementwise Add/Sub/Mul/Div or
+    Where (a sliding window's ring buffer): the past has the present's shape, so such a kernel reads
+    each of its elements before it writes that element (ONNX Runtime reuses the input buffers of the
+    first four for their outputs itself, MayInplace; its CPU Where selects from both inputs into
+    temporaries before it writes the output).
+A kernel such as a Concat, a MatMul or a Scan may write its output while it still reads its inputs: a
+present they write from the past (a growing cache) keeps its ping-pong buffers, as does a present copied
+from its past (Identity) or a past also read by a node that may run after the present is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import onnx
+
+    from edgelin.export.manifest import TensorIO
+
+IN_PLACE_KEY = "edgelin.in_place_states"  # the step graph's metadata_props entry: past input names, comma-separated
+ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where"}  # writers that may read the past (same element, before)
+SHAPE_ONLY = {"Shape", "Size"}  # readers of a tensor's shape, never of its data
+
+
+def _subgraph_reads(node: "onnx.NodeProto") -> set[str]:
+    """Every value name a node's subgraphs (If, Loop, Scan bodies, nested) read: an over-approximation of
+    the outer-scope values they capture (names the body defines itself are included too; harmless: the
+    body's own names are not graph inputs)."""
+    import onnx
+
+    names: set[str] = set()
+    for attribute in node.attribute:
+        graphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+        for graph in graphs:
+            for inner in graph.node:
+                names.update(inner.input)
+                names |= _subgraph_reads(inner)
+    return names
+
+
+def in_place_states(graph: "onnx.GraphProto", feeds: dict[str, str]) -> list[str]:
+    """The past inputs (of `feeds`: present output name -> past input name) whose present output can share
+    their buffer (the module docstring's test), in the order of `feeds`."""
+    reads = [set(node.input) | _subgraph_reads(node) for node in graph.node]
+    producer = {name: index for index, node in enumerate(graph.node) for name in node.output}
+
+    def ancestors(index: int) -> set[int]:
+        seen: set[int] = set()
+        todo = [index]
+        while todo:
+            for name in reads[todo.pop()]:
+                parent = producer.get(name)
+                if parent is not None and parent not in seen:
+                    seen.add(parent)
+                    todo.append(parent)
+        return seen
+
+    data_readers = [names if node.op_type not in SHAPE_ONLY else set() for node, names in zip(graph.node, reads)]
+    safe = []
+    for present, past in feeds.items():
+        writer = producer.get(present)
+        if writer is None:
+            continue
+        node = graph.node[writer]
+        if past in reads[writer] and not (node.op_type in ELEMENTWISE and node.domain in ("", "ai.onnx")):
+            continue
+        readers = {index for index, names in enumerate(data_readers) if past in names} - {writer}
+        if readers <= ancestors(writer):
+            safe.append(past)
+    return safe
+
+
+def mark_in_place_states(path: Path, outputs: Iterable["TensorIO"]) -> list[str]:
+    """Record in the graph file's metadata which of its states may be updated in place (IN_PLACE_KEY);
+    returns their past input names. The graph's weights stay where they are (external data)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    safe = in_place_states(proto.graph, {t.name: t.feeds for t in outputs if t.feeds is not None})
+    kept = [p for p in proto.metadata_props if p.key != IN_PLACE_KEY]
+    del proto.metadata_props[:]
+    proto.metadata_props.extend(kept)
+    proto.metadata_props.add(key=IN_PLACE_KEY, value=",".join(safe))
+    onnx.save(proto, str(path))
+    return safe
