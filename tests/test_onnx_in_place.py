@@ -45,6 +45,19 @@ def test_a_writer_reading_the_past_is_in_place_only_when_elementwise():
     assert in_place_states(graph([foreign]), FEEDS) == []
 
 
+def test_a_view_of_the_past_is_the_past():
+    """A Reshape's output may be the past's own buffer: a MatMul writing the present from it, or a late reader
+    of it, makes the state unsafe; elementwise from the view and early readers of it do not."""
+    shape = oh.make_node("Constant", [], ["shape"], value=oh.make_tensor("s", TensorProto.INT64, [2], [2, 2]))
+    view = oh.make_node("Reshape", ["past", "shape"], ["view"])
+    assert in_place_states(graph([shape, view, oh.make_node("MatMul", ["q", "view"], ["present"])]), FEEDS) == []
+    assert in_place_states(graph([shape, view, oh.make_node("Add", ["view", "kv"], ["present"])]), FEEDS) == ["past"]
+    late = [shape, view, oh.make_node("Mul", ["past", "a"], ["present"]), oh.make_node("Neg", ["view"], ["out"])]
+    assert in_place_states(graph(late, ("present", "out")), FEEDS) == []
+    early = [shape, view, oh.make_node("Neg", ["view"], ["neg"]), oh.make_node("Mul", ["neg", "a"], ["present"])]
+    assert in_place_states(graph(early), FEEDS) == ["past"]
+
+
 def test_reading_the_shape_is_not_reading_the_data():
     nodes = [oh.make_node("Shape", ["past"], ["shape"]), oh.make_node("Add", ["past", "kv"], ["present"])]
     assert in_place_states(graph(nodes, ("present", "shape")), FEEDS) == ["past"]

@@ -3,14 +3,15 @@ and the present output), found on the graph as written and recorded in its metad
 
 Why: ping-pong buffers (the past in one set, the present written to another) double the state's cache
 footprint, and each step writes to lines it has not read. Bound in place, a state's update writes over
-what it just read: the Mamba2 peer's int4 step 1.25 -> 1.15 ms, fp32 3.0 -> 2.86 ms on one thread
-(docs/benchmarks.md, issue 13, ninth session).
+what it just read: the Mamba2 peer's int4 step 1.20 -> 1.10 ms, int8 1.44 -> 1.36, fp32 2.91 -> 2.82 on one
+thread (medians of five runs; docs/benchmarks.md, issue 13, ninth session).
 
 When it is safe: ONNX Runtime runs nodes in an order that respects data dependencies and never writes a
 graph input, so one buffer can serve both roles when every read of the past is finished before the
 first write of the present, or reads the same element just before writing it. That holds when
-  - every node that reads the past's data, directly or from inside a subgraph, other than the node that
-    writes the present, is an ancestor of that node (it has finished before that node starts), and
+  - every node that reads the past's data (or a view of it: Reshape, Squeeze, Unsqueeze, Flatten and
+    Identity may hand out their input's buffer), directly or from inside a subgraph, other than the node
+    that writes the present, is an ancestor of that node (it has finished before that node starts), and
   - the node that writes the present does not read the past, or is an elementwise Add/Sub/Mul/Div or
     Where (a sliding window's ring buffer): the past has the present's shape, so such a kernel reads
     each of its elements before it writes that element (ONNX Runtime reuses the input buffers of the
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 IN_PLACE_KEY = "edgelin.in_place_states"  # the step graph's metadata_props entry: past input names, comma-separated
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where"}  # writers that may read the past (same element, before)
 SHAPE_ONLY = {"Shape", "Size"}  # readers of a tensor's shape, never of its data
+# ops whose output ONNX Runtime may place in their input's buffer (a view of the past is the past)
+VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 
 
 def _subgraph_reads(node: "onnx.NodeProto") -> set[str]:
@@ -69,16 +72,27 @@ def in_place_states(graph: "onnx.GraphProto", feeds: dict[str, str]) -> list[str
                     todo.append(parent)
         return seen
 
-    data_readers = [names if node.op_type not in SHAPE_ONLY else set() for node, names in zip(graph.node, reads)]
+    standard = [node.domain in ("", "ai.onnx") for node in graph.node]
+    data_readers = [names if node.op_type not in SHAPE_ONLY | VIEWS or not plain else set()
+                    for node, names, plain in zip(graph.node, reads, standard)]
+
+    def views(past: str) -> set[str]:
+        """The past and every view of it (ONNX nodes are in topological order: one pass)."""
+        names = {past}
+        for node, plain in zip(graph.node, standard):
+            if plain and node.op_type in VIEWS and node.input and node.input[0] in names:
+                names.add(node.output[0])
+        return names
+
     safe = []
     for present, past in feeds.items():
         writer = producer.get(present)
         if writer is None:
             continue
-        node = graph.node[writer]
-        if past in reads[writer] and not (node.op_type in ELEMENTWISE and node.domain in ("", "ai.onnx")):
+        past_or_view = views(past)
+        if reads[writer] & past_or_view and not (graph.node[writer].op_type in ELEMENTWISE and standard[writer]):
             continue
-        readers = {index for index, names in enumerate(data_readers) if past in names} - {writer}
+        readers = {index for index, names in enumerate(data_readers) if names & past_or_view} - {writer}
         if readers <= ancestors(writer):
             safe.append(past)
     return safe
