@@ -343,7 +343,8 @@ def prepare(kind: str, ckpt: Path, work: Path, context: int | None = None) -> tu
         out = work / f"{kind}-kv{context}" if static else out
         if not (out / "manifest.json").is_file():
             flag = {"fp32": [], "fp16": ["--precision", "fp16"], "int8": ["--quantize", "int8"],
-                    "int4": ["--quantize", "int4"], "int4b64": ["--quantize", "int4", "--block-size", "64"]}[kind.split("-")[1]]
+                    "int4": ["--quantize", "int4"],
+                    "int4b64": ["--quantize", "int4", "--block-size", "64"]}[kind.split("-")[1]]
             flag += ["--kv-cache", "static", "--context", str(context)] if static else []
             ok, err = _run([str(Path(sys.executable).parent / "edgelin"), "export", str(ckpt), "--target", "onnx",
                             "--out", str(out), *flag], log)

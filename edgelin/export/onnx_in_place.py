@@ -1,5 +1,6 @@
 """Which recurrent states an ONNX step graph may update in place (one buffer bound as both the past input
-and the present output), found on the graph as written and recorded in its metadata for the runner.
+and the present output), found on the graph as written (edgelin.export.onnx_target records them in the
+step graph's metadata for the runner: IN_PLACE_KEY).
 
 Why: ping-pong buffers (the past in one set, the present written to another) double the state's cache
 footprint, and each step writes to lines it has not read. Bound in place, a state's update writes over
@@ -24,13 +25,10 @@ from its past (Identity) or a past also read by a node that may run after the pr
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import onnx
-
-    from edgelin.export.manifest import TensorIO
 
 IN_PLACE_KEY = "edgelin.in_place_states"  # the step graph's metadata_props entry: past input names, comma-separated
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where"}  # writers that may read the past (same element, before)
@@ -73,7 +71,7 @@ def in_place_states(graph: "onnx.GraphProto", feeds: dict[str, str]) -> list[str
         return seen
 
     standard = [node.domain in ("", "ai.onnx") for node in graph.node]
-    data_readers = [names if node.op_type not in SHAPE_ONLY | VIEWS or not plain else set()
+    data_readers = [set() if plain and node.op_type in SHAPE_ONLY | VIEWS else names  # a view's readers read it
                     for node, names, plain in zip(graph.node, reads, standard)]
 
     def views(past: str) -> set[str]:
@@ -95,19 +93,4 @@ def in_place_states(graph: "onnx.GraphProto", feeds: dict[str, str]) -> list[str
         readers = {index for index, names in enumerate(data_readers) if names & past_or_view} - {writer}
         if readers <= ancestors(writer):
             safe.append(past)
-    return safe
-
-
-def mark_in_place_states(path: Path, outputs: Iterable["TensorIO"]) -> list[str]:
-    """Record in the graph file's metadata which of its states may be updated in place (IN_PLACE_KEY);
-    returns their past input names. The graph's weights stay where they are (external data)."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    safe = in_place_states(proto.graph, {t.name: t.feeds for t in outputs if t.feeds is not None})
-    kept = [p for p in proto.metadata_props if p.key != IN_PLACE_KEY]
-    del proto.metadata_props[:]
-    proto.metadata_props.extend(kept)
-    proto.metadata_props.add(key=IN_PLACE_KEY, value=",".join(safe))
-    onnx.save(proto, str(path))
     return safe

@@ -131,6 +131,8 @@ class _Buffers:
     def swap(self, keep: frozenset[int] = frozenset()) -> None:
         """The present just written is the next past; the next call writes over the old past. The states in
         `keep` were written in place (their one buffer stays current)."""
+        if len(keep) == len(self.current):  # every state in place: nothing moves, both bindings are the same
+            return
         self.current, self.spare = self.spare, self.current
         for index in keep:
             self.current[index], self.spare[index] = self.spare[index], self.current[index]

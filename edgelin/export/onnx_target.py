@@ -183,7 +183,6 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     the step graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the
     graph as written). Returns the files it adds ({"weights": "weights.bin"} or nothing)."""
     from edgelin.export.fuse_matmuls import fuse_matmuls
-    from edgelin.export.onnx_in_place import mark_in_place_states
     from edgelin.export.weights import WEIGHTS_KEY, share_weights
 
     graphs = [files[kind] for kind in ("step", "prefill")]
@@ -271,11 +270,30 @@ def mark_static_cache(path: Path, outputs: list[TensorIO], layers: int, capacity
         raise EdgelinError(f"{path.name}: {len(in_place)} of {layers} attention layers export as an in-place "
                            "GroupQueryAttention", "the exporter put other nodes between the KV state and the op",
                            "report this model config as an edgelin bug; export without --kv-cache static meanwhile")
-    kept = [p for p in proto.metadata_props if p.key != KV_CAPACITY_KEY]
+    set_metadata(proto, KV_CAPACITY_KEY, str(capacity))
+    onnx.save(proto, str(path))
+
+
+def mark_in_place_states(path: Path, outputs: list[TensorIO]) -> list[str]:
+    """Record in the step graph's metadata which of its states the runner may update in place
+    (edgelin.export.onnx_in_place); returns their past input names."""
+    import onnx
+
+    from edgelin.export.onnx_in_place import IN_PLACE_KEY, in_place_states
+
+    proto = onnx.load(str(path), load_external_data=False)  # weights stay where they are (weights.bin)
+    safe = in_place_states(proto.graph, {t.name: t.feeds for t in outputs if t.feeds is not None})
+    set_metadata(proto, IN_PLACE_KEY, ",".join(safe))
+    onnx.save(proto, str(path))
+    return safe
+
+
+def set_metadata(proto, key: str, value: str) -> None:
+    """The graph's metadata_props entry `key` set to `value` (replacing any)."""
+    kept = [p for p in proto.metadata_props if p.key != key]
     del proto.metadata_props[:]
     proto.metadata_props.extend(kept)
-    proto.metadata_props.add(key=KV_CAPACITY_KEY, value=str(capacity))
-    onnx.save(proto, str(path))
+    proto.metadata_props.add(key=key, value=value)
 
 
 def static_capacity(path: Path) -> int | None:
