@@ -167,11 +167,13 @@ def load_memory(folder: Path, threads: int | None, device: "DeviceProfile | None
     a first call is needed to count them), measured as process RSS / PSS after minus before. The
     runtime library is imported before the first reading: its code pages are not the model's."""
     import contextlib
+    import gc
     import importlib
 
     for module in ("onnxruntime",):  # the ONNX family's runtime (a missing one is refused by open_runner)
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
+    gc.collect()  # garbage of earlier work freed now, not during the load (it would count against it)
     rss, pss = rss_bytes(), pss_bytes()
     runner = open_runner(folder, threads, device)  # refused here if this machine cannot run the target
     state = runner.new_state(1)

@@ -159,6 +159,10 @@ def export(
                                  "static (one buffer of --context tokens updated in place: GroupQueryAttention)."),
     context: Optional[int] = typer.Option(None, "--context", help="onnx, with --kv-cache static: the cache's "
                                                                  "capacity in tokens (a longer sequence is refused)."),
+    step_ops: Optional[str] = typer.Option(
+        None, "--step-ops", help="onnx: the step's recurrence and short conv as ONNX Runtime's contrib ops "
+                                 "LinearAttention and CausalConvWithState (contrib, default; ONNX Runtime >= 1.32) "
+                                 "or in standard ONNX ops (standard: any ONNX runtime, slower)."),
     as_json: bool = JSON,
 ) -> None:
     """Export step + prefill graphs, reference vectors and manifest.json for a target."""
@@ -199,6 +203,15 @@ def export(
         from edgelin.export.onnx_target import OnnxOptions
 
         options = dataclasses.replace(options or OnnxOptions(), kv_cache=kv_cache or "growing", context=context)
+    if step_ops is not None:
+        if target != "onnx":
+            raise EdgelinError(f"--step-ops applies to --target onnx only, not {target}",
+                               "it picks how the ONNX step graph writes the recurrence", "drop --step-ops")
+        import dataclasses
+
+        from edgelin.export.onnx_target import OnnxOptions
+
+        options = dataclasses.replace(options or OnnxOptions(), step_ops=step_ops)
     if trt_inplace:
         if target != "tensorrt":
             raise EdgelinError(f"--trt-inplace applies to --target tensorrt only, not {target}",
@@ -335,6 +348,11 @@ def validate(
               ["check", "batch", "output", "max abs", "max rel", "worst step", "result"],
               [[m.check, m.batch, m.output, m.max_abs, m.max_rel, "-" if m.worst_step is None else m.worst_step,
                 styled("ok", "green") if m.passed else styled("FAIL", "bold red")] for m in report.metrics])
+    if report.reference_weights:
+        weights, unmatched = report.reference_weights, report.reference_weights.get("unmatched_rows", 0)
+        out.line(f"parity reference: PyTorch with the export's own dequantised {report.precision} weights "
+                 f"({len(weights.get('replaced', []))} tensors" + (f"; {unmatched} quantised rows matched no weight "
+                 "and stay float32 there" if unmatched else "") + "); quality figures: against fp32")
     _quality_table(out, report)
     out.line(f"runner: {report.runner}")
     checks = len(report.metrics) + len(report.quality_checks)

@@ -13,6 +13,9 @@ every step and its state tensors at a few checkpoints. Checks, per batch, every 
                     text, artifact vs the recorded fp32 reference (edgelin/quality.py), checked
                     against bounds for fp16 and quantised exports
 
+A weight-quantised export's logits and states were recorded from the reference carrying its own
+dequantised weights (meta["reference_weights"]): parity is the runtime's, quality the quantisation's.
+
 Errors are max |runner - reference| / max |reference| per output (as `validate --against`, which
 reloads the checkpoint and runs torch: edgelin/validate.py). The report types live here so that the
 torch-free path imports nothing of the torch side.
@@ -89,6 +92,9 @@ class ValidationReport:
     quality_checks: list[QualityCheck] = field(default_factory=list)
     quality_note: str | None = None
     runner: str = ""  # which runtime ran it (edgelin.runtime.runner_label)
+    # A weight-quantised export: the parity reference carried the export's dequantised weights
+    # (edgelin/export/dequantized.py's account); None: the checkpoint's own weights.
+    reference_weights: dict | None = None
 
     @property
     def passed(self) -> bool:
@@ -287,6 +293,7 @@ def replay(folder: Path, rtol: float | None = None, threads: int | None = None,
         check("prefill-vs-steps", "logits", logits, prefill_logits, batch=batch)
         check.states("prefill-vs-steps", runner.read_state(state), prefill_state, batch=batch)
     report.metrics = list(check.metrics.values())
+    report.reference_weights = vectors.meta.get("reference_weights")
     if vectors.quality is None:
         report.quality_note = ("quality figures not recorded: this folder was exported before edgelin recorded "
                                "them; re-export, or validate --against CKPT")

@@ -14,6 +14,10 @@ Checks, every one reported (not just the first failure):
                     text (--text FILE, else the checkpoint's recipe validation split, else random
                     tokens: top-1 only), the reference computed here (edgelin/quality.py)
 
+A weight-quantised export's parity checks run against the reference carrying the export's own
+dequantised weights (edgelin/export/dequantized.py), its quality figures against the fp32 one: the
+first says whether the runtime computes the artifact right, the second what the quantisation costs.
+
 The rollout streams: the reference's chunked forward runs window by window carrying its state, so
 memory stays flat however many steps are validated.
 """
@@ -31,6 +35,7 @@ import torch
 from edgelin.checkpoint import checkpoint_hash, load_model
 from edgelin.environment import environment
 from edgelin.errors import EdgelinError
+from edgelin.export.dequantized import parity_reference
 from edgelin.export.manifest import Manifest
 from edgelin.export.reference_vectors import flat_state, held_out_text, reference_quality, threshold_for
 from edgelin.model.lm import CausalLM
@@ -127,10 +132,12 @@ def validate(
     source = str(against) if against else str(manifest.source["path"])
     # --text is read (and refused) before the long part
     text_ids, text_source = held_out_text(manifest, Path(folder), text, text_tokens, Path(source))
-    model = load_reference(manifest, against)
+    fp32 = load_reference(manifest, against)
+    model, weights = parity_reference(fp32, Path(folder), manifest)
     key = precision_key(manifest)
     threshold = rtol if rtol is not None else threshold_for(key)
-    report = AgainstReport(str(folder), manifest.target, key, source, [batch], prompt_len, steps, threshold)
+    report = AgainstReport(str(folder), manifest.target, key, source, [batch], prompt_len, steps, threshold,
+                           reference_weights=weights.to_dict() if weights is not None else None)
     check = Checks(threshold)
     logits_errors, state_errors = StepSeries(), StepSeries()
 
@@ -179,7 +186,7 @@ def validate(
         check("prefill-vs-steps", "logits", logits, prefill_logits, batch=batch)
         check.states("prefill-vs-steps", runner.read_state(handle), prefill_state, batch=batch)
     report.metrics = list(check.metrics.values())
-    reference = reference_quality(model, vocab, text_ids, text_source, seed)
+    reference = reference_quality(fp32, vocab, text_ids, text_source, seed)
     report.set_quality(measure(runner, reference), min_top1, max_ppl_change)
     report.seconds = time.perf_counter() - started
     report.runner = runner_label(runner)

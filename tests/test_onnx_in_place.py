@@ -45,6 +45,86 @@ def test_a_writer_reading_the_past_is_in_place_only_when_elementwise():
     assert in_place_states(graph([foreign]), FEEDS) == []
 
 
+@pytest.mark.parametrize("rule, per_key, query_heads", [("linear", False, 6), ("gated", False, 1), ("gated", True, 6),
+                                                       ("delta", False, 6), ("gated_delta", False, 3),
+                                                       ("gated_delta", True, 6)])
+def test_linear_attention_gives_the_same_outputs_with_its_past_and_present_in_one_buffer(rule, per_key, query_heads):
+    """ONNX Runtime's LinearAttention (the step's recurrence) is trusted in place (onnx_in_place.IN_PLACE_CONTRIB):
+    with its past and present bound to one buffer it must give what it gives with two, for every update rule
+    (per-head and per-key decay, grouped query heads), batch 3 - and the present must differ from the past."""
+    import onnxruntime as ort
+
+    batch, heads, d_k, d_v = 3, 6, 16, 24
+    names = ["q", "k", "v", "past", "g" if "gated" in rule else "", "beta" if "delta" in rule else ""]
+    while not names[-1]:
+        names.pop()
+    shapes = {"q": [batch, 1, query_heads * d_k], "k": [batch, 1, heads * d_k], "v": [batch, 1, heads * d_v],
+              "past": [batch, heads, d_k, d_v], "g": [batch, 1, heads * (d_k if per_key else 1)], "beta": [batch, 1, heads]}
+    node = oh.make_node("LinearAttention", names, ["out", "present"], domain="com.microsoft", update_rule=rule,
+                        q_num_heads=query_heads, kv_num_heads=heads, scale=1.0)
+    model = oh.make_model(oh.make_graph([node], "la", [oh.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n])
+                                                      for n in names if n],
+                                        [oh.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present")]),
+                          opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("com.microsoft", 1)])
+    assert in_place_states(model.graph, FEEDS) == ["past"]
+    rng = np.random.default_rng(5)
+    feeds = {n: rng.standard_normal(shapes[n]).astype(np.float32) for n in names if n}
+    if "g" in feeds:
+        feeds["g"] = -np.abs(feeds["g"])
+    if "beta" in feeds:
+        feeds["beta"] = 1 / (1 + np.exp(-feeds["beta"]))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out, present = session.run(None, feeds)
+    shared = ort.OrtValue.ortvalue_from_numpy(feeds["past"].copy())
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if name != "past":
+            binding.bind_cpu_input(name, value)
+    binding.bind_ortvalue_input("past", shared)
+    binding.bind_output("out")  # get_outputs() follows the order of binding
+    binding.bind_ortvalue_output("present", shared)
+    session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.get_outputs()[0].numpy(), out)
+    np.testing.assert_array_equal(shared.numpy(), present)
+    assert not np.allclose(present, feeds["past"])
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv_gives_the_same_outputs_with_its_past_and_present_in_one_buffer(bias):
+    """ONNX Runtime's CausalConvWithState (the step's short conv) is trusted in place too: one buffer for its past
+    and present window must give what two give (batch 3, window 3, with and without a bias)."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    batch, channels, width = 3, 40, 4
+    rng = np.random.default_rng(6)
+    weights = [numpy_helper.from_array(rng.standard_normal((channels, 1, width)).astype(np.float32), "w")]
+    weights += [numpy_helper.from_array(rng.standard_normal(channels).astype(np.float32), "b")] if bias else []
+    node = oh.make_node("CausalConvWithState", ["x", "w", "b" if bias else "", "past"], ["out", "present"],
+                        domain="com.microsoft", activation="silu", ndim=1)
+    model = oh.make_model(oh.make_graph([node], "conv", [oh.make_tensor_value_info("x", TensorProto.FLOAT, [batch, channels, 1]),
+                                                        oh.make_tensor_value_info("past", TensorProto.FLOAT,
+                                                                                  [batch, channels, width - 1])],
+                                        [oh.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present")],
+                                        weights),
+                          opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("com.microsoft", 1)])
+    assert in_place_states(model.graph, FEEDS) == ["past"]
+    feeds = {"x": rng.standard_normal((batch, channels, 1)).astype(np.float32),
+             "past": rng.standard_normal((batch, channels, width - 1)).astype(np.float32)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    out, present = session.run(None, feeds)
+    np.testing.assert_array_equal(present, np.concatenate([feeds["past"], feeds["x"]], -1)[..., 1:])  # the shift
+    shared = ort.OrtValue.ortvalue_from_numpy(feeds["past"].copy())
+    binding = session.io_binding()
+    binding.bind_cpu_input("x", feeds["x"])
+    binding.bind_ortvalue_input("past", shared)
+    binding.bind_output("out")
+    binding.bind_ortvalue_output("present", shared)
+    session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(binding.get_outputs()[0].numpy(), out)
+    np.testing.assert_array_equal(shared.numpy(), present)
+
+
 def test_a_view_of_the_past_is_the_past():
     """A Reshape's output may be the past's own buffer: a MatMul writing the present from it, or a late reader
     of it, makes the state unsafe; elementwise from the view and early readers of it do not."""

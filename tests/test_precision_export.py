@@ -221,6 +221,57 @@ def test_step_rollout_is_close_to_the_float32_reference(exports, name, batch):
     assert error > 1e-5  # an fp32 export measures 8e-7: a change that cost nothing would be no change
 
 
+def test_int4_parity_is_checked_against_the_exports_own_dequantised_weights(exports):
+    """An int4 export's recorded logits and states come from the reference carrying its own dequantised
+    weights (its quality figures stay against fp32): the replay then measures the runtime, not the
+    quantisation. Here the artifact's states sit >= 3x closer to that reference than to the fp32 one."""
+    import json
+
+    from edgelin.export.dequantized import parity_reference
+    from edgelin.export.reference_vectors import STEPS, batch_key, flat_state, state_key
+    from edgelin.replay import load_vectors, replay
+
+    folder = exports["int4"]
+    manifest = Manifest.load(folder)
+    model, _ = load_model(exports["ckpt"])
+    assert parity_reference(model, exports["fp16"], Manifest.load(exports["fp16"]))[1] is None  # float: itself
+    twin, account = parity_reference(model, folder, manifest)
+    assert account.complete and account.total_rows > 0, account
+    replaced = set(account.replaced)
+    assert {f"model.layers.{i}.mlp.{m}.weight" for i in range(3) for m in ("gate_proj", "up_proj", "down_proj")} \
+        <= replaced and "model.embed_tokens.weight" in replaced
+    # the table: what ONNX Runtime's own GatherBlockQuantized kernel looks up, row for row
+    import onnxruntime as ort
+
+    lookup, _ = _lookup_model(folder, "step")
+    session = ort.InferenceSession(lookup.SerializeToString(), providers=["CPUExecutionProvider"])
+    table = dict(twin.named_parameters())["model.embed_tokens.weight"].detach().numpy()
+    rows = session.run(None, {lookup.graph.input[0].name: np.arange(table.shape[0])})[0]
+    np.testing.assert_allclose(table, rows, rtol=0, atol=1e-6)
+    with np.load(folder / "reference.npz") as npz:
+        assert json.loads(str(npz["meta"]))["reference_weights"]["unmatched_rows"] == 0
+
+    report = replay(folder)
+    assert report.passed and report.reference_weights["replaced"] == list(account.replaced)
+    to_twin = max(m.max_rel for m in report.metrics if m.check == "rollout" and "state" in m.output and m.batch == 1)
+    # the same artifact's states against the fp32 reference, over the recorded prompt and steps (batch 1)
+    vectors, runner = load_vectors(folder, manifest), open_runner(folder)
+    ids = vectors.arrays[batch_key(1, "ids")]
+    state = runner.new_state(1)
+    runner.prefill(ids[:, :vectors.prompt_len], state, np.zeros(1, np.int64))
+    with torch.no_grad():
+        _, fp32_state = model(torch.from_numpy(ids[:, :vectors.prompt_len]), last_only=True)
+        for t in range(vectors.prompt_len, vectors.prompt_len + STEPS):
+            runner.step(ids[:, t], state, np.full(1, t, np.int64))
+            _, fp32_state = model(torch.from_numpy(ids[:, t:t + 1]), fp32_state, torch.tensor([t]), mode="recurrent")
+    got, fp32 = runner.read_state(state), flat_state(fp32_state)
+    to_fp32 = max(np.abs(got[n] - v).max() / np.abs(v).max() for n, v in fp32.items())
+    recorded = vectors.state(1, f"step{STEPS}", list(fp32))
+    assert max(np.abs(got[n] - recorded[n]).max() / np.abs(recorded[n]).max() for n in fp32) <= to_twin + 1e-7
+    print(f"int4 state error (max rel): vs its dequantised weights {to_twin:.3g}, vs fp32 {to_fp32:.3g}")
+    assert to_fp32 >= 3 * to_twin, (to_twin, to_fp32)  # measured: 0.022 vs 0.33
+
+
 # ---- the folder: --force, a missing or truncated weights file -----------------------------------------
 def test_force_still_recognises_a_folder_with_the_weights_file(exports, tmp_path):
     folder = tmp_path / "copy"
@@ -249,6 +300,8 @@ def test_a_missing_or_truncated_weights_file_is_one_line(exports, tmp_path):
     (["--quantize", "int4", "--block-size", "24"], "--block-size 24"),
     (["--block-size", "64"], "--block-size 64 without --quantize"),
     (["--quantize", "int4", "--target", "tensorrt"], "--quantize int4 for the tensorrt target"),
+    (["--step-ops", "fused"], "--step-ops fused"),
+    (["--step-ops", "standard", "--target", "tensorrt"], "--step-ops applies to --target onnx only"),
 ])
 def test_bad_precision_options_are_one_line_exit_2(tmp_path, args, needle):
     result = CliRunner().invoke(app, ["export", str(tmp_path / "no-such-ckpt"), "--out", str(tmp_path / "out"), *args])
@@ -322,7 +375,8 @@ def test_quantize_graph_takes_the_table_and_head_unless_kept_float(tmp_path, sch
     assert 0 < error < 2 * step, (error, step)
 
 
-def test_keep_embeddings_float_reaches_the_onnx_options_and_needs_quantize(tmp_path, monkeypatch):
+def _capture_export(monkeypatch) -> dict:
+    """`edgelin export` stopped where it calls the pipeline: the dict gets the keyword arguments it passed."""
     from edgelin.export import pipeline
 
     seen = {}
@@ -332,6 +386,11 @@ def test_keep_embeddings_float_reaches_the_onnx_options_and_needs_quantize(tmp_p
         raise EdgelinError("captured", "test", "none")
 
     monkeypatch.setattr(pipeline, "export_checkpoint", capture)
+    return seen
+
+
+def test_keep_embeddings_float_reaches_the_onnx_options_and_needs_quantize(tmp_path, monkeypatch):
+    seen = _capture_export(monkeypatch)
     base = ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
     result = CliRunner().invoke(app, [*base, "--quantize", "int4", "--keep-embeddings-float"])
     assert result.exit_code == 2 and "captured" in result.stderr, result.output
@@ -368,3 +427,25 @@ def test_prepacking_is_off_for_float_on_for_quantised_and_can_be_turned_on(expor
     unpacked, prepacked = default.step(ids, default.new_state(1), pos), packed.step(ids, packed.new_state(1), pos)
     # the same graph through MLAS's packed and unpacked kernels: float32 rounding apart, not bit-identical
     np.testing.assert_allclose(prepacked, unpacked, rtol=0, atol=1e-5 * np.abs(unpacked).max())
+
+
+def test_step_ops_reach_the_onnx_options_and_its_lowering(tmp_path, monkeypatch):
+    """--step-ops standard reaches OnnxOptions (with --kv-cache too), and the target traces under the ONNX lowering
+    with its contrib ops off (the default: on); the traced graphs themselves are checked in test_onnx_nodes."""
+    from edgelin.export import lowering, onnx_target
+    from edgelin.model import mixer
+
+    seen = _capture_export(monkeypatch)
+    base = ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
+    assert CliRunner().invoke(app, [*base, "--step-ops", "standard", "--kv-cache", "static", "--context", "64"]).exit_code == 2
+    assert (seen["options"].step_ops, seen["options"].kv_cache, seen["options"].context) == ("standard", "static", 64)
+    assert onnx_target.OnnxOptions().step_ops == "contrib"
+    engines = []
+    monkeypatch.setattr(onnx_target, "export_onnx_graph", lambda *a: engines.append(mixer._ENGINE.get()))
+    monkeypatch.setattr(onnx_target, "finish_graphs", lambda *a, **k: {})
+    model = load_model(make_checkpoint(tmp_path / "tiny", "mamba2", tokenizer=False))[0]
+    for ops in ("contrib", "standard"):
+        onnx_target.OnnxTarget().export(model, None, export_settings(None, "onnx"), onnx_target.OnnxOptions(step_ops=ops),
+                                        tmp_path)
+    assert [e.contrib_ops for e in engines] == [True, True, False, False]  # step and prefill, per export
+    assert lowering.get_lowering("onnx").engine.contrib_ops  # the registered lowering is left as it was

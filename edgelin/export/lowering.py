@@ -20,6 +20,7 @@ error, never a silent fall back to some other form.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -27,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from edgelin.errors import EdgelinError
+from edgelin.model.layers import short_conv
 from edgelin.model.mixer import use_engine
 from edgelin.reference import recurrence
 from edgelin.reference.engine import Engine, TorchEngine
@@ -72,6 +74,35 @@ def softplus(x: Tensor) -> Tensor:
     return torch.nn.functional.softplus(x)
 
 
+# LinearAttention's update rule by which of the decay (g) and the delta rule's beta a layer has.
+UPDATE_RULES = {(False, False): "linear", (True, False): "gated", (False, True): "delta", (True, True): "gated_delta"}
+
+
+def linear_attention_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
+                          beta: Tensor | None) -> tuple[Tensor, Tensor]:
+    """OnnxEngine.step_t1 as one com.microsoft LinearAttention node (ONNX Runtime >= 1.32, CPU and CUDA):
+    S_t = exp(g) S (g per head or per key), the delta rule's beta (v - S^T k) when beta is given, then
+    S_t += k v^T and o = S_t^T q, with S [B, H, d_k, d_v] as edgelin keeps it. Its packed [B, T, heads *
+    dim] inputs take q with its own head count (a query head serves H / Hq value heads, as here), but k
+    with one head per value head: grouped key heads are repeated (H * d_k values per token)."""
+    heads, d_k, d_v = state.shape[1:]
+    key_heads = k.shape[2]
+    if key_heads != heads:
+        k = k.unsqueeze(3).expand(-1, -1, -1, heads // key_heads, -1)
+    inputs = [q.reshape(-1, 1, key_heads * d_k), k.reshape(-1, 1, heads * d_k), v.reshape(-1, 1, heads * d_v), state,
+              None if g is None else g.reshape(-1, 1, heads * g.shape[-1]),
+              None if beta is None else beta.reshape(-1, 1, heads)]
+    while inputs[-1] is None:
+        inputs.pop()
+    batch = state.shape[0]
+    o, state = torch.onnx.ops.symbolic_multi_out(
+        "com.microsoft::LinearAttention", inputs,
+        {"update_rule": UPDATE_RULES[g is not None, beta is not None], "q_num_heads": key_heads,
+         "kv_num_heads": heads, "scale": 1.0},
+        dtypes=(v.dtype, state.dtype), shapes=((batch, 1, heads * d_v), state.shape), version=1)
+    return o.reshape(-1, 1, heads, d_v), state
+
+
 @dataclass(frozen=True)
 class OnnxEngine(TorchEngine):
     """The torch forms with the chunk loop as a scan, plus what the step graph needs to stay small
@@ -80,11 +111,19 @@ class OnnxEngine(TorchEngine):
     broadcasts grouped key heads instead of repeating them, and `softplus` as one node. The mixer
     (edgelin.model.mixer) uses `step_t1` for a T = 1 step of layers without a normaliser or erase gate."""
 
+    # The step's recurrence and short conv as ONNX Runtime's com.microsoft LinearAttention (decay, delta
+    # rule, outer product and readout) and CausalConvWithState (window, taps, bias, SiLU, shift): one node
+    # each per layer instead of ~10 and ~8 standard ops. Off (--step-ops standard): standard ops only, for
+    # runtimes without these contrib ops (ONNX Runtime < 1.32, other ONNX runtimes).
+    contrib_ops: bool = True
+
     def step_t1(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
                 beta: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """recurrence.recurrent_step for one token, time axis kept: q, k [B, 1, Hk, d_k] (Hk key heads,
         dividing H), v [B, 1, H, d_v], g [B, 1, H, 1 | d_k], beta [B, 1, H], state [B, H, d_k, d_v]
         -> (o [B, 1, H, d_v], state)."""
+        if self.contrib_ops and torch.onnx.is_in_onnx_export():
+            return linear_attention_step(state, q, k, v, g, beta)
         heads, d_k, d_v = state.shape[1:]
         key_heads = q.shape[2]
         grouped = key_heads not in (1, heads)  # then S is viewed [B, Hk, H/Hk, d_k, d_v]
@@ -125,6 +164,20 @@ class OnnxEngine(TorchEngine):
         state, out = self.loop(body, state, tuple(x.contiguous() for x in blocks if x is not None))
         return recurrence.unchunk(out, q.shape[1]), state
 
+    def short_conv_t1(self, x: Tensor, weight: Tensor, conv_state: Tensor,
+                      bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """edgelin.model.layers.short_conv for one token (x [B, 1, C], weight [C, W], conv_state [B, C, W-1]),
+        as one com.microsoft CausalConvWithState node (channels first, the state's layout; SiLU fused) for a
+        float32 graph: ONNX Runtime's CPU kernel takes float only."""
+        if not (self.contrib_ops and torch.onnx.is_in_onnx_export() and x.dtype == torch.float32):
+            return short_conv(x, weight, conv_state, bias, window_sum=True)
+        batch, _, channels = x.shape
+        y, state = torch.onnx.ops.symbolic_multi_out(
+            "com.microsoft::CausalConvWithState", [x.reshape(batch, channels, 1), weight.unsqueeze(1), bias, conv_state],
+            {"activation": "silu", "ndim": 1}, dtypes=(x.dtype, conv_state.dtype),
+            shapes=((batch, channels, 1), conv_state.shape), version=1)
+        return y.reshape(batch, 1, channels), state
+
     @staticmethod
     def softplus(x: Tensor) -> Tensor:
         return softplus(x)
@@ -142,7 +195,8 @@ class OnnxEngine(TorchEngine):
 
 register_lowering(Lowering("onnx", OnnxEngine(name="onnx-scan", loop=scan_loop),
                            "torch forms; the chunk loop is torch's scan (one ONNX Scan, dynamic count); "
-                           "a small one-token step"))
+                           "the one-token step's recurrence and conv as ONNX Runtime's LinearAttention and "
+                           "CausalConvWithState"))
 
 
 @dataclass(frozen=True)
@@ -188,7 +242,11 @@ def get_lowering(target_name: str) -> Lowering:
 
 
 @contextlib.contextmanager
-def lowering(target_name: str) -> Iterator[Lowering]:
-    """Install `target_name`'s lowering for the duration of the block (e.g. while tracing)."""
-    with get_lowering(target_name).patch() as entry:
-        yield entry
+def lowering(target_name: str, **engine_options: object) -> Iterator[Lowering]:
+    """Install `target_name`'s lowering for the duration of the block (e.g. while tracing); `engine_options`
+    replace fields of its engine (the ONNX target's `contrib_ops=False`: --step-ops standard)."""
+    entry = get_lowering(target_name)
+    if engine_options:
+        entry = dataclasses.replace(entry, engine=dataclasses.replace(entry.engine, **engine_options))
+    with entry.patch() as installed:
+        yield installed

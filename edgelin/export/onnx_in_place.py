@@ -21,6 +21,9 @@ first write of the present, or reads the same element just before writing it. Th
 A kernel such as a Concat, a MatMul or a Scan may write its output while it still reads its inputs: a
 present they write from the past (a growing cache) keeps its ping-pong buffers, as does a present copied
 from its past (Identity) or a past also read by a node that may run after the present is written.
+ONNX Runtime's com.microsoft LinearAttention and CausalConvWithState (the step's recurrence and short conv,
+edgelin.export.lowering) are checked to give bit-equal outputs with their past and present bound to one
+buffer (tests/test_onnx_in_place.py: every update rule, batch 3).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
 
 IN_PLACE_KEY = "edgelin.in_place_states"  # the step graph's metadata_props entry: past input names, comma-separated
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where"}  # writers that may read the past (same element, before)
+# contrib writers checked to read their past before writing it (tests/test_onnx_in_place.py)
+IN_PLACE_CONTRIB = {("com.microsoft", "LinearAttention"), ("com.microsoft", "CausalConvWithState")}
 SHAPE_ONLY = {"Shape", "Size"}  # readers of a tensor's shape, never of its data
 # ops whose output ONNX Runtime may place in their input's buffer (a view of the past is the past)
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
@@ -88,7 +93,9 @@ def in_place_states(graph: "onnx.GraphProto", feeds: dict[str, str]) -> list[str
         if writer is None:
             continue
         past_or_view = views(past)
-        if reads[writer] & past_or_view and not (graph.node[writer].op_type in ELEMENTWISE and standard[writer]):
+        node = graph.node[writer]
+        if reads[writer] & past_or_view and not (node.op_type in ELEMENTWISE and standard[writer]) \
+                and (node.domain, node.op_type) not in IN_PLACE_CONTRIB:
             continue
         readers = {index for index, names in enumerate(data_readers) if names & past_or_view} - {writer}
         if readers <= ancestors(writer):

@@ -211,8 +211,15 @@ class OnnxOptions:
     # runner keeps their KV cache in one buffer of N positions per tensor, updated in place (KV_CACHES).
     kv_cache: str = "growing"
     context: int | None = None  # the static cache's capacity in tokens (required with kv_cache="static")
+    # --step-ops: the step graph's recurrence and short conv as ONNX Runtime's com.microsoft LinearAttention and
+    # CausalConvWithState (one node each per linear layer; ONNX Runtime >= 1.32), or standard ONNX ops (any
+    # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops.
+    step_ops: str = "contrib"
 
     def __post_init__(self) -> None:
+        if self.step_ops not in STEP_OPS:
+            raise EdgelinError(f"--step-ops {self.step_ops}", f"the ONNX step's ops are one of {', '.join(STEP_OPS)}",
+                               "pass --step-ops contrib (ONNX Runtime >= 1.32) or --step-ops standard")
         if self.kv_cache not in KV_CACHES:
             raise EdgelinError(f"--kv-cache {self.kv_cache}", f"the ONNX target's KV caches are {', '.join(KV_CACHES)}",
                                "pass --kv-cache growing or --kv-cache static --context N")
@@ -230,6 +237,7 @@ class OnnxOptions:
 # growing: past/present are graph inputs/outputs, concatenated each call (the default); static: an in-place
 # fixed-capacity cache (GroupQueryAttention, one bound buffer; README "Fixed-capacity KV cache").
 KV_CACHES = ("growing", "static")
+STEP_OPS = ("contrib", "standard")  # OnnxOptions.step_ops: OnnxEngine.contrib_ops on or off
 MAX_CONTEXT = (1 << 31) - 1  # GroupQueryAttention's sequence lengths are int32
 KV_CAPACITY_KEY = "edgelin.kv_capacity"  # the graphs' metadata_props entry a static-cache export carries
 
@@ -357,7 +365,9 @@ class OnnxTarget(Target):
         # the traced modules' layers (an fp16 graph traces a float16 copy of the model)
         traced = torch.nn.ModuleList(modules.values())
         attention = grouped_query_attention(traced) if static else contextlib.nullcontext(0)
-        with lowering(self.name), attention as layers:  # the ONNX forms of the recurrences (chunk loop -> one Scan)
+        # --step-ops standard: the ONNX engine without its contrib ops (other targets tracing here keep their own)
+        forms = lowering(self.name, **({"contrib_ops": False} if options.step_ops == "standard" else {}))
+        with forms, attention as layers:  # the ONNX forms of the recurrences (chunk loop -> one Scan)
             for kind, module in modules.items():
                 inputs, outputs = graph_io(model, kind, settings.state_dtype)
                 files[kind], written[kind] = f"{kind}.onnx", outputs

@@ -30,7 +30,9 @@ model's file is about 2.2 MB.
 This module imports torch only inside `record` and `reference_quality`: the format (names, keys) is
 read torch-free by edgelin.replay. meta's precision and threshold are the export's, weight quantisation
 included (edgelin.quality.precision_key: "int4" for an int4 export); replay picks its own from the
-saved manifest.
+saved manifest. A weight-quantised export records its logits and states from the reference carrying
+the export's own dequantised weights (edgelin/export/dequantized.py, meta["reference_weights"]); its
+quality figures stay against the fp32 reference.
 """
 
 from __future__ import annotations
@@ -173,9 +175,13 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
     threshold are chosen by it."""
     import torch
 
+    from edgelin.export.dequantized import parity_reference
+
     vocab = manifest.vocab_size
     rng = np.random.default_rng(seed)
     arrays: dict[str, np.ndarray] = {}
+    quality_model = model  # the quality figures measure against fp32; the parity against the artifact's weights
+    model, weights = parity_reference(model, folder, manifest)
     with torch.no_grad():
         for batch in BATCHES:
             ids = rng.integers(0, vocab, (batch, PROMPT_LEN + STEPS), dtype=np.int64)
@@ -197,7 +203,7 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
                     arrays.update({state_key(batch, f"step{t + 1}", n): v for n, v in flat_state(state).items()})
             arrays[batch_key(batch, "step_logits")] = steps
     text_ids, source = held_out_text(manifest, folder, text, text_tokens)
-    quality, quality_meta = reference_quality(model, vocab, text_ids, source, seed).to_arrays(QUALITY)
+    quality, quality_meta = reference_quality(quality_model, vocab, text_ids, source, seed).to_arrays(QUALITY)
     arrays.update(quality)
     key = precision_key(manifest)  # int8/int4 when the manifest records a quantisation, else its precision
     meta = {
@@ -206,6 +212,7 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
         "precision": key, "threshold": threshold_for(key), "thresholds": THRESHOLDS,
         "quality": quality_meta,
         "reference": "PyTorch: prefill through the chunked form, steps through the recurrent form",
+        **({"reference_weights": weights.to_dict()} if weights is not None else {}),
         "edgelin_version": __version__,
     }
     arrays["meta"] = np.array(json.dumps(meta))

@@ -146,9 +146,14 @@ class LinearMixer(nn.Module):
         t1 = (mode != "chunked" and length == 1 and hasattr(installed, "step_t1") and not spec.normalizer
               and not spec.erase_gate)
         if spec.short_conv:
-            qkv, new_state["conv_state"] = short_conv(torch.cat([q, k, v], -1), self.conv1d, state["conv_state"],
-                                                      getattr(self, "conv1d_bias", None), taps=mode == "recurrent",
-                                                      window_sum=t1)
+            conv_t1 = getattr(installed, "short_conv_t1", None) if t1 else None  # the engine's one-token conv
+            if conv_t1 is not None:
+                qkv, new_state["conv_state"] = conv_t1(torch.cat([q, k, v], -1), self.conv1d, state["conv_state"],
+                                                       getattr(self, "conv1d_bias", None))
+            else:
+                qkv, new_state["conv_state"] = short_conv(torch.cat([q, k, v], -1), self.conv1d, state["conv_state"],
+                                                          getattr(self, "conv1d_bias", None), taps=mode == "recurrent",
+                                                          window_sum=t1)
             q, k, v = qkv.split([dims.key_width, dims.key_width, dims.value_width], -1)
         q = q.reshape(batch, length, hk, dims.head_k_dim)
         k = k.reshape(batch, length, hk, dims.head_k_dim)

@@ -1,0 +1,180 @@
+"""The reference a weight-quantised export is checked against: the PyTorch reference carrying the
+export's own dequantised weights.
+
+An int4 model is not the fp32 model. Its recurrent state drifts from the fp32 model's by the
+quantisation alone (a trained 12-layer Mamba2 at int4: states 0.26-0.85 of their scale away, logits
+0.06-0.14, top-1 92%), so a parity check against the fp32 reference mixes two questions: what the
+quantisation costs, and whether the runtime computes this artifact right. edgelin keeps them apart:
+
+  fp32 reference --(quality figures: top-1, perplexity change, against the precision's bounds)-->
+  reference with the export's dequantised weights --(parity: logits and every state, the precision's
+  threshold)--> the artifact
+
+The second reference is built here: every quantised tensor of the graphs (MatMulNBits weights,
+GatherBlockQuantized tables) is unpacked to float in numpy, and each 2-D parameter or buffer of the
+model takes the rows that match it within half a quantisation step (round-to-nearest's bound),
+found by value, so fused matmuls (several modules' weights side by side), transposed heads and tied
+tables need no name bookkeeping. What stays between this reference and the artifact is the runtime's
+own arithmetic (MatMulNBits at accuracy_level 4 also rounds activations to int8 blocks: measured on
+that Mamba2, 0.013 of the logits' scale and 0.045 of the states').
+
+Export-side module (torch and onnx are imported inside its functions); the replay on a device reads
+only what the recorded reference vectors hold.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from edgelin.export.manifest import Manifest
+    from edgelin.model.lm import CausalLM
+
+QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
+SLACK = 1.0 + 1e-3  # on the half-step bound: the dequantised product's own float rounding
+
+
+@dataclass(frozen=True)
+class Dequantized:
+    """One quantised tensor unpacked: `rows` [N, K] float32 (a MatMulNBits weight's output columns, or a
+    table's rows) and `bound` [N, K], half the quantisation step each element was rounded on (slack included)."""
+
+    name: str
+    rows: np.ndarray
+    bound: np.ndarray
+
+
+def unpack(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int, cols: int, bits: int,
+           block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values [rows, cols], steps [rows, cols]) of ONNX Runtime's block-quantised layout: per row, blocks of
+    `block_size` along the columns, `bits` per code packed low bits first, one scale and one zero point per
+    block (zero points packed the same way; without them, the midpoint 2^(bits-1))."""
+    blocks = -(-cols // block_size)
+    data = np.asarray(data, np.uint8).reshape(rows, -1)
+    if bits == 4:
+        codes = np.stack([data & 0x0F, data >> 4], -1).reshape(rows, -1)
+    elif bits == 8:
+        codes = data
+    else:
+        raise ValueError(f"{bits}-bit codes")
+    codes = codes[:, :blocks * block_size].reshape(rows, blocks, block_size).astype(np.float32)
+    if zero_points is None:
+        zeros = np.full((rows, blocks), 2 ** (bits - 1), np.float32)
+    else:
+        packed = np.asarray(zero_points, np.uint8).reshape(rows, -1)
+        if bits == 4:
+            packed = np.stack([packed & 0x0F, packed >> 4], -1).reshape(rows, -1)
+        zeros = packed[:, :blocks].astype(np.float32)
+    scale = np.asarray(scales, np.float32).reshape(rows, blocks)
+    values = (codes - zeros[..., None]) * scale[..., None]
+    steps = np.broadcast_to(np.abs(scale)[..., None], values.shape)
+    return (values.reshape(rows, -1)[:, :cols], steps.reshape(rows, -1)[:, :cols])
+
+
+def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
+    """Every quantised tensor the graphs read, unpacked (each distinct initializer once)."""
+    import onnx
+    from onnx import numpy_helper
+
+    found: dict[str, Dequantized] = {}
+    for file in graph_files:
+        graph = onnx.load(str(Path(folder) / file)).graph  # external data: weights.bin beside it
+        inits = {t.name: t for t in graph.initializer}
+        for node in graph.node:
+            if node.op_type not in QUANTIZED_OPS:
+                continue
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            weight = node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]
+            if weight in found or weight not in inits:
+                continue
+            zero_index = 3
+            scales = numpy_helper.to_array(inits[node.input[2]])
+            zeros = (numpy_helper.to_array(inits[node.input[zero_index]])
+                     if len(node.input) > zero_index and node.input[zero_index] in inits else None)
+            data = numpy_helper.to_array(inits[weight])
+            if node.op_type == "MatMulNBits":
+                rows, cols = attrs["N"], attrs["K"]
+            else:  # the table [V, D] along its rows (quantize_axis 1)
+                if attrs.get("quantize_axis", 1) != 1 or attrs.get("gather_axis", 0) != 0:
+                    continue
+                rows, cols = data.shape[0], data.shape[1] * 8 // attrs.get("bits", 4)
+            values, steps = unpack(data, scales, zeros, rows, cols, attrs.get("bits", 4), attrs["block_size"])
+            found[weight] = Dequantized(weight, values, 0.5 * SLACK * steps + 1e-7)
+    return list(found.values())
+
+
+def _match(param: np.ndarray, tensor: Dequantized) -> int | None:
+    """The first row offset at which `param` [A, K] lies within half a step of `tensor`'s rows, or None."""
+    rows, cols = param.shape
+    if cols != tensor.rows.shape[1] or rows > tensor.rows.shape[0]:
+        return None
+    bound = tensor.bound
+    # Candidates by the first element (cheap), then the whole block.
+    first = np.flatnonzero(np.abs(tensor.rows[:, 0] - param[0, 0]) <= bound[:, 0])
+    first = first[first + rows <= tensor.rows.shape[0]]
+    first = first[(np.abs(tensor.rows[first] - param[0]) <= bound[first]).all(1)]
+    for offset in first:
+        window = slice(offset, offset + rows)
+        if (np.abs(tensor.rows[window] - param) <= bound[window]).all():
+            return int(offset)
+    return None
+
+
+@dataclass(frozen=True)
+class Account:
+    """What the dequantised reference took: parameters replaced, and quantised rows no parameter matched
+    (0 when the reference carries every quantised weight of the artifact)."""
+
+    replaced: tuple[str, ...]
+    unmatched_rows: int
+    total_rows: int
+
+    @property
+    def complete(self) -> bool:
+        return self.unmatched_rows == 0 and bool(self.replaced)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": "the export's own dequantised weights", "replaced": list(self.replaced),
+                "unmatched_rows": self.unmatched_rows, "total_rows": self.total_rows}
+
+
+def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str]) -> tuple["CausalLM", Account]:
+    """A copy of `model` whose weights are the export's dequantised ones (the model is left as it is)."""
+    import torch
+
+    tensors = read_quantized(folder, graph_files)
+    twin = copy.deepcopy(model)
+    covered = [np.zeros(t.rows.shape[0], bool) for t in tensors]
+    replaced = []
+    named = list(twin.named_parameters()) + list(twin.named_buffers())
+    with torch.no_grad():
+        for name, value in named:
+            if value.ndim != 2 or not value.is_floating_point():
+                continue
+            param, found = value.detach().float().numpy(), None
+            for index, tensor in enumerate(tensors):  # every match: a graph may hold the weight twice
+                offset = _match(param, tensor)
+                if offset is not None:
+                    rows = slice(offset, offset + param.shape[0])
+                    covered[index][rows] = True
+                    found = tensor.rows[rows] if found is None else found
+            if found is not None:
+                value.copy_(torch.from_numpy(np.ascontiguousarray(found)).to(value.dtype))
+                replaced.append(name)
+    total = sum(len(c) for c in covered)
+    return twin.eval(), Account(tuple(replaced), total - int(sum(c.sum() for c in covered)), total)
+
+
+def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest") -> tuple["CausalLM", Account | None]:
+    """(what the artifact's parity is checked against, the account): for a weight-quantised export the
+    model with the export's dequantised weights, else `model` itself (and None)."""
+    from edgelin.quality import quantization_of
+
+    if quantization_of(manifest.extra) is None:
+        return model, None
+    return with_export_weights(model, folder, [graph.file for graph in manifest.graphs.values()])
