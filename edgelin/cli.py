@@ -189,29 +189,24 @@ def export(
         from edgelin.quality import read_text
 
         read_text(text)  # empty, binary or not UTF-8: one line, before the checkpoint loads
-    options = None
+    onnx_options: dict[str, Any] = {}  # OnnxOptions fields the flags set
     if keep_embeddings_float:  # --quantize is onnx-only (export_settings refused it for other targets)
-        from edgelin.export.onnx_target import OnnxOptions
-
-        options = OnnxOptions(quantize_embeddings=False)
+        onnx_options["quantize_embeddings"] = False
     if kv_cache is not None or context is not None:
         if target != "onnx":
             raise EdgelinError(f"--kv-cache/--context apply to --target onnx only, not {target}",
                                "the fixed-capacity cache is ONNX Runtime's GroupQueryAttention", "drop them")
-        import dataclasses
-
-        from edgelin.export.onnx_target import OnnxOptions
-
-        options = dataclasses.replace(options or OnnxOptions(), kv_cache=kv_cache or "growing", context=context)
+        onnx_options.update(kv_cache=kv_cache or "growing", context=context)
     if step_ops is not None:
         if target != "onnx":
             raise EdgelinError(f"--step-ops applies to --target onnx only, not {target}",
                                "it picks how the ONNX step graph writes the recurrence", "drop --step-ops")
-        import dataclasses
-
+        onnx_options["step_ops"] = step_ops
+    options = None
+    if onnx_options:
         from edgelin.export.onnx_target import OnnxOptions
 
-        options = dataclasses.replace(options or OnnxOptions(), step_ops=step_ops)
+        options = OnnxOptions(**onnx_options)
     if trt_inplace:
         if target != "tensorrt":
             raise EdgelinError(f"--trt-inplace applies to --target tensorrt only, not {target}",

@@ -44,22 +44,77 @@ def _graph_cache(tmp_path_factory):
     graph_cache.set_cache_dir((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "graph-cache")
 
 
-# Seconds per file on the 2-core CI machine (`--durations=0`, 2026-12-02), heaviest first. `make test` runs
-# `--dist loadfile --no-loadscope-reorder`: each worker takes the next file in collection order, so starting
-# with the long files (longest processing time first) keeps one worker from running a long file alone at
-# the end. A file not listed goes last; a stale figure only costs balance, never a test.
+# Seconds per file of the CI tier on the 2-core AMD EPYC VM (`--durations=0`, 2026-12-02), heaviest first.
+# `make test` runs `--dist loadfile --no-loadscope-reorder`: each worker takes the next file in collection
+# order, so starting with the long files (longest processing time first) keeps one worker from running a
+# long file alone at the end. A file not listed goes last; a stale figure only costs balance, never a test.
 FILE_SECONDS = {
-    "test_convert_fla.py": 130, "test_kernels.py": 100, "test_tensorrt_target.py": 121, "test_onnx.py": 86,
-    "test_cli_polish.py": 95, "test_convert_hf.py": 78, "test_trained_upstream.py": 58, "test_coreml.py": 56,
-    "test_precision_export.py": 49, "test_upstream_fla_smoke.py": 47, "test_tensorrt_build.py": 37,
-    "test_runtime_checks.py": 34, "test_quality.py": 33, "test_validate_stream.py": 33, "test_hostile.py": 30,
-    "test_artifact.py": 27, "test_kv_static.py": 27, "test_gdn2_clvr.py": 25, "test_trt_plugin.py": 25,
-    "test_kernel_compile.py": 22, "test_outputs.py": 16, "test_shared_weights.py": 15, "test_optimum_cli.py": 13,
-    "test_report.py": 10,
+    "test_onnx.py": 163, "test_kernels.py": 124, "test_precision_export.py": 116, "test_cli_polish.py": 106,
+    "test_tensorrt_target.py": 77, "test_quality.py": 69, "test_coreml.py": 65, "test_convert_hf.py": 64,
+    "test_lowering.py": 62, "test_artifact.py": 60, "test_convert_fla.py": 60, "test_runtime_checks.py": 38,
+    "test_upstream_fla_smoke.py": 34, "test_outputs.py": 33, "test_onnx_nodes.py": 18, "test_cli.py": 18,
+    "test_fused_decode.py": 18, "test_trained_upstream.py": 14, "test_train.py": 13, "test_report.py": 11,
+    "test_fuse_matmuls.py": 10, "test_torch_target.py": 10, "test_torchless.py": 8, "test_shared_weights.py": 7,
+    # the slow tier's heavy files (make test-all)
+    "test_kv_static.py": 130, "test_validate_stream.py": 111, "test_hostile.py": 71, "test_tensorrt_build.py": 65,
+    "test_gdn2_clvr.py": 60, "test_trt_plugin.py": 55, "test_optimum_cli.py": 41, "test_kernel_compile.py": 39,
+    "test_onnx_in_place.py": 33,
 }
 
 
+# The CI tier: `make test` runs `-m "not slow"` and must finish within 12 minutes on the 2-core CI machine
+# (which, like this VM since 2026-12-02, can be ~2.5x slower than the Xeon these tests were first timed on:
+# the whole suite took 1,414 s there). `make test-all` runs everything. Besides the tests marked slow in their
+# files, the parametrisations below beyond the listed ones repeat, at a larger tracing or interpreter cost,
+# what a kept one already checks in the CI tier; they stay in `make test-all`.
+CI_KEEPS = {
+    # fla checkpoint -> ONNX rollout: per-key gating kept; every family's ONNX rollout is test_onnx.py's zoo
+    "test_convert_fla.py::test_onnx_rollout_matches_fla_forward": {"gla"},
+    # transformers checkpoint -> ONNX rollout: the hybrid kept; Mamba2's is test_convert_fla.py's [mamba2]
+    "test_convert_hf.py::test_onnx_rollout_matches_upstream_forward": {"qwen3_5_text"},
+    # upstream fla's own prefill == its cached decoding (a check of the environment, not of edgelin)
+    "test_upstream_fla_smoke.py::test_forward_matches_cached_decoding": {"linear_attn", "gla", "mamba2", "hybrid"},
+    # kernels under the Triton interpreter: each kernel variant kept once, fixed and varlen
+    "test_kernels.py::test_chunk_prefill_kg_either_kernel": {"gla-fixed-token", "gla-varlen-loop", "kda-fixed-loop"},
+    "test_kernels.py::test_chunk_prefill": {
+        f"{rule}-{gate}-{case}" for rule in ("additive", "delta") for gate in ("none", "scalar", "per_key")
+        for case in ("B2-T63-H2-K16-V9", "B1-T130-H1-K32-V17")} - {"additive-per_key-B2-T63-H2-K16-V9",
+                                                                "delta-per_key-B2-T63-H2-K16-V9"},
+    "test_kernels.py::test_chunk_prefill_without_initial_state": {"additive-none", "additive-scalar", "delta-none",
+                                                                   "delta-scalar"},
+    "test_kernels.py::test_chunk_prefill_per_key_d_k_tiles": {"additive-K96-BT32", "delta-K96-BT32"},
+    "test_kernels.py::test_chunk_prefill_other_paths": {
+        "additive-diag-d_k-tiles", "additive-diag-token-1-head", "additive-diag-token-2-heads",
+        "additive-cumsum-64-keys-one-warp", "additive-one-prep-launch-cumsum-loop", "additive-kg-in-cumsum",
+        "additive-diag-d_k-tiles-kg-in-cumsum", "delta-scalar-two-prep-launches", "delta-diag-d_k-tiles",
+        "delta-diag-d_k-tiles-kg-in-cumsum"},
+    # the MIL program's replay: one family kept (gated_deltanet2's MIL is checked by the package tests)
+    "test_coreml.py::test_family_explicit_fp32_replays_through_the_mil_program": {"linear_attn"},
+    # the ONNX chunked form with the chunk's preparation in the Scan body: batch 1 kept for every rule (batch 3
+    # of the whole chain is test_onnx.py's)
+    "test_lowering.py::test_onnx_chunked_form_with_the_prep_in_the_loop_matches_the_token_loop": {
+        f"{rule}-1" for rule in ("additive", "scalar-decay", "per-key-decay", "delta", "gated-delta", "per-key-delta",
+                                 "erase")},
+    # runner handles == plain runs: the growing KV cache kept (the sliding window's ring buffer is a third export)
+    "test_runtime_checks.py::test_onnx_handles_match_plain_runs": {"growing cache"},
+}
+
+
+def _ci_slow(item) -> bool:
+    keeps = CI_KEEPS.get(f"{item.path.name}::{item.originalname}")
+    return keeps is not None and item.callspec.id not in keeps
+
+
 def pytest_collection_modifyitems(items):
+    seen: dict[str, set[str]] = {}
+    for item in items:
+        if _ci_slow(item):
+            item.add_marker(pytest.mark.slow)
+        if hasattr(item, "callspec"):
+            seen.setdefault(f"{item.path.name}::{item.originalname}", set()).add(item.callspec.id)
+    for test, keeps in CI_KEEPS.items():  # a renamed parametrisation must not silently leave the CI tier
+        if test in seen and not keeps <= seen[test]:
+            raise pytest.UsageError(f"conftest.CI_KEEPS names {sorted(keeps - seen[test])} that {test} does not have")
     items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order stays
 
 

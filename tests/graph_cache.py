@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 ENV = "EDGELIN_TEST_GRAPH_CACHE"
+DIR_ENV = "EDGELIN_TEST_GRAPH_DIR"  # the cache folder, for a CLI subprocess (tests/cached_cli.py)
 _DIR: list[Path] = []  # set by conftest's session fixture: one folder per test run, shared by its workers
 
 

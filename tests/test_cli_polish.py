@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import graph_cache
+
 from edgelin import __version__
 from edgelin.cli import app
 from edgelin.output import LogProgress
@@ -30,11 +32,14 @@ def run(*args) -> object:
 
 
 def edgelin(*args, columns: int = 80) -> subprocess.Popen:
-    """The real console script's code path with pipes (not a terminal), as CI runs it."""
+    """The real console script's code path (edgelin.cli.main) with pipes (not a terminal), as CI runs it;
+    its ONNX graphs go through the test run's graph cache (tests/cached_cli.py)."""
     env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(ROOT)}
     env.pop("EDGELIN_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-m", "edgelin.cli", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
+    if graph_cache.cache_dir() is not None:
+        env[graph_cache.DIR_ENV] = str(graph_cache.cache_dir())
+    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "cached_cli.py"), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
 
 
 def one_error_line(stderr: str) -> str:

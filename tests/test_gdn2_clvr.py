@@ -231,6 +231,7 @@ def exported(tmp_path_factory):
     return ckpt, root / "onnx"
 
 
+@pytest.mark.slow
 def test_onnx_export_validates(exported):
     """`edgelin validate DIR` (the vectors recorded at export, batch 1 and 3) and `--against CKPT` at
     batch 3 (sizes the graphs were not traced at): a GDN-2 + softmax hybrid with CLVR and grouped

@@ -511,6 +511,7 @@ def cuda_object(tmp_path_factory):
     return cuda_ext.nvcc_build(tmp_path_factory.mktemp("cuda"), cuda_ext.ARCHS, one_ptx=True)
 
 
+@pytest.mark.slow
 def test_cuda_kernel_compiles_for_every_target_arch(cuda_object):
     import triton
 
@@ -554,6 +555,7 @@ def input_waits_before_state_loads(sass: str) -> dict[str, int]:
     return found
 
 
+@pytest.mark.slow
 def test_cuda_kernel_requests_the_state_before_waiting_on_inputs(cuda_object):
     """Regression (issue 12): ptxas had hoisted the q/k/g loads, their conversions and exp(g) above the
     state loads, so each CTA paid two memory round trips (77-88% of copy bandwidth at B=256). The
@@ -605,6 +607,7 @@ int main(void) {
 """
 
 
+@pytest.mark.slow
 def test_c_launcher_is_plain_c_and_validates_before_launching(cuda_object, tmp_path):
     """The header compiles as C; bad arguments come back as codes (no GPU needed to see them)."""
     src = tmp_path / "check.c"

@@ -41,6 +41,7 @@ def folders(tmp_path_factory):
     return static.folder, growing.folder
 
 
+@pytest.mark.slow
 def test_manifest_records_the_capacity(folders):
     static, growing = (Manifest.load(f) for f in folders)
     assert static.kv_capacity == CAPACITY and growing.kv_capacity is None
@@ -49,6 +50,7 @@ def test_manifest_records_the_capacity(folders):
     assert [t.dims for t in static.state_inputs] == [t.dims for t in growing.state_inputs]  # the same contract
 
 
+@pytest.mark.slow
 def test_validate_against_the_checkpoint(folders):
     """Batch 2 against the PyTorch reference (batch 1 and 3: test_recorded_reference_replays)."""
     report = validate(folders[0], steps=24, prompt_len=13, batch=2)
@@ -58,6 +60,7 @@ def test_validate_against_the_checkpoint(folders):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.slow
 def test_rollout_matches_the_growing_export(folders, batch):
     static, growing = (open_runner(f) for f in folders)
     rng = np.random.default_rng(batch)
@@ -85,6 +88,7 @@ def fp16_static(folders, tmp_path_factory):
                              options=OnnxOptions(kv_cache="static", context=CAPACITY)).folder
 
 
+@pytest.mark.slow
 def test_fp16_graphs_keep_the_static_cache_float32_and_uncast(fp16_static):
     """An fp16 graph casts its growing cache to fp16 and back every call (a copy of all of it); with the
     static cache the GroupQueryAttention node reads the bound float32 buffer itself: no Cast of it."""
@@ -100,6 +104,7 @@ def test_fp16_graphs_keep_the_static_cache_float32_and_uncast(fp16_static):
 
 
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.slow
 def test_fp16_rollout_with_the_static_cache_matches_fp32(fp16_static, folders, batch):
     """fp16 graphs on the static cache against the fp32 (growing-cache) export: logits to fp16 rounding over
     a two-piece prefill and 19 steps; the cache read back is float32 and holds every token."""
@@ -118,6 +123,7 @@ def test_fp16_rollout_with_the_static_cache_matches_fp32(fp16_static, folders, b
     assert cache.dtype == np.float32 and cache.shape == (batch, 2, 30, 16)
 
 
+@pytest.mark.slow
 def test_the_buffer_is_updated_in_place(folders):
     runner = open_runner(folders[0])
     state = runner.new_state(1)
@@ -134,6 +140,7 @@ def test_the_buffer_is_updated_in_place(folders):
     assert not buffer[0, :, 6].any() and runner.read_state(fork)[KEY].shape[2] == 7
 
 
+@pytest.mark.slow
 def test_a_call_past_the_capacity_is_refused(folders):
     runner = open_runner(folders[0])
     state = runner.new_state(2)
@@ -152,6 +159,7 @@ def test_a_call_past_the_capacity_is_refused(folders):
         runner.step(np.array([1]), fresh, np.array([3]))
 
 
+@pytest.mark.slow
 def test_recorded_reference_replays(folders):
     """What `edgelin validate DIR` runs: the PyTorch reference recorded at export, batch 1 and 3."""
     report = replay(folders[0])
@@ -173,6 +181,7 @@ def test_options_are_checked():
     (["--context", "64"], "--context 64 without --kv-cache static"),
     (["--kv-cache", "static", "--context", "64", "--target", "coreml"], "apply to --target onnx only"),
 ])
+@pytest.mark.slow
 def test_cli_refuses_bad_cache_options_in_one_line(folders, tmp_path, args, needle):
     from typer.testing import CliRunner
 

@@ -179,6 +179,7 @@ def mamba2(tmp_path_factory):
     return export_family(tmp_path_factory.mktemp("in-place"), "mamba2")
 
 
+@pytest.mark.slow
 def test_an_exported_step_updates_its_states_in_place(mamba2):
     """Mamba2's recurrent and conv states are all listed; the runner binds each to one buffer, which a
     step writes (same object, same address, new contents) while a prefill still ping-pongs; the logits

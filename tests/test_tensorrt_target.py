@@ -102,6 +102,7 @@ def test_build_phase_needs_nvcc_and_cmake_only():
         assert not phase.ok and "TensorRT 10.3+" in phase.where
 
 
+@pytest.mark.slow
 def test_cli_export_for_jetson_orin_takes_its_fp16(exported, tmp_path):
     """The issue's command: the profile's fp16 exports (weights and matmuls fp16, recurrence and state
     fp32) and validates through the plugin functions on ONNX Runtime, which the CLI names."""

@@ -56,6 +56,7 @@ def test_training_learned_something(trained):
     assert sum(losses[-20:]) / 20 < sum(losses[:20]) / 20 - 1.5
 
 
+@pytest.mark.slow
 def test_greedy_generations_identical_token_for_token(trained, tmp_path):
     model, tokenizer, ckpt, _ = trained
     folder = export_checkpoint(ckpt, tmp_path / "onnx").folder

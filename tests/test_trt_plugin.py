@@ -161,6 +161,7 @@ def test_build_never_replaces_a_file_it_did_not_write(tmp_path):
     assert theirs.read_bytes() == b"someone else's library"
 
 
+@pytest.mark.slow
 def test_failed_build_leaves_no_partial_library(tmp_path):
     """Headers that do not compile: one-line error, and the output folder holds nothing afterwards."""
     needs_toolchain()

@@ -25,6 +25,7 @@ def big_vocab(tmp_path_factory) -> Path:
     return export_checkpoint(ckpt, root / "out").folder
 
 
+@pytest.mark.slow
 def test_reference_runs_in_windows_and_progress_moves(big_vocab, monkeypatch):
     load = validate_module.load_reference
     lengths: list[int] = []
@@ -72,6 +73,7 @@ def peak_rss(folder: Path, steps: int) -> int:
     return int(proc.stdout.split()[-1])
 
 
+@pytest.mark.slow
 def test_validate_memory_does_not_grow_with_steps(big_vocab):
     """Peak RSS at 2000 steps vs 200: the old code held [2, 8 + steps, 8192] float32 reference logits
     (and computed them in one forward), 1800 more positions = 112 MiB more (measured: +122 MiB);

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from edgelin.export.manifest import Manifest
     from edgelin.model.lm import CausalLM
 
-QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
 SLACK = 1.0 + 1e-3  # on the half-step bound: the dequantised product's own float rounding
 
 
@@ -54,37 +53,46 @@ def unpack(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
     """(values [rows, cols], steps [rows, cols]) of ONNX Runtime's block-quantised layout: per row, blocks of
     `block_size` along the columns, `bits` per code packed low bits first, one scale and one zero point per
     block (zero points packed the same way; without them, the midpoint 2^(bits-1))."""
-    blocks = -(-cols // block_size)
-    data = np.asarray(data, np.uint8).reshape(rows, -1)
-    if bits == 4:
-        codes = np.stack([data & 0x0F, data >> 4], -1).reshape(rows, -1)
-    elif bits == 8:
-        codes = data
-    else:
+    if bits not in (4, 8):
         raise ValueError(f"{bits}-bit codes")
-    codes = codes[:, :blocks * block_size].reshape(rows, blocks, block_size).astype(np.float32)
+    blocks = -(-cols // block_size)
+    codes = _codes(data, rows, bits)[:, :blocks * block_size].reshape(rows, blocks, block_size).astype(np.float32)
     if zero_points is None:
         zeros = np.full((rows, blocks), 2 ** (bits - 1), np.float32)
     else:
-        packed = np.asarray(zero_points, np.uint8).reshape(rows, -1)
-        if bits == 4:
-            packed = np.stack([packed & 0x0F, packed >> 4], -1).reshape(rows, -1)
-        zeros = packed[:, :blocks].astype(np.float32)
+        zeros = _codes(zero_points, rows, bits)[:, :blocks].astype(np.float32)
     scale = np.asarray(scales, np.float32).reshape(rows, blocks)
     values = (codes - zeros[..., None]) * scale[..., None]
     steps = np.broadcast_to(np.abs(scale)[..., None], values.shape)
     return (values.reshape(rows, -1)[:, :cols], steps.reshape(rows, -1)[:, :cols])
 
 
+def _codes(packed: np.ndarray, rows: int, bits: int) -> np.ndarray:
+    """[rows, codes]: the bytes of each row as codes, two 4-bit codes per byte low nibble first."""
+    packed = np.asarray(packed, np.uint8).reshape(rows, -1)
+    return np.stack([packed & 0x0F, packed >> 4], -1).reshape(rows, -1) if bits == 4 else packed
+
+
 def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
     """Every quantised tensor the graphs read, unpacked (each distinct initializer once)."""
     import onnx
     from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    from edgelin.export.quantize import QUANTIZED_OPS
 
     found: dict[str, Dequantized] = {}
     for file in graph_files:
-        graph = onnx.load(str(Path(folder) / file)).graph  # external data: weights.bin beside it
+        # The graphs share one weights file: read each tensor's bytes only when it is first needed.
+        graph = onnx.load(str(Path(folder) / file), load_external_data=False).graph
         inits = {t.name: t for t in graph.initializer}
+
+        def array(name: str) -> np.ndarray:
+            tensor = inits[name]
+            if uses_external_data(tensor):
+                load_external_data_for_tensor(tensor, str(folder))
+            return numpy_helper.to_array(tensor)
+
         for node in graph.node:
             if node.op_type not in QUANTIZED_OPS:
                 continue
@@ -92,18 +100,16 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
             weight = node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]
             if weight in found or weight not in inits:
                 continue
-            zero_index = 3
-            scales = numpy_helper.to_array(inits[node.input[2]])
-            zeros = (numpy_helper.to_array(inits[node.input[zero_index]])
-                     if len(node.input) > zero_index and node.input[zero_index] in inits else None)
-            data = numpy_helper.to_array(inits[weight])
+            data = array(weight)
             if node.op_type == "MatMulNBits":
                 rows, cols = attrs["N"], attrs["K"]
             else:  # the table [V, D] along its rows (quantize_axis 1)
                 if attrs.get("quantize_axis", 1) != 1 or attrs.get("gather_axis", 0) != 0:
                     continue
                 rows, cols = data.shape[0], data.shape[1] * 8 // attrs.get("bits", 4)
-            values, steps = unpack(data, scales, zeros, rows, cols, attrs.get("bits", 4), attrs["block_size"])
+            zeros = array(node.input[3]) if len(node.input) > 3 and node.input[3] in inits else None
+            values, steps = unpack(data, array(node.input[2]), zeros, rows, cols, attrs.get("bits", 4),
+                                   attrs["block_size"])
             found[weight] = Dequantized(weight, values, 0.5 * SLACK * steps + 1e-7)
     return list(found.values())
 

@@ -244,13 +244,13 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
     for node in quantized.graph.node:
         if node.op_type == "MatMulNBits":
             node.metadata_props.extend(scopes.get(node.name.removesuffix(f"_Q{bits}"), []))
-        if node.op_type in _QUANTIZED_OPS:
+        if node.op_type in QUANTIZED_OPS:
             names.extend(_modules_of(node))
     onnx.save(quantized, str(path))
     return names
 
 
-_QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")
+QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")  # the ops that carry a quantised weight
 
 
 _WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "Conv")  # ops that read a weight matrix
@@ -266,7 +266,7 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
     for kind, file in graph_files.items():
         proto = onnx.load(str(Path(folder) / file), load_external_data=False)
         matrices = {t.name for t in proto.graph.initializer if len(t.dims) >= 2}
-        nodes = [n for n in proto.graph.node if n.op_type in _QUANTIZED_OPS]
+        nodes = [n for n in proto.graph.node if n.op_type in QUANTIZED_OPS]
         attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
         kept = {name for n in proto.graph.node if n.op_type in _WEIGHT_OPS and any(i in matrices for i in n.input)
                 for name in _modules_of(n)}
