@@ -73,6 +73,7 @@ def test_reference_matches_fla_forward(saved, name):
     assert_close(got, want, 1e-5)
 
 
+@pytest.mark.slow  # CI: test_onnx.py exports every family; test_reference_matches_* checks the conversion
 @pytest.mark.parametrize("name", TYPES)
 def test_onnx_rollout_matches_fla_forward(saved, name, tmp_path):
     """One layer (tracing is CI's largest cost; stacking layers is test_onnx.py's): the converted

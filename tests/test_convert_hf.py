@@ -43,6 +43,7 @@ def test_reference_matches_upstream_forward(upstream, arch):
     assert_close(loop, want, 1e-5)
 
 
+@pytest.mark.slow  # CI: test_onnx.py exports every family; test_reference_matches_* checks the conversion
 @pytest.mark.parametrize("arch", BUILDERS)
 def test_onnx_rollout_matches_upstream_forward(upstream, arch, tmp_path):
     model, folder = upstream[arch]
