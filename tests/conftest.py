@@ -98,21 +98,17 @@ CI_KEEPS = {
 }
 
 
-def _ci_slow(item) -> bool:
-    keeps = CI_KEEPS.get(f"{item.path.name}::{item.originalname}")
-    return keeps is not None and item.callspec.id not in keeps
-
-
 def pytest_collection_modifyitems(items):
-    seen: dict[str, set[str]] = {}
+    seen: dict[str, set[str]] = {}  # per CI_KEEPS test, the parametrisations collected
     for item in items:
-        if _ci_slow(item):
-            item.add_marker(pytest.mark.slow)
-        if hasattr(item, "callspec"):
-            seen.setdefault(f"{item.path.name}::{item.originalname}", set()).add(item.callspec.id)
-    for test, keeps in CI_KEEPS.items():  # a renamed parametrisation must not silently leave the CI tier
-        if test in seen and not keeps <= seen[test]:
-            raise pytest.UsageError(f"conftest.CI_KEEPS names {sorted(keeps - seen[test])} that {test} does not have")
+        test = f"{item.path.name}::{item.originalname}"
+        if test in CI_KEEPS:
+            seen.setdefault(test, set()).add(item.callspec.id)
+            if item.callspec.id not in CI_KEEPS[test]:
+                item.add_marker(pytest.mark.slow)
+    for test, ids in seen.items():  # a renamed parametrisation must not silently leave the CI tier
+        if not CI_KEEPS[test] <= ids:
+            raise pytest.UsageError(f"conftest.CI_KEEPS names {sorted(CI_KEEPS[test] - ids)} that {test} does not have")
     items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))  # stable: a file's own order stays
 
 
