@@ -1,10 +1,10 @@
 """Issue 11, parts 1-3: one weights file for the step and prefill graphs, fp16 graphs, int4/int8
 weight-only quantisation (ONNX Runtime's MatMulNBits), and the refusals of bad precision options.
 
-One tiny hybrid whose weights dominate its files (a wide MLP), exported at fp16 and int4 once and
-shared by every test of the module (two exports: ~60 s of CPU; fp32 exports, which share their weights
-file the same way, run in every other export test). Size ratios are taken against the bytes an fp32
-export cannot go below, 4 per parameter."""
+One tiny two-layer hybrid (Gated DeltaNet + sliding-window softmax) whose weights dominate its files (a
+wide MLP), exported at fp16 and int4 once and shared by every test of the module (two exports: ~75 s of
+CPU on the 2-core AMD EPYC; fp32 exports, which share their weights file the same way, run in every other
+export test). Size ratios are taken against the bytes an fp32 export cannot go below, 4 per parameter."""
 
 from __future__ import annotations
 
@@ -24,25 +24,27 @@ from edgelin.errors import EdgelinError
 from edgelin.export import quantize
 from edgelin.export.manifest import Manifest
 from edgelin.export.pipeline import export_checkpoint, prepare_output
+from edgelin.families import SOFTMAX
 from edgelin.runtime import open_runner
 from helpers import make_checkpoint, rms_rel
 
 # RMS-relative error of all logits vs the float32 torch reference, measured on this model (seeded; an
-# 8-token prefill + 24 steps): fp16 8.0e-4 (batch 1) / 8.9e-4 (batch 3), int4 with blocks of 64
-# 0.22 / 0.26 (top-1 agreement 100% / 98.7%); fp32 exports measure 8e-7. fp16 rounds weights and
+# 8-token prefill + 24 steps): fp16 8.6e-4 (batch 1) / 7.5e-4 (batch 3), int4 with blocks of 64
+# 0.27 / 0.25 (top-1 agreement 100% / 98.7%); fp32 exports measure 8e-7. fp16 rounds weights and
 # activations to 11 significant bits (2^-11 = 4.9e-4 relative); int4 keeps 16 levels per block, ~10%
 # error per weight of this random N(0, 0.02) model, whose near-uniform logits make relative errors large
 # (the shipped trained model loses 1.6% perplexity at int4: docs/benchmarks.md). Bounds: ~2-3x measured.
 BOUNDS = {"fp16": 2.5e-3, "int4": 0.5}
 TOP1 = {"fp16": 0.99, "int4": 0.9}
 RUNTIME_FILES = ("step.onnx", "prefill.onnx", "weights.bin")
+LAYERS = ("gated_deltanet", SOFTMAX)  # a recurrent layer and an attention layer (its KV cache): the two state kinds
 
 
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("precision")
     # A wide MLP (3 x 128 x 2048 weights per layer): the weights dominate the graph files.
-    ckpt = make_checkpoint(root / "ckpt", "hybrid", tokenizer=False, hidden_size=128, intermediate_size=2048)
+    ckpt = make_checkpoint(root / "ckpt", tokenizer=False, layers=LAYERS, hidden_size=128, intermediate_size=2048)
     folders = {"ckpt": ckpt}
     for name, precision, quantize, block in (("fp16", "fp16", None, None), ("int4", "fp32", "int4", 64)):
         settings = export_settings(None, "onnx", precision, quantize, block)
@@ -134,12 +136,12 @@ def test_int4_uses_matmulnbits_with_the_block_size_asked(exports):
         graph = onnx.load(str(folder / f"{kind}.onnx"), load_external_data=False).graph
         nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
         attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nbits]
-        assert len(nbits) >= 3 * 3, kind  # at least the MLP's three matrices in each of the three layers
+        assert len(nbits) >= 3 * len(LAYERS), kind  # per layer: the mixer's output, the MLP's gate/up and down
         assert {(a["bits"], a["block_size"]) for a in attrs} == {(4, 64)}
         assert not [n for n in graph.node if n.op_type == "MatMul" and any(i.startswith("val_") for i in n.input)]
     entry = Manifest.load(folder).extra["quantization"]
     assert (entry["bits"], entry["block_size"]) == (4, 64)
-    assert {f"model.layers.{i}.mlp.{m}" for i in range(3) for m in ("gate_proj", "up_proj", "down_proj")} <= \
+    assert {f"model.layers.{i}.mlp.{m}" for i in range(len(LAYERS)) for m in ("gate_proj", "up_proj", "down_proj")} <= \
         set(entry["matrices"])
     assert {"lm_head", "model.embed_tokens"} <= set(entry["matrices"])  # the default: embeddings and head too
     assert not {"lm_head", "model.embed_tokens"} & set(entry["kept_float"])
@@ -238,7 +240,8 @@ def test_int4_parity_is_checked_against_the_exports_own_dequantised_weights(expo
     twin, account = parity_reference(model, folder, manifest)
     assert account.complete and account.total_rows > 0, account
     replaced = set(account.replaced)
-    assert {f"model.layers.{i}.mlp.{m}.weight" for i in range(3) for m in ("gate_proj", "up_proj", "down_proj")} \
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    assert {f"model.layers.{i}.mlp.{m}.weight" for i in range(len(LAYERS)) for m in mlp} \
         <= replaced and "model.embed_tokens.weight" in replaced
     # the table: what ONNX Runtime's own GatherBlockQuantized kernel looks up, row for row
     import onnxruntime as ort
@@ -253,7 +256,9 @@ def test_int4_parity_is_checked_against_the_exports_own_dequantised_weights(expo
 
     report = replay(folder)
     assert report.passed and report.reference_weights["replaced"] == list(account.replaced)
-    to_twin = max(m.max_rel for m in report.metrics if m.check == "rollout" and "state" in m.output and m.batch == 1)
+    # every state's rollout figure: the recurrent and conv states, the attention layer's KV cache
+    states = [m for m in report.metrics if m.check == "rollout" and m.output != "logits" and m.batch == 1]
+    to_twin = max(m.max_rel for m in states)
     # the same artifact's states against the fp32 reference, over the recorded prompt and steps (batch 1)
     vectors, runner = load_vectors(folder, manifest), open_runner(folder)
     ids = vectors.arrays[batch_key(1, "ids")]
@@ -267,9 +272,10 @@ def test_int4_parity_is_checked_against_the_exports_own_dequantised_weights(expo
     got, fp32 = runner.read_state(state), flat_state(fp32_state)
     to_fp32 = max(np.abs(got[n] - v).max() / np.abs(v).max() for n, v in fp32.items())
     recorded = vectors.state(1, f"step{STEPS}", list(fp32))
-    assert max(np.abs(got[n] - recorded[n]).max() / np.abs(recorded[n]).max() for n in fp32) <= to_twin + 1e-7
+    # the replay's worst absolute state error covers its last step, this run's (its scale is over all steps)
+    assert max(np.abs(got[n] - recorded[n]).max() for n in fp32) <= max(m.max_abs for m in states) + 1e-7
     print(f"int4 state error (max rel): vs its dequantised weights {to_twin:.3g}, vs fp32 {to_fp32:.3g}")
-    assert to_fp32 >= 3 * to_twin, (to_twin, to_fp32)  # measured: 0.022 vs 0.33
+    assert to_fp32 >= 3 * to_twin, (to_twin, to_fp32)  # measured: 0.027 vs 0.24
 
 
 # ---- the folder: --force, a missing or truncated weights file -----------------------------------------
