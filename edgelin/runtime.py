@@ -51,7 +51,8 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
     """Prefill ids [B, T] in pieces of at most `chunk` tokens (bounded memory for any T), from `state`
     (a new zero state when None), which is advanced in place; returns (last logits, the handle).
     Pieces are shorter still where that costs nothing: at most CONSTANT_PIECE tokens for a constant-memory
-    model, and shrinking with the context for a growing KV cache (`piece_length`).
+    model (or the runner's own `prefill_piece`), and shrinking with the context for a growing KV cache
+    (`piece_length`).
     runner.prefill checks every piece (ids, positions, the handle) before it reaches the runtime."""
     ids = np.asarray(ids)
     if ids.ndim != 2:
@@ -66,7 +67,8 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
     # a static KV cache (export --kv-cache static) holds no [piece, past + piece] scores: pieces as for constant memory
     logits, lo, growing = None, 0, not runner.manifest.constant_memory and runner.manifest.kv_capacity is None
     while lo < ids.shape[1]:
-        n = piece_length(chunk, start + lo) if growing else min(chunk, CONSTANT_PIECE)
+        n = piece_length(chunk, start + lo) if growing else min(chunk, getattr(runner, "prefill_piece", None)
+                                                                 or CONSTANT_PIECE)
         logits = runner.prefill(ids[:, lo:lo + n], state, np.full(batch, start + lo, np.int64))
         lo += n
     return logits, state

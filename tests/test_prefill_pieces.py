@@ -42,3 +42,15 @@ def test_smaller_chunk_and_start_are_kept():
     runner = _Recorder()
     prefill(runner, np.zeros((1, 600), np.int64), chunk=4096)
     assert runner.calls == [(256, 0), (256, 256), (88, 512)]
+
+
+def test_a_runner_may_take_longer_pieces():
+    """A runner that pays per call rather than per token held (the torch runner on a GPU) says so."""
+    runner = _Recorder()
+    runner.prefill_piece = 1024
+    prefill(runner, np.zeros((1, 2500), np.int64))
+    assert runner.calls == [(1024, 0), (1024, 1024), (452, 2048)]
+    runner = _Recorder()
+    runner.prefill_piece = 1024
+    prefill(runner, np.zeros((1, 700), np.int64), chunk=300)  # the caller's chunk still caps it
+    assert runner.calls == [(300, 0), (300, 300), (100, 600)]

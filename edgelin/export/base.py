@@ -84,6 +84,10 @@ class Runner(ABC):
     comparisons). A target implements `_new`, `_run`, `_read`, `_write` and `_copy`."""
 
     check_inputs: bool = True
+    # The longest piece edgelin.runtime.prefill hands this runner for a constant-memory model (None: its
+    # CONSTANT_PIECE, sized for ONNX Runtime's arena on a CPU). A runner whose runtime keeps no activations
+    # between calls and pays per call (a GPU launching kernels from Python) takes longer pieces.
+    prefill_piece: int | None = None
 
     def __init__(self, manifest: "Manifest"):
         self.manifest = manifest

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 DEVICE_ENV = "EDGELIN_TORCH_DEVICE"  # cpu | cuda | cuda:N: where the torch target runs
 DECODE_ENV = "EDGELIN_TORCH_DECODE"  # fused | graph | eager: force the step's form
 DECODES = ("fused", "graph", "eager")
+CUDA_PREFILL_PIECE = 2048  # tokens per prefill piece on a GPU (Runner.prefill_piece; runtime.prefill's chunk caps it)
 MAX_DECODERS = 4  # CUDA-graph decoders kept at once (one per batch size; the oldest is dropped)
 
 
@@ -145,6 +146,11 @@ class TorchRunner(Runner):
         self.threads = threads or None
         self.model = load_model(folder, manifest, self.device)
         self.dtype = next(self.model.parameters()).dtype
+        if self.device.type == "cuda":
+            # The chunked Triton kernels hold no arena between calls, and an eager forward costs its
+            # launches per call: 256-token pieces (the CPU default) made a 2,048-token prefill of the
+            # 147.6 M model 8x slower on the H200 (docs/benchmarks.md 4b).
+            self.prefill_piece = CUDA_PREFILL_PIECE
         self._layout = [(layer, name, state_input_name(layer, name)) for layer, tensors in
                         enumerate(self.model.state_tensors()) for name in (t.name for t in tensors)]
         self._io_dtype = {t.name: NUMPY_DTYPES[t.dtype] for t in manifest.state_inputs}

@@ -18,6 +18,7 @@ from edgelin.model.lm import CausalLM
 pytestmark = pytest.mark.gpu
 STEPS, PROMPT = 16, 9
 TOL = {"fp32": 1e-4, "fp16": 2e-2}
+PIECE_TOL = 1e-5  # one prefill piece vs several, fp32: measured 1.3e-6 on the H200
 
 
 def _gdn() -> CausalLM:
@@ -135,3 +136,24 @@ def test_validate_replays_on_the_fused_runner(tmp_path):
     report = replay(folder)
     assert report.runner.startswith("torch cuda-graph fused (")
     assert report.passed, [(m.check, m.output, m.max_rel) for m in report.metrics if not m.passed]
+
+
+def test_cuda_runner_prefills_in_long_pieces_with_the_same_numbers(tmp_path):
+    """On a GPU runtime.prefill hands the runner pieces of CUDA_PREFILL_PIECE tokens, not the CPU's 256
+    (8x slower on the H200 for a 2,048-token prompt, docs/benchmarks.md 4b); one 700-token piece and
+    pieces of 256 + 256 + 188 give the same logits and state (the chunked kernels carry the state across)."""
+    from edgelin.export.torch_runtime import CUDA_PREFILL_PIECE, TorchRunner
+    from edgelin.runtime import prefill
+
+    model = _gdn()
+    manifest = _folder(model, "fp32", tmp_path / "out")
+    runner = TorchRunner(tmp_path / "out", manifest, torch_device="cuda", decode="eager")
+    assert runner.prefill_piece == CUDA_PREFILL_PIECE >= 2048
+    ids = np.random.default_rng(1).integers(0, 512, (2, 700))
+    long_logits, long_state = prefill(runner, ids)
+    runner.prefill_piece = None  # the CPU default: 256-token pieces
+    short_logits, short_state = prefill(runner, ids)
+    errors = [_rel(long_logits, short_logits)] + [_rel(runner.read_state(long_state)[name], value)
+                                                   for name, value in runner.read_state(short_state).items()]
+    print(f"one piece vs 256-token pieces, max relative error: {max(errors):.3g}")
+    assert max(errors) < PIECE_TOL
