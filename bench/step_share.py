@@ -4,7 +4,7 @@
 
 Builds, from the export's step.onnx, a graph holding only its weight products (every MatMulNBits, and
 every MatMul or Gemm whose second input is an initializer), each fed a random activation of its own
-shape [1, K], with the step's own weights, in the runner's ONNX Runtime session options (prepacked or not).
+shape [1, K], with the step's own weights, in the runner's step session options (prepacked or not).
 Then alternates one runner step (B=1, after a prefill) and one run of that graph, and prints both medians
 and the median over pairs of matmuls / step: the weight products' share of the step, the part a faster
 quantised or float matmul kernel could cut. Not a test; a step after a prefill of --prefill tokens.
@@ -21,7 +21,6 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from edgelin.export.onnx_runtime import _options
 from edgelin.runtime import open_runner
 
 WARMUP = 50
@@ -67,8 +66,9 @@ def main() -> None:
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
     print(f"{args.folder}: weight products {counts}, {args.threads} thread(s)", flush=True)
     runner = open_runner(args.folder, threads=args.threads)
-    # the runner's own choice: quantised exports prepack their weights, float ones (by default) do not
-    session = ort.InferenceSession(model.SerializeToString(), _options(ort, args.threads, prepack=runner.prepack),
+    # the step session's own options: threads, prepacking (quantised exports only, by default), and the
+    # OrtValues over the shared weights mapping where the runner uses one
+    session = ort.InferenceSession(model.SerializeToString(), runner.sessions["step"].get_session_options(),
                                    providers=["CPUExecutionProvider"])
     for run in range(args.runs):
         state = runner.new_state(1)

@@ -50,9 +50,9 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
             chunk: int = 2048) -> tuple[np.ndarray, StateHandle]:
     """Prefill ids [B, T] in pieces of at most `chunk` tokens (bounded memory for any T), from `state`
     (a new zero state when None), which is advanced in place; returns (last logits, the handle).
-    Pieces are shorter still where that costs nothing: at most CONSTANT_PIECE tokens for a constant-memory
-    model (or the runner's own `prefill_piece`), and shrinking with the context for a growing KV cache
-    (`piece_length`).
+    Pieces are shorter still where that costs nothing: at most `runner.prefill_piece` tokens for a
+    constant-memory model (CONSTANT_PIECE unless the runner says otherwise), and shrinking with the context
+    for a growing KV cache (`piece_length`).
     runner.prefill checks every piece (ids, positions, the handle) before it reaches the runtime."""
     ids = np.asarray(ids)
     if ids.ndim != 2:
@@ -67,8 +67,7 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
     # a static KV cache (export --kv-cache static) holds no [piece, past + piece] scores: pieces as for constant memory
     logits, lo, growing = None, 0, not runner.manifest.constant_memory and runner.manifest.kv_capacity is None
     while lo < ids.shape[1]:
-        n = piece_length(chunk, start + lo) if growing else min(chunk, getattr(runner, "prefill_piece", None)
-                                                                 or CONSTANT_PIECE)
+        n = piece_length(chunk, start + lo) if growing else min(chunk, runner.prefill_piece)
         logits = runner.prefill(ids[:, lo:lo + n], state, np.full(batch, start + lo, np.int64))
         lo += n
     return logits, state
@@ -79,7 +78,7 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
 # (12.1 M parameters) peak RSS for a 2,048-token prompt from 643 to 237 MiB at 1 thread, and prefill got no
 # slower (4,200 -> 4,700-5,000 tokens/s: the chunk scan's working set stays in cache); 128 saves another
 # 30 MiB for ~5% of the speed, 64 and below lose 20-50%.
-CONSTANT_PIECE = 256
+CONSTANT_PIECE = Runner.prefill_piece  # 256
 
 # A growing KV cache's prefill graph holds [heads, piece, past + piece] attention scores (and the
 # softmax's copies of them): pieces shrink as the context grows, so that piece x (past + piece)

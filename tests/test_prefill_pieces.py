@@ -14,6 +14,8 @@ from edgelin.runtime import CONSTANT_PIECE, prefill
 class _Recorder:
     """A runner stand-in that records the pieces and positions it is handed."""
 
+    prefill_piece = CONSTANT_PIECE  # Runner's default
+
     def __init__(self):
         self.manifest = SimpleNamespace(constant_memory=True)
         self.calls: list[tuple[int, int]] = []

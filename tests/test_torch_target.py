@@ -58,12 +58,12 @@ def test_validate_replays_the_recorded_vectors(export):
 
 def test_runner_matches_the_checkpoint_and_handles_are_independent(export):
     from edgelin.checkpoint import load_model
-    from edgelin.runtime import open_runner
+    from edgelin.runtime import CONSTANT_PIECE, open_runner
 
     ckpt, folder = export
     model, _ = load_model(ckpt)
     runner = open_runner(folder)
-    assert runner.prefill_piece is None  # on a CPU: runtime.prefill's 256-token pieces, as for ONNX Runtime
+    assert runner.prefill_piece == CONSTANT_PIECE == 256  # on a CPU: 256-token pieces, as for ONNX Runtime
     assert runner.label == "torch eager (cpu)"
     ids = np.random.default_rng(0).integers(0, 97, (2, 21))
     handle = runner.new_state(2)

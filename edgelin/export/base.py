@@ -84,10 +84,11 @@ class Runner(ABC):
     comparisons). A target implements `_new`, `_run`, `_read`, `_write` and `_copy`."""
 
     check_inputs: bool = True
-    # The longest piece edgelin.runtime.prefill hands this runner for a constant-memory model (None: its
-    # CONSTANT_PIECE, sized for ONNX Runtime's arena on a CPU). A runner whose runtime keeps no activations
-    # between calls and pays per call (a GPU launching kernels from Python) takes longer pieces.
-    prefill_piece: int | None = None
+    # The longest piece edgelin.runtime.prefill hands this runner for a constant-memory model: 256 tokens
+    # suit ONNX Runtime on a CPU, whose arena keeps a piece's activations (runtime.CONSTANT_PIECE says why).
+    # A runner that holds no activations between calls and pays per call (a GPU launching kernels from
+    # Python) sets a longer one.
+    prefill_piece: int = 256
 
     def __init__(self, manifest: "Manifest"):
         self.manifest = manifest

@@ -143,7 +143,7 @@ def test_cuda_runner_prefills_in_long_pieces_with_the_same_numbers(tmp_path):
     (8x slower on the H200 for a 2,048-token prompt, docs/benchmarks.md 4b); one 700-token piece and
     pieces of 256 + 256 + 188 give the same logits and state (the chunked kernels carry the state across)."""
     from edgelin.export.torch_runtime import CUDA_PREFILL_PIECE, TorchRunner
-    from edgelin.runtime import prefill
+    from edgelin.runtime import CONSTANT_PIECE, prefill
 
     model = _gdn()
     manifest = _folder(model, "fp32", tmp_path / "out")
@@ -151,7 +151,7 @@ def test_cuda_runner_prefills_in_long_pieces_with_the_same_numbers(tmp_path):
     assert runner.prefill_piece == CUDA_PREFILL_PIECE >= 2048
     ids = np.random.default_rng(1).integers(0, 512, (2, 700))
     long_logits, long_state = prefill(runner, ids)
-    runner.prefill_piece = None  # the CPU default: 256-token pieces
+    runner.prefill_piece = CONSTANT_PIECE  # the CPU default: 256-token pieces
     short_logits, short_state = prefill(runner, ids)
     errors = [_rel(long_logits, short_logits)] + [_rel(runner.read_state(long_state)[name], value)
                                                    for name, value in runner.read_state(short_state).items()]
