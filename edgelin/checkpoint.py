@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import torch
 
@@ -46,11 +47,7 @@ def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint, in index order for sharded ones."""
     index = path / INDEX
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
-            raise EdgelinError(f"{index} is malformed", str(exc), "re-save the checkpoint") from exc
-        files = [_inside(path, s) for s in shards]
+        files = [_inside(path, s, index) for s in _shard_names(index)]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise EdgelinError(f"{path}: missing shards {', '.join(missing)}", f"{INDEX} lists them",
@@ -69,13 +66,45 @@ def weight_files(path: Path) -> list[Path]:
     raise EdgelinError(f"{path} has no weights", "no *.safetensors file found", "add model.safetensors")
 
 
-def _inside(root: Path, name: str) -> Path:
-    """Resolve a file name from a checkpoint's metadata, refusing anything outside the folder."""
-    candidate = (root / name).resolve()
-    if root.resolve() not in candidate.parents:
-        raise EdgelinError(f"{root}: file name {name!r} escapes the checkpoint folder",
-                           "metadata may only name files inside the checkpoint", "fix the index file")
-    return candidate
+def _shard_names(index: Path) -> list[str]:
+    """The distinct shard file names of a sharded checkpoint's index ({"weight_map": {tensor: file}})."""
+    data = read_json(index, "re-save the checkpoint")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise EdgelinError(f"{index} is malformed", "it has no \"weight_map\" object (tensor name -> shard file)",
+                           "re-save the checkpoint")
+    bad = next((v for v in weight_map.values() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise EdgelinError(f"{index} is malformed", f"weight_map maps a tensor to {_short(bad)}, not a file name",
+                           "re-save the checkpoint")
+    return sorted(set(weight_map.values()))
+
+
+def _inside(root: Path, name: str, index: Path) -> Path:
+    """`root / name` for a file name from a checkpoint's metadata, refusing a name that leaves the folder.
+    The check is on the name alone (absolute, a drive, a backslash, a '..' part): links the user placed
+    are followed, not judged, so a Hugging Face cache snapshot (shards linked into ../blobs/) loads."""
+    parts = PurePosixPath(name).parts
+    if (not name or name.startswith("/") or PureWindowsPath(name).is_absolute() or PureWindowsPath(name).drive
+            or "\\" in name or ".." in parts or not parts or parts == (".",)):
+        raise EdgelinError(f"{index}: file name {_short(name)} escapes the checkpoint folder",
+                           "the index may only name files inside the checkpoint", "fix the index file")
+    return root / name
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def read_json(file: Path, fix: str) -> object:
+    """A checkpoint's JSON file, parsed; one line naming it if it is not JSON (or nested too deeply to parse)."""
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EdgelinError(f"{file} is not valid JSON", str(exc), fix) from exc
+    except RecursionError as exc:  # json's parser recurses once per nesting level
+        raise EdgelinError(f"{file} is malformed", "its JSON is nested too deeply to parse", fix) from exc
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -97,10 +126,7 @@ def read_config(path: Path) -> dict:
     if not file.is_file():
         raise EdgelinError(f"no {CONFIG} in {path}", "the architecture is defined there",
                            "pass a checkpoint directory with config.json")
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EdgelinError(f"{file} is not valid JSON", str(exc), "repair or re-save the checkpoint") from exc
+    data = read_json(file, "repair or re-save the checkpoint")
     if not isinstance(data, dict):
         raise EdgelinError(f"{file} is not a JSON object", "config.json maps fields to values", "repair it")
     if data.get("auto_map"):
@@ -112,7 +138,7 @@ def read_config(path: Path) -> dict:
 
 def checkpoint_hash(path: Path) -> str:
     digest = hashlib.sha256()
-    names = [CONFIG, *[f.name for f in weight_files(path)], TOKENIZER]
+    names = [CONFIG, *[f.relative_to(path).as_posix() for f in weight_files(path)], TOKENIZER]
     for name in names:
         file = path / name
         if file.is_file():
@@ -132,12 +158,14 @@ def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
     source = str(path / CONFIG)
     if model_type == MODEL_TYPE:
         config, fmt, inert = ModelConfig.from_dict(data, source=source), MODEL_TYPE, ()
+        check_fits_in_memory(config, source)
         tensors = load_state_dict(path)
     else:
         from edgelin.convert import convert
 
         done = convert(data, source)
         config, fmt, inert = done.config, done.converter.origin(data), done.inert
+        check_fits_in_memory(config, source)
         tensors = done.converter.map_weights(load_state_dict(path), config, data)
     model = CausalLM(config)
     assign_weights(model, tensors, path)
@@ -145,6 +173,31 @@ def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
     info = CheckpointInfo(path.resolve(), fmt, str(model_type), checkpoint_hash(path),
                           tokenizer if tokenizer.is_file() else None, tuple(inert))
     return model.eval(), info
+
+
+def check_fits_in_memory(config: ModelConfig, source: str) -> None:
+    """Refuse a config whose float32 weights alone exceed this machine's memory (a typo like hidden_size =
+    10**12), before building it: the model is laid out on torch's meta device, which allocates nothing."""
+    memory = _physical_memory()
+    if memory is None:
+        return
+    with torch.device("meta"):
+        model = CausalLM(config)
+    count = model.num_parameters()
+    needed = sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
+    if needed > memory:
+        raise EdgelinError(f"{source} asks for {count:,} parameters ({needed / 2**30:,.1f} GiB in float32)",
+                           f"that is more than this machine's {memory / 2**30:,.1f} GiB of memory, so the sizes "
+                           "are likely wrong", "check the sizes in the config (hidden_size, vocab_size, "
+                           "intermediate_size, head dims, the number of layers)")
+
+
+def _physical_memory() -> int | None:
+    """Bytes of RAM on this machine; None where the OS does not say (then nothing is refused)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -184,8 +237,6 @@ def write_checkpoint_files(model: CausalLM, folder: Path, tokenizer: Path | None
                            dtype: torch.dtype = torch.float32) -> list[str]:
     """Write config.json + model.safetensors (+ tokenizer.json) into `folder` (a claimed temp folder;
     see save_checkpoint). Returns the names written."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     config = {**model.config.to_dict(), "torch_dtype": str(dtype).removeprefix("torch.")}
     (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
@@ -193,7 +244,7 @@ def write_checkpoint_files(model: CausalLM, folder: Path, tokenizer: Path | None
              for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, str(folder / WEIGHTS), metadata={"format": "pt"})
+    save_safetensors(state, folder / WEIGHTS, {"format": "pt"})
     if tokenizer is not None:
         shutil.copyfile(tokenizer, folder / TOKENIZER)
     return [CONFIG, WEIGHTS] + ([TOKENIZER] if tokenizer is not None else [])
@@ -211,3 +262,14 @@ def save_checkpoint(model: CausalLM, out: Path, tokenizer: Path | None = None,
     with claim_output(Path(out), force, CHECKPOINT, writes=writes) as tmp:
         write_checkpoint_files(model, tmp, tokenizer, dtype)
     return Path(out)
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, then the mode any other file gets (0666 less the umask): it writes through
+    a private temp file, and the weights came out 0600 beside 0644 configs (unreadable to a group)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

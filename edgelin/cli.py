@@ -10,7 +10,7 @@ import typer
 from rich.text import Text
 
 from edgelin import __version__
-from edgelin.cli_support import JSON, POSITIVE, _debug, _finite, app, command
+from edgelin.cli_support import JSON, POSITIVE, _debug, _finite, app, command, handle_termination
 from edgelin.errors import EdgelinError
 from edgelin.export.targets import target_names
 from edgelin.output import Output, human_bytes, styled
@@ -456,14 +456,16 @@ def generate(
     folder: Path = typer.Argument(..., help="An export folder."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
     max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", min=0, help="Tokens to generate at most."),
-    temperature: float = typer.Option(0.8, callback=POSITIVE, help="Sampling temperature (> 0)."),
-    top_k: int = typer.Option(50, min=0, help="Sample among the K likeliest tokens (0: all)."),
-    top_p: float = typer.Option(0.95, callback=_finite(0.0, 1.0),
-                                help="Sample within the smallest set of tokens of total probability P (0 < P <= 1)."),
+    # Sampling options default to None so that --greedy can refuse them when given (Sampling's defaults apply).
+    temperature: Optional[float] = typer.Option(None, callback=POSITIVE, help="Sampling temperature (> 0) [0.8]."),
+    top_k: Optional[int] = typer.Option(None, min=0, help="Sample among the K likeliest tokens (0: all) [50]."),
+    top_p: Optional[float] = typer.Option(
+        None, callback=_finite(0.0, 1.0), help="Sample within the smallest set of tokens of total probability P "
+                                               "(0 < P <= 1) [0.95]."),
     repetition_penalty: float = typer.Option(
         1.0, callback=POSITIVE, help="Divide the positive logits (multiply the negative ones) of every token "
                                      "already in the context by P; 1: off, 1.1-1.3: typical."),
-    greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding (temperature, top-k and top-p unused)."),
+    greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding (takes no --temperature, --top-k, --top-p)."),
     seed: int = typer.Option(0, min=0, help="Sampling seed."),
     threads: Optional[int] = typer.Option(None, min=0, help="Runtime threads (0 or unset: the device's, "
                                                             "else the runtime's default)."),
@@ -475,7 +477,16 @@ def generate(
     from edgelin.generate import Sampling
     from edgelin.generate import generate as run_generate
 
-    sampling = Sampling(temperature, top_k, top_p, greedy, seed, repetition_penalty)
+    given = {"--temperature": temperature, "--top-k": top_k, "--top-p": top_p}
+    if greedy and any(v is not None for v in given.values()):
+        flags = [flag for flag, value in given.items() if value is not None]
+        raise EdgelinError(f"--greedy with {', '.join(flags)}", "greedy decoding takes the likeliest token; "
+                           "temperature, top-k and top-p only shape sampling", f"drop --greedy to sample, or drop "
+                           f"{', '.join(flags)}")
+    defaults = Sampling()
+    sampling = Sampling(defaults.temperature if temperature is None else temperature,
+                        defaults.top_k if top_k is None else top_k, defaults.top_p if top_p is None else top_p,
+                        greedy, seed, repetition_penalty)
     profile = get_device(device) if device else None
     threads = threads or (profile.threads if profile and profile.threads else None)
     # The prompt is echoed only once the folder, tokenizer and prefill have worked: a failure prints
@@ -540,6 +551,7 @@ from edgelin import cli_train_report  # noqa: E402,F401  (registers train and re
 
 
 def main() -> None:
+    handle_termination()  # SIGTERM/SIGHUP clean up like Ctrl-C (partial output folders, locks)
     app()
 
 

@@ -9,12 +9,13 @@ import errno
 import functools
 import math
 import os
+import signal
 from typing import Any, Callable, Iterator, Optional
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from edgelin.errors import EdgelinError
+from edgelin.errors import EdgelinError, Terminated
 from edgelin.output import Output
 
 try:  # typer >= 0.20 vendors click
@@ -35,9 +36,9 @@ class _Clean:
                 param.metavar = ""
         return params
 
-    def make_context(self, *args: Any, **kwargs: Any) -> Any:
-        with _one_line_usage_errors():
-            return super().make_context(*args, **kwargs)  # type: ignore[misc]
+    def make_context(self, info_name: Optional[str], args: list[str], *rest: Any, **kwargs: Any) -> Any:
+        with _one_line_usage_errors(list(args)):  # a copy: parsing consumes the list
+            return super().make_context(info_name, args, *rest, **kwargs)  # type: ignore[misc]
 
 
 class EdgelinCommand(_Clean, TyperCommand):
@@ -46,13 +47,19 @@ class EdgelinCommand(_Clean, TyperCommand):
 
 class EdgelinGroup(_Clean, TyperGroup):
     def invoke(self, ctx: Any) -> Any:  # "Missing command", "No such command", a command's own parse errors
-        with _one_line_usage_errors():
+        with _one_line_usage_errors([*getattr(ctx, "_protected_args", ()), *ctx.args]):
             return super().invoke(ctx)
 
 
+def _wants_json(args: list[str]) -> bool:
+    """Whether the command line asks for --json (before a `--`, after which everything is an argument)."""
+    return "--json" in args[:args.index("--")] if "--" in args else "--json" in args
+
+
 @contextlib.contextmanager
-def _one_line_usage_errors() -> Iterator[None]:
-    """typer's usage error is a multi-line box; edgelin's errors are one line: `error: WHAT: WHY. Fix: FIX`."""
+def _one_line_usage_errors(args: list[str]) -> Iterator[None]:
+    """typer's usage error is a multi-line box; edgelin's errors are one line: `error: WHAT: WHY. Fix: FIX`,
+    or with --json among `args` (the arguments being parsed) the `{"error": ...}` object a command prints."""
     try:
         yield
     except NoArgsIsHelpError:  # bare `edgelin` prints the help, as intended
@@ -60,7 +67,7 @@ def _one_line_usage_errors() -> Iterator[None]:
     except UsageError as exc:
         where = exc.ctx.command_path if exc.ctx is not None else "edgelin"
         message = exc.format_message().strip().rstrip(".").replace("Value error, ", "")  # typer 0.29's wording
-        Output().error(f"{message}. Fix: see `{where} --help`")
+        Output(as_json=_wants_json(args)).error(f"{message}. Fix: see `{where} --help`")
         raise typer.Exit(exc.exit_code) from None
 
 
@@ -116,6 +123,26 @@ def environment_error(exc: BaseException) -> EdgelinError:
     return EdgelinError(f"cannot use {paths}" if paths else "a file operation failed", why, fix)
 
 
+# ---- signals: `kill`, `timeout`, a closed terminal end a run the way Ctrl-C does ---------------------
+_TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    # Once: a second signal must not cut short the cleanup (partial folder, lock) the first one started.
+    for sig in _TERMINATING:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def handle_termination() -> None:
+    """SIGTERM and SIGHUP raise Terminated (a KeyboardInterrupt) like Ctrl-C's SIGINT, so that output
+    claims are rolled back and the command exits with 128 + the signal's number. Call from the main
+    thread (the entry point). A signal already ignored (`nohup` ignores SIGHUP) stays ignored."""
+    for sig in _TERMINATING:
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _terminate)
+
+
 def command(fn: Callable) -> Callable:
     """Register a command whose EdgelinErrors become one line on stderr and a non-zero exit."""
 
@@ -129,6 +156,9 @@ def command(fn: Callable) -> Callable:
                 raise
             out.error(exc.line())
             raise typer.Exit(exc.exit_code)
+        except Terminated as exc:  # SIGTERM/SIGHUP: the `with` blocks above cleaned up on the way here
+            out.error(f"terminated ({signal.Signals(exc.signum).name})")
+            raise typer.Exit(128 + exc.signum)
         except KeyboardInterrupt:
             out.error("interrupted")
             raise typer.Exit(130)

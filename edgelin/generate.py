@@ -72,6 +72,16 @@ def sample(logits: np.ndarray, cfg: Sampling, rng: np.random.Generator, seen: np
     return int(order[rng.choice(keep, p=probs)])
 
 
+def check_finite(logits: np.ndarray, token: int, folder: Path) -> None:
+    """Refuse NaN/inf logits before sampling from them (sampling would crash, argmax pick garbage). The
+    weights are not hashed on every load, so corrupt ones (zeroed, bit-flipped) first show up here."""
+    if not np.isfinite(logits).all():
+        raise EdgelinError(f"the model produced NaN/inf logits at new token {token}",
+                           "the export's weights or graphs are likely corrupt (sampling needs finite logits)",
+                           f"run `edgelin validate {folder}` to check the folder (the weights may be corrupt), "
+                           "or re-export")
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     prompt_tokens: int
@@ -127,6 +137,7 @@ def generate(
     started = time.perf_counter()
     logits, state = prefill(runner, np.asarray([ids], np.int64))
     prefill_seconds = time.perf_counter() - started
+    check_finite(logits[0], 1, folder)  # before on_start: a model that cannot continue echoes no prompt
     # Constant memory: one flag per vocabulary entry, however long the generation (not a list of ids).
     seen = np.zeros(logits.shape[-1], dtype=bool)
     seen[[t for t in ids if 0 <= t < seen.size]] = True
@@ -138,6 +149,8 @@ def generate(
     token_buf, position_buf = np.zeros(1, np.int64), np.zeros(1, np.int64)
     started = time.perf_counter()
     for _ in range(max_new_tokens):
+        if produced:  # the prefill's logits were checked above
+            check_finite(logits[0], produced + 1, folder)
         token = sample(logits[0], sampling, rng, seen)
         seen[token] = True
         produced += 1

@@ -2,12 +2,16 @@
 
 Every string handed to this layer is plain text: paths, names and messages are never parsed as rich
 markup (a path like `ckpt[/y]` or a hint like `pip install 'edgelin[onnx]'` prints verbatim). Our
-own styling is passed as `rich.text.Text` objects (`styled()`), never as markup in a string."""
+own styling is passed as `rich.text.Text` objects (`styled()`), never as markup in a string.
+
+Control characters in that text (a path holding ESC sequences, a newline) are printed escaped (`\\e`,
+`\\n`, `\\xNN`): no user text can restyle the terminal, set its title, or split an error over lines."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import threading
 import time
@@ -17,7 +21,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from rich.text import Text
+from rich.text import Span, Text
 
 Update = Callable[..., None]  # update(completed=None, description=None, total=None)
 
@@ -27,8 +31,44 @@ def styled(text: str, style: str) -> Text:
     return Text(text, style=style)
 
 
-def _plain(value: str | Text) -> Text:
-    return value if isinstance(value, Text) else Text(str(value))
+# C0 controls, DEL and C1 controls (\x9b is a one-byte CSI): each can start a terminal escape sequence.
+# And the bytes of a path that are not UTF-8 (Python holds them as surrogates \udc80-\udcff), which
+# would otherwise reach the terminal raw, or fail to encode.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\udc80-\udcff]")
+_CONTROL_NO_NEWLINE = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\udc80-\udcff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\x1b": "\\e"}
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char) - 0xDC00 if ord(char) >= 0xDC80 else ord(char)  # a surrogate: the byte it stands for
+    return _NAMED.get(char, f"\\x{code:02x}")
+
+
+def escape_controls(text: str, keep_newlines: bool = False) -> str:
+    """`text` with its control characters as visible escapes (`\\e`, `\\n`, `\\x07`)."""
+    return (_CONTROL_NO_NEWLINE if keep_newlines else _CONTROL).sub(_escape_char, text)
+
+
+def _safe(value: str | Text, keep_newlines: bool = False) -> Text:
+    """`value` as a Text with its control characters escaped; a Text keeps its styles on the same characters."""
+    if not isinstance(value, Text):
+        return Text(escape_controls(str(value), keep_newlines))
+    pattern = _CONTROL_NO_NEWLINE if keep_newlines else _CONTROL
+    if not pattern.search(value.plain):
+        return value
+    # Escaping lengthens the text: map every old offset to its new one and move the spans with it.
+    pieces, starts, position = [], [], 0
+    for char in value.plain:
+        starts.append(position)
+        pieces.append(pattern.sub(_escape_char, char))
+        position += len(pieces[-1])
+    starts.append(position)
+    end = len(value.plain)
+    safe = Text("".join(pieces), style=value.style, justify=value.justify, overflow=value.overflow,
+                no_wrap=value.no_wrap, end=value.end)
+    safe.spans = [Span(starts[min(span.start, end)], starts[min(span.end, end)], span.style) for span in value.spans]
+    return safe
 
 
 class Output:
@@ -45,14 +85,15 @@ class Output:
             return
         # The title is a line of its own: as a table title it would wrap at the table's width and
         # split a long path across lines.
-        self.console.print(styled(title, "italic"), soft_wrap=True)
+        self.console.print(styled(escape_controls(title), "italic"), soft_wrap=True)
         table = Table()
         for i, col in enumerate(columns):
             numeric = all(isinstance(row[i], (int, float)) for row in rows if row[i] not in ("-", None))
             # fold: on a narrow terminal a long cell wraps instead of being cut off (no text lost)
-            table.add_column(_plain(col), justify="right" if numeric and rows else "left", overflow="fold")
+            table.add_column(_safe(col), justify="right" if numeric and rows else "left", overflow="fold")
         for row in rows:
-            table.add_row(*[v if isinstance(v, Text) else Text(_cell(v)) for v in row])
+            # a cell may hold lines of its own ("\n"-joined): those stay, other control characters do not
+            table.add_row(*[_safe(v if isinstance(v, Text) else _cell(v), keep_newlines=True) for v in row])
         if self.console.is_terminal:
             self.console.print(table)
             return
@@ -69,17 +110,18 @@ class Output:
     def line(self, text: str | Text) -> None:
         """One line on stdout; a `str` is printed verbatim (no markup), a `Text` keeps its styles."""
         if not self.as_json:
-            self.console.print(_plain(text), soft_wrap=True)
+            self.console.print(_safe(text, keep_newlines=True), soft_wrap=True)
 
     def note(self, text: str | Text) -> None:
         """A side remark on stderr (statistics, hints): stdout stays the command's product."""
         if not self.as_json:
-            self.err.print(styled(text, "dim") if isinstance(text, str) else text, soft_wrap=True)
+            self.err.print(_safe(styled(text, "dim") if isinstance(text, str) else text, keep_newlines=True),
+                           soft_wrap=True)
 
     def warning(self, text: str) -> None:
         """`warning: TEXT` on stderr; with --json nothing: the command puts its warnings in its result."""
         if not self.as_json:
-            self.err.print(Text.assemble(("warning:", "bold yellow"), " ", text), soft_wrap=True)
+            self.err.print(Text.assemble(("warning:", "bold yellow"), " ", escape_controls(text)), soft_wrap=True)
 
     def stream(self, text: str) -> None:
         """Raw text as it is produced (generation), never wrapped or re-styled."""
@@ -88,11 +130,12 @@ class Output:
             sys.stdout.flush()
 
     def error(self, text: str) -> None:
-        """The whole message is user text (it embeds paths and pip hints): printed without markup."""
+        """The whole message is user text (it embeds paths and pip hints): printed without markup, on one
+        line (control characters escaped). JSON escapes them itself (ensure_ascii: as \\u001b, \\u009b)."""
         if self.as_json:
             print(json.dumps({"error": text}), file=sys.stderr)
         else:
-            self.err.print(Text.assemble(("error:", "bold red"), " ", text), soft_wrap=True)
+            self.err.print(Text.assemble(("error:", "bold red"), " ", escape_controls(text)), soft_wrap=True)
 
     @contextlib.contextmanager
     def progress(self, description: str, total: int | None = None) -> Iterator[Update]:
@@ -105,8 +148,9 @@ class Output:
             return
         if not self.err.is_terminal:
             # "progress:" like "error:"/"warning:": a log reader (or a test) can tell the kinds apart.
-            log = LogProgress(lambda line: self.err.print(Text.assemble(("progress:", "dim"), " ", line),
-                                                          soft_wrap=True), description, total)
+            log = LogProgress(lambda line: self.err.print(Text.assemble(("progress:", "dim"), " ",
+                                                                        escape_controls(line)), soft_wrap=True),
+                              description, total)
             try:
                 yield log.update
             except BaseException:
@@ -118,12 +162,12 @@ class Output:
         columns = [SpinnerColumn(), text, BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TimeElapsedColumn()] if total else [SpinnerColumn(), text, TimeElapsedColumn()]
         with Progress(*columns, console=self.err, transient=True) as bar:
-            task = bar.add_task(description, total=total)
+            task = bar.add_task(escape_controls(description), total=total)
 
             def update(completed: int | None = None, description: str | None = None,
                        total: int | None = None) -> None:
                 bar.update(task, **({"completed": completed} if completed is not None else {}),
-                           **({"description": description} if description else {}),
+                           **({"description": escape_controls(description)} if description else {}),
                            **({"total": total} if total else {}))
 
             yield update

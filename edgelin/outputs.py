@@ -4,9 +4,12 @@ Rules, so a user's data is never lost:
 - `--out` may not be, sit inside, or contain a protected path (the source checkpoint), and a folder that
   is replaced as a whole may not be or contain the current folder.
 - An existing output needs `--force`, and `--force` only replaces what edgelin itself wrote: an export
-  folder with our manifest.json and nothing else, or the files of a checkpoint edgelin trained.
+  folder with our manifest.json and nothing else, or the files of a checkpoint edgelin trained. A folder
+  replaced as a whole is checked again at the swap (files added while the run wrote are kept).
 - One writer per output at a time: an flock on `.NAME.lock` beside it (the kernel drops it when the
-  holder dies, so a killed run never leaves a lock that blocks the next one).
+  holder dies, so a killed run never leaves a lock that blocks the next one). A file at that name that is
+  not such a lock (a symlink, a hard link, other content) is refused, never written through or removed.
+- Parent folders a failed run created are removed again (when empty).
 - Everything is written into `.NAME.partial-PID` (`.tmp-PID` for checkpoints) and renamed into place
   once complete; leftovers of killed runs (their pid is gone) are removed by the next run.
 - Every OSError (read-only filesystem, permissions, disk full, a file where a folder should be)
@@ -22,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +44,7 @@ class OutputKind:
     temp_tag: str  # .NAME.<temp_tag>-PID
     whole_folder: bool  # True: the folder is swapped as a whole; False: files are written into it
     owned: Callable[[Path], tuple[frozenset[str], str]]  # (names edgelin wrote, why not ours if empty)
+    reads: str = "the model"  # what the protected paths hold, for the refusal's line
 
 
 def _owned_export(folder: Path) -> tuple[frozenset[str], str]:
@@ -175,8 +180,8 @@ def _check_output(out: Path, force: bool, kind: OutputKind, protected: Sequence[
         relation = _relation(target, source)
         if relation:
             raise EdgelinError(f"--out {out} {relation} the source {source}",
-                               "writing there could destroy the model being read",
-                               "pick an --out outside the source checkpoint's folder")
+                               f"writing there could destroy {kind.reads} being read",
+                               f"pick an --out outside the folder of {kind.reads}")
     if kind.whole_folder:  # swapping the folder you stand in leaves the shell in a deleted folder
         try:
             relation = _relation(target, Path.cwd().resolve())
@@ -259,9 +264,14 @@ def os_error(exc: OSError, out: Path) -> EdgelinError:
 # ---- lock, leftovers, commit ----------------------------------------------------------------------
 @contextlib.contextmanager
 def _lock(out: Path, target: Path, kind: OutputKind) -> Iterator[None]:
-    path = target.parent / f".{target.name}.lock"
+    path = lock_path(target)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # O_NOFOLLOW: a symlink planted at the lock's name is refused, never written through
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise _foreign_lock(out, path, "it is a symbolic link") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -270,6 +280,10 @@ def _lock(out: Path, target: Path, kind: OutputKind) -> Iterator[None]:
             raise EdgelinError(f"another {kind.label} (pid {holder}) is writing {out} right now",
                                "two runs would replace each other's output",
                                "wait for it to finish, or pick another --out") from None
+        why_foreign = _not_a_lock(fd)
+        if why_foreign:  # a file of the user's that happens to have the lock's name: leave it as it is
+            os.close(fd)
+            raise _foreign_lock(out, path, why_foreign)
         try:  # the previous holder unlinks the file before unlocking: retry if we locked a dead inode
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -285,6 +299,45 @@ def _lock(out: Path, target: Path, kind: OutputKind) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(path)
         os.close(fd)
+
+
+def lock_path(target: Path) -> Path:
+    return target.parent / f".{target.name}.lock"
+
+
+def _not_a_lock(fd: int) -> str:
+    """Why the open file is not a lock edgelin wrote ("" when it is one: empty, or a pid and a newline,
+    a plain file with one link), so that it is never emptied or removed."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if info.st_nlink > 1:
+        return "it has other hard links"
+    if info.st_size > 32 or not re.fullmatch(rb"(\d+\n)?", os.pread(fd, 64, 0)):
+        return "it holds something other than a process id"
+    return ""
+
+
+def _foreign_lock(out: Path, path: Path, why: str) -> EdgelinError:
+    return EdgelinError(f"cannot lock {out}: {path} is in the way", f"{why}, so edgelin did not write it",
+                        "move that file away, or pick another --out")
+
+
+def lock_held(target: Path) -> bool:
+    """Whether a live run holds target's lock (a file left by a killed run holds none)."""
+    try:
+        fd = os.open(lock_path(target), os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # a symlink or an unreadable file at that name: treat the name as taken
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock taken just now
+    return False
 
 
 def pid_alive(pid: int) -> bool:
@@ -317,7 +370,7 @@ def clean_leftovers(target: Path) -> list[Path]:
     return removed
 
 
-def _commit(tmp: Path, target: Path, kind: OutputKind) -> None:
+def _commit(out: Path, tmp: Path, target: Path, kind: OutputKind) -> None:
     """Move the finished temp folder into place; an existing output is moved aside first and removed
     only once the new one is there (on failure it is put back)."""
     if not target.exists():
@@ -327,8 +380,12 @@ def _commit(tmp: Path, target: Path, kind: OutputKind) -> None:
     shutil.rmtree(old, ignore_errors=True)
     if kind.whole_folder:
         target.rename(old)
-        try:
+        try:  # checked again once moved aside: files added to it while this run wrote are never deleted
+            _check_owned(out, old, kind, ())
             tmp.rename(target)
+        except EdgelinError as exc:
+            old.rename(target)
+            raise EdgelinError(f"{exc.what} (it changed while this {kind.label} ran)", exc.why, exc.fix) from None
         except OSError:
             old.rename(target)
             raise
@@ -366,7 +423,10 @@ def claim_output(out: Path, force: bool, kind: OutputKind, protected: Sequence[P
     failure the temp folder is removed and `out` is as it was."""
     out = Path(out)
     target = check_output(out, force, kind, protected, writes)
+    created = [p for p in reversed(target.parents) if not p.exists() and not p.is_symlink()]
     with contextlib.ExitStack() as stack:
+        # runs last: parent folders this run created go again if it failed (not empty: kept)
+        stack.callback(_remove_empty, created[::-1])
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             stack.enter_context(_lock(out, target, kind))
@@ -382,16 +442,22 @@ def claim_output(out: Path, force: bool, kind: OutputKind, protected: Sequence[P
             yield tmp
             if not kind.whole_folder:  # the names are known now: check nothing foreign is replaced
                 check_output(out, force, kind, protected, [p.name for p in tmp.iterdir()])
-            _commit(tmp, target, kind)
+            _commit(out, tmp, target, kind)
         except OSError as exc:
             raise os_error(exc, out) from exc
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 def fresh_folder(root: Path, name: str) -> Path:
     """root/name, or root/name-2, -3, ... : the first that neither exists nor is being written."""
     for i in range(1, 10_000):
         candidate = root / (name if i == 1 else f"{name}-{i}")
-        if not candidate.exists() and not (root / f".{candidate.name}.lock").exists():
+        if not candidate.exists() and not lock_held(candidate):
             return candidate
     raise EdgelinError(f"no free folder name under {root}", f"{name}, {name}-2 ... are all taken",
                        "pass --out, or clean up old runs")

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from edgelin.checkpoint import write_checkpoint_files
+from edgelin.checkpoint import check_fits_in_memory, write_checkpoint_files
 from edgelin.errors import EdgelinError
 from edgelin.model.config import AttentionConfig, ModelConfig
 from edgelin.model.lm import CausalLM
@@ -100,8 +100,9 @@ class Recipe:
         recipe = cls(path.resolve(), hashlib.sha256(raw).hexdigest(), model,
                      _section(path, "data", doc, DataConfig), _section(path, "tokenizer", doc, TokenizerConfig),
                      _section(path, "train", doc, TrainConfig))
-        recipe.model_config(recipe.tokenizer.vocab_size)  # fail now on a bad [model], not after tokenizing
+        config = recipe.model_config(recipe.tokenizer.vocab_size)  # fail now on a bad [model], not after tokenizing
         recipe._check_values()
+        check_fits_in_memory(config, str(path))  # absurd sizes too, before anything is allocated
         return recipe
 
     def _check_values(self) -> None:
@@ -115,6 +116,8 @@ class Recipe:
         if min(t.steps, t.batch_size, t.seq_len, t.threads, t.eval_every, t.eval_windows) < 1 or t.lr <= 0:
             raise EdgelinError(f"{self.path}: [train] has a non-positive size or lr", "nothing would train",
                                "use positive steps, batch_size, seq_len, threads, eval_every, eval_windows, lr")
+        if not 0 <= t.seed <= MAX_SEED:
+            raise seed_error(f"{self.path}: [train] seed = {t.seed}", "use a seed in that range")
         if not 0 < self.data.val_fraction < 0.5:
             raise EdgelinError(f"{self.path}: [data] val_fraction = {self.data.val_fraction}",
                                "it must be in (0, 0.5)", "use e.g. 0.05")
@@ -129,6 +132,15 @@ class Recipe:
         except (TypeError, KeyError) as exc:
             why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
             raise EdgelinError(f"{self.path}: invalid [model] section", why, "see recipes/README.md") from exc
+
+
+# torch.manual_seed takes [-2**63, 2**64 - 1] and numpy's default_rng non-negative integers: both is [0, 2**64 - 1]
+MAX_SEED = 2**64 - 1
+
+
+def seed_error(what: str, fix: str) -> EdgelinError:
+    return EdgelinError(what, f"the seed seeds both torch and numpy, which take an integer in [0, {MAX_SEED}] "
+                        "(0 to 2**64 - 1)", fix)
 
 
 def _reject_unknown(path: Path, section: str, table: Any, known: set[str]) -> None:
@@ -321,6 +333,8 @@ def train(recipe_path: Path | str, out_dir: Path | str | None = None, steps: int
     `device` ("cpu", "cuda", "cuda:N"; default cpu) is where the model trains, evaluates and samples:
     the weights are initialised on the CPU first (the same init on every device) and saved from it."""
     recipe = Recipe.load(recipe_path)
+    if seed is not None and not 0 <= seed <= MAX_SEED:  # before --out is claimed: a refusal leaves nothing
+        raise seed_error(f"--seed {seed} is out of range", f"pass --seed between 0 and {MAX_SEED}")
     if seed is not None:
         recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, seed=seed))
     target = training_device(device)

@@ -140,6 +140,61 @@ def test_force_replaces_an_older_export_without_a_files_list(ckpt, fast_graphs, 
     assert "files" in json.loads((out / "manifest.json").read_text())
 
 
+def test_files_added_while_a_forced_export_runs_are_kept(ckpt, monkeypatch, tmp_path):
+    """--force checked the folder when it started; a file the user adds while the export writes (a
+    validate --json > out/val.json in another terminal) must not be deleted by the swap at the end."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(onnx_target, "finish_graphs", lambda *a, **k: {})
+
+    def graph_then_user_writes(*args):
+        Path(args[4]).write_bytes(FAKE_GRAPH)
+        (out / "val.json").write_text("the user's")  # into the old export, mid-run
+
+    monkeypatch.setattr(onnx_target, "export_onnx_graph", lambda *a: Path(a[4]).write_bytes(FAKE_GRAPH))
+    assert run("export", ckpt, "--out", out).exit_code == 0
+    monkeypatch.setattr(onnx_target, "export_onnx_graph", graph_then_user_writes)
+    before = set(os.listdir(out))
+    refused(run("export", ckpt, "--out", out, "--force"), "will not replace", "val.json", "changed while")
+    assert (out / "val.json").read_text() == "the user's" and set(os.listdir(out)) == before | {"val.json"}
+    assert leftovers(tmp_path) == []
+
+
+def test_failed_export_removes_the_parent_folders_it_created(ckpt, monkeypatch, tmp_path):
+    def fail(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx_target, "export_onnx_graph", fail)
+    (tmp_path / "kept").mkdir()
+    result = run("export", ckpt, "--out", tmp_path / "kept" / "a" / "b" / "out")
+    assert result.exit_code == 2, result.output
+    assert os.listdir(tmp_path / "kept") == []  # a/ and a/b/ went; kept/ (the user's) stayed
+
+
+@pytest.mark.parametrize("planted", ["symlink", "user-file", "hard-link"])
+def test_a_file_at_the_lock_name_is_never_written_or_removed(ckpt, fast_graphs, tmp_path, planted):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("important user data\n")
+    lock = tmp_path / ".out.lock"
+    if planted == "symlink":
+        lock.symlink_to(victim)
+    elif planted == "hard-link":
+        os.link(victim, lock)
+    else:
+        lock.write_text("my own notes, not a pid\n")
+    refused(run("export", ckpt, "--out", tmp_path / "out"), "cannot lock", ".out.lock", "move that file away")
+    assert victim.read_text() == "important user data\n" and (lock.is_symlink() or lock.read_text())
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lock_left_by_a_killed_run_does_not_take_the_name(tmp_path):
+    from edgelin.outputs import fresh_folder, lock_held
+
+    (tmp_path / ".r1.lock").write_text(f"{dead_pid()}\n")  # SIGKILL: the file stays, its flock is gone
+    assert not lock_held(tmp_path / "r1") and fresh_folder(tmp_path, "r1") == tmp_path / "r1"
+    with claim_output(tmp_path / "r2", False, EXPORT):  # a live writer's lock does take it
+        assert lock_held(tmp_path / "r2") and fresh_folder(tmp_path, "r2") == tmp_path / "r2-2"
+
+
 # ---- 3. one writer per folder ---------------------------------------------------------------------
 def test_second_export_while_one_is_writing_is_refused(ckpt, fast_graphs, tmp_path):
     out = tmp_path / "out"
@@ -326,3 +381,14 @@ def test_train_force_refuses_a_checkpoint_it_did_not_train(recipe, tmp_path):
     refused(run("train", recipe, "--steps", "1", "--out", recipe.parent, "--force"),
                          "will not replace", "config.json")
     assert tree_hashes(recipe.parent) == before
+
+
+def test_saved_weights_get_the_umask_mode_not_0600(tmp_path):
+    from edgelin.checkpoint import save_safetensors
+
+    umask = os.umask(0o022)
+    try:
+        save_safetensors({"w": torch.zeros(2)}, tmp_path / "model.safetensors", {"format": "pt"})
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == 0o644

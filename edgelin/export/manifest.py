@@ -118,17 +118,11 @@ class Manifest:
                                "pass a folder written by `edgelin export`")
         try:
             data = json.loads(path.read_text())
-            if data.get("format") != FORMAT:
-                raise ValueError(f"format is {data.get('format')!r}, expected {FORMAT!r}")
-            if data.get("manifest_version") != MANIFEST_VERSION:
-                raise ValueError(f"manifest_version {data.get('manifest_version')} is not {MANIFEST_VERSION}")
-            model = data["model"]
-            files = data.get("files")
-            if files is not None and not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
-                raise ValueError("files is not a list of file names")
+            check_shapes(data)
+            model, files = data["model"], data.get("files")
             for name in [g["file"] for g in data["graphs"].values()] + [data.get("tokenizer")] + (files or []):
-                if name is not None and (Path(name).name != name or name in (".", "..")):
-                    raise ValueError(f"file name {name!r} escapes the export folder")
+                if name is not None and not _plain_name(name):
+                    raise ValueError(f"file name {_brief(name)} escapes the export folder")
             check_consistency(data)
             return cls(
                 target=data["target"], precision=data["precision"],
@@ -143,6 +137,101 @@ class Manifest:
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise EdgelinError(f"{path} is malformed", f"{type(exc).__name__}: {exc}",
                                "re-run `edgelin export` to regenerate the folder") from exc
+        except RecursionError as exc:  # json's parser recurses once per nesting level
+            raise EdgelinError(f"{path} is malformed", "its JSON is nested too deeply to parse",
+                               "re-run `edgelin export` to regenerate the folder") from exc
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    """A value from the file as short JSON: an error line names it, never dumps a whole entry."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name directly inside the export folder (no folder part, not '.' or '..')."""
+    return isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
+
+
+def _expect(where: str, value: Any, kind: type | tuple[type, ...], wanted: str) -> None:
+    """ValueError (the caller: "malformed") naming the field and its value unless `value` is a `kind`."""
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple)
+                                                                                 else (kind,))):
+        raise ValueError(f"{where} is {_brief(value)}, expected {wanted}")
+
+
+def check_shapes(data: Any) -> None:
+    """The JSON types of every manifest field the readers index into (the top level, model, graphs,
+    state, extra and its weights/precision/quantization entries), so that an edited or foreign file is
+    one "malformed" line naming the field instead of a crash where it is first used. check_consistency
+    then checks the values against each other."""
+    _expect("the manifest", data, dict, "a JSON object")
+    if data.get("format") != FORMAT:
+        raise ValueError(f"format is {_brief(data.get('format'))}, expected {FORMAT!r}")
+    if data.get("manifest_version") != MANIFEST_VERSION:
+        raise ValueError(f"manifest_version {_brief(data.get('manifest_version'))} is not {MANIFEST_VERSION}")
+    for key in ("target", "precision"):
+        _expect(key, data.get(key), str, "a string")
+    _expect("source", data.get("source"), dict, "an object")
+    _expect("model", data.get("model"), dict, "an object")
+    _expect("model.layers", data["model"].get("layers"), list, "a list")
+    for i, layer in enumerate(data["model"]["layers"]):
+        _expect(f"model.layers[{i}]", layer, dict, "an object")
+    if "num_parameters" in data["model"]:
+        _expect("model.num_parameters", data["model"]["num_parameters"], int, "an integer")
+    _expect("graphs", data.get("graphs"), dict, "an object (graph kind -> its file and I/O)")
+    for kind, graph in data["graphs"].items():
+        _expect(f"graphs.{kind}", graph, dict, "an object")
+        _expect(f"graphs.{kind}.file", graph.get("file"), str, "a file name")
+        for side in ("inputs", "outputs"):
+            _expect(f"graphs.{kind}.{side}", graph.get(side), list, "a list")
+            for i, tensor in enumerate(graph[side]):
+                _expect(f"graphs.{kind}.{side}[{i}]", tensor, dict, "an object")
+                _expect(f"graphs.{kind}.{side}[{i}].dims", tensor.get("dims"), list, "a list")
+    _expect("state", data.get("state"), list, "a list")
+    for i, entry in enumerate(data["state"]):
+        _expect(f"state[{i}]", entry, dict, "an object")
+    _expect("tokenizer", data.get("tokenizer"), (str, type(None)), "a file name or null")
+    for key in ("bos_token_id", "eos_token_id"):
+        _expect(key, data.get(key), (int, type(None)), "an integer or null")
+    files = data.get("files")
+    if files is not None and not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
+        raise ValueError("files is not a list of file names")
+    extra = data.get("extra", {})
+    _expect("extra", extra, dict, "an object")
+    for key in ("precision", "quantization", "reference_vectors", "baselines", "quality", "serve"):
+        if extra.get(key) is not None:
+            _expect(f"extra.{key}", extra[key], dict, "an object")
+    if extra.get("weights") is not None:
+        _check_weights_entry(extra["weights"])
+
+
+def _check_weights_entry(weights: Any) -> None:
+    """extra.weights (edgelin.export.weights.describe): the one weights file both graphs read."""
+    _expect("extra.weights", weights, dict, "an object")
+    if not _plain_name(weights.get("file")):
+        raise ValueError(f"extra.weights.file {_brief(weights.get('file'))} is not a file name in the export "
+                         "folder (it escapes the folder)")
+    for key in ("bytes", "shared_tensors"):
+        if not isinstance(weights.get(key), int) or isinstance(weights[key], bool) or weights[key] < 0:
+            raise ValueError(f"extra.weights.{key} is {_brief(weights.get(key))}, expected an integer >= 0")
+    for key in ("read_by", "bytes_by_dtype"):
+        if key in weights:
+            _expect(f"extra.weights.{key}", weights[key], dict, "an object")
+    by_graph = weights.get("tensors_by_graph", {})
+    _expect("extra.weights.tensors_by_graph", by_graph, dict, "an object (graph file -> its tensors)")
+    for file, tensors in by_graph.items():
+        where = f"extra.weights.tensors_by_graph[{_brief(file)}]"
+        _expect(where, tensors, list, "a list of [name, offset, length, dtype, dims]")
+        for i, tensor in enumerate(tensors):
+            if not (isinstance(tensor, list) and len(tensor) == 5 and isinstance(tensor[0], str)
+                    and all(isinstance(n, int) and not isinstance(n, bool) for n in tensor[1:3])
+                    and isinstance(tensor[3], str) and isinstance(tensor[4], list)
+                    and all(isinstance(d, int) and not isinstance(d, bool) for d in tensor[4])):
+                raise ValueError(f"{where}[{i}] is {_brief(tensor)}, expected [name, offset, length, dtype, dims]")
 
 
 _EDITED = "the folder was edited or mixed with another export"

@@ -23,6 +23,7 @@ position must continue it), read_state returns the valid part, and a call past N
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -181,10 +182,10 @@ class OnnxRunner(Runner):
                     graph_options.add_initializer(name, value)
             try:
                 session = ort.InferenceSession(str(path), graph_options, providers=["CPUExecutionProvider"])
-            except _ort_errors() as exc:  # a truncated or corrupt file is the folder's fault, not edgelin's
+            except _ort_errors() as exc:  # a truncated, corrupt or moved file is the folder's fault, not edgelin's
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise EdgelinError(f"{path} cannot be loaded by ONNX Runtime", f"{type(exc).__name__}: {reason}",
-                                   "re-run `edgelin export` (the file is truncated or corrupt)") from exc
+                                   _load_fix(reason)) from exc
             _check_contract(kind, session, entry)
             self.sessions[kind] = session
         self.state_names = [t.name for t in manifest.state_inputs]
@@ -388,9 +389,11 @@ def _check_weights(folder: Path, entry: dict) -> None:
     """The weights file the manifest lists is there, at its recorded size (a cheap stat, no hash: ONNX
     Runtime reads it by offsets, so a truncated or swapped file must be caught before it does)."""
     name, size = entry.get("file"), entry.get("bytes")
-    if not isinstance(name, str) or Path(name).name != name or name in (".", "..") or not isinstance(size, int):
-        raise EdgelinError(f"{folder}/manifest.json has a malformed weights entry", f"{entry!r}",
-                           "re-run `edgelin export`")
+    bad_name = not isinstance(name, str) or Path(name).name != name or name in (".", "..")
+    if bad_name or not isinstance(size, int):
+        shown = (f"file {name!r}" if bad_name else f"bytes {size!r}")[:80]  # never the whole entry: one line
+        raise EdgelinError(f"{folder}/manifest.json has a malformed weights entry", f"extra.weights {shown}: "
+                           "expected a file name in the folder and its size in bytes", "re-run `edgelin export`")
     path = folder / name
     if not path.is_file():
         raise EdgelinError(f"{path} is missing", "the manifest lists it: the step and prefill graphs read their "
@@ -425,6 +428,17 @@ def _check_capacity(sessions: dict, capacity: int) -> None:
             raise EdgelinError(f"manifest and {kind} graph disagree: the KV cache capacity is {capacity} in the "
                                f"manifest but {recorded or 'none (a growing cache)'} in the graph",
                                "the folder was edited or mixed with another export", "re-run `edgelin export`")
+
+
+def _load_fix(reason: str) -> str:
+    """The fix for ONNX Runtime's refusal to load a graph of the folder, from its message."""
+    if "escapes model directory" in reason:  # e.g. weights.bin is a link to a file elsewhere: ORT refuses it
+        named = re.search(r'External data path: "([^"]+)"', reason)
+        return (f"replace the link {named[1] if named else 'weights.bin'} with a copy of the file it points to "
+                "(the export folder's files must be real files inside it), or re-run `edgelin export`")
+    if "does not exist" in reason:
+        return "put back the missing file from the export, or re-run `edgelin export`"
+    return "re-run `edgelin export` (the file is truncated or corrupt)"
 
 
 def _ort_errors() -> tuple[type[BaseException], ...]:

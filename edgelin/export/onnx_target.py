@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from edgelin.errors import EdgelinError
+from edgelin.errors import EdgelinError, environment_fault, one_line
 from edgelin.export.base import Artifact, Phase, Target, missing_module
 from edgelin.export.tensors import TensorIO
 
@@ -72,10 +72,21 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
                 external_data=False, optimize=True, verify=False,
             )
     except Exception as exc:
-        tail = "\n".join(log.getvalue().strip().splitlines()[-5:])
-        raise EdgelinError(f"ONNX export of {path.name} failed", f"{type(exc).__name__}: {str(exc)[:400]} {tail}",
+        fault = environment_fault(exc)
+        if fault is not None:  # a full disk, a quota, permissions: the caller's output claim names the fix
+            raise fault from None
+        raise EdgelinError(f"ONNX export of {path.name} failed", exporter_reason(exc, log.getvalue()),
                            "report this model config as an edgelin bug (run with --debug for the trace)") from exc
     name_dynamic_axes(path, inputs, outputs)
+
+
+def exporter_reason(exc: BaseException, log: str, limit: int = 400) -> str:
+    """Why torch.onnx.export failed, on one line: the exception, and the last line the exporter printed
+    that is not one of its "[torch.onnx] <step>... ✅/❌" progress lines (often the actual complaint)."""
+    said = [line for line in log.splitlines() if line.strip() and not line.lstrip().startswith("[torch.onnx]")
+            and not any(mark in line for mark in ("✅", "❌"))]
+    reason = f"{type(exc).__name__}: {one_line(str(exc), limit)}"
+    return reason + (f" (exporter: {one_line(said[-1], 160)})" if said else "")
 
 
 def name_dynamic_axes(path: Path, inputs: list[TensorIO], outputs: list[TensorIO]) -> None:

@@ -28,7 +28,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from edgelin.errors import EdgelinError
+from edgelin.errors import EdgelinError, environment_fault, one_line
 
 BITS = {"int8": 8, "int4": 4}
 # MatMulNBits' accuracy_level 4: the CPU kernel multiplies int8-quantised activation blocks (float
@@ -91,7 +91,10 @@ def _run_tool(proto: Any, scheme: str, bits: int, block_size: int, name: str) ->
         with contextlib.redirect_stdout(io.StringIO()):
             quantizer.process()
     except Exception as exc:  # the tool's own failure: not the user's input
-        raise EdgelinError(f"{scheme} quantisation of {name} failed", f"{type(exc).__name__}: {exc}",
+        fault = environment_fault(exc)
+        if fault is not None:  # out of memory, or a full disk under its temporary files: the machine's
+            raise fault from None
+        raise EdgelinError(f"{scheme} quantisation of {name} failed", f"{type(exc).__name__}: {one_line(str(exc))}",
                            "export without --quantize, and report this model config as an edgelin bug") from exc
     finally:
         for log, level in zip(logs, levels):

@@ -113,8 +113,8 @@ def write_model(model: "CausalLM", precision: str, folder: Path) -> dict:
     """config.json + model.safetensors (+ torch.json, returned) for `precision`: the fp16 copy is
     edgelin.model.lm.with_compute_dtype's (decay parameters float32), saved as it is."""
     import torch
-    from safetensors.torch import save_file
 
+    from edgelin.checkpoint import save_safetensors
     from edgelin.export.reference_vectors import sha256_of
     from edgelin.model.lm import with_compute_dtype
 
@@ -125,7 +125,7 @@ def write_model(model: "CausalLM", precision: str, folder: Path) -> dict:
     tensors = {k: v.detach().contiguous() for k, v in low.state_dict().items()}
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # safetensors refuses shared storage; the loader re-ties it
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt", "edgelin_precision": precision})
+    save_safetensors(tensors, folder / WEIGHTS, {"format": "pt", "edgelin_precision": precision})
     by_dtype: dict[str, int] = {}
     for value in tensors.values():
         key = str(value.dtype).removeprefix("torch.")

@@ -158,8 +158,11 @@ class ModelConfig:
         except FileNotFoundError as exc:
             raise EdgelinError(f"no config.json in {Path(path).parent}", "a checkpoint is a directory with "
                                "config.json and safetensors weights", "pass a checkpoint directory") from exc
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise EdgelinError(f"{path} is not valid JSON", str(exc), "repair or re-save the checkpoint") from exc
+        except RecursionError as exc:  # json's parser recurses once per nesting level
+            raise EdgelinError(f"{path} is malformed", "its JSON is nested too deeply to parse",
+                               "repair or re-save the checkpoint") from exc
         if not isinstance(data, dict):
             raise EdgelinError(f"{path} is not a JSON object", "config.json must map field names to values",
                                "repair or re-save the checkpoint")

@@ -31,7 +31,7 @@ def _owned_report(folder: Path) -> tuple[frozenset[str], str]:
         data = json.loads((folder / INDEX).read_text())
     except FileNotFoundError:
         return frozenset(), f"it has no {INDEX}"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         return frozenset(), f"its {INDEX} is unreadable ({type(exc).__name__})"
     files = data.get("files") if isinstance(data, dict) and data.get("format") == FORMAT else None
     if not (isinstance(files, list) and all(isinstance(n, str) and "/" not in n for n in files)):
@@ -39,7 +39,7 @@ def _owned_report(folder: Path) -> tuple[frozenset[str], str]:
     return frozenset(files) | {INDEX}, ""
 
 
-REPORT = OutputKind("report", "an edgelin report", "partial", True, _owned_report)
+REPORT = OutputKind("report", "an edgelin report", "partial", True, _owned_report, reads="the results files")
 
 
 @dataclass(frozen=True)

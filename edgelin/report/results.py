@@ -66,6 +66,8 @@ def load_result(path: Path) -> Result:
         raise EdgelinError(f"{path} is not an edgelin result", "it is not UTF-8 text (a binary file?)", FIX) from None
     try:
         data = json.loads(text)
+    except RecursionError:  # json's parser recurses once per nesting level
+        raise EdgelinError(f"{path} is not a readable result", "its JSON is nested too deeply to parse", FIX) from None
     except json.JSONDecodeError as exc:
         looks = text.lstrip()[:1] in ("{", "[")
         why = (f"it is truncated or corrupt JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})" if looks
@@ -90,36 +92,77 @@ def load_result(path: Path) -> Result:
 
 def _number(value: Any, what: str, least: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < least:
-        raise ValueError(f"{what} is {value!r}, expected a finite number >= {least:g}")
+        raise ValueError(f"{what} is {_brief(value)}, expected a finite number >= {least:g}")
     return float(value)
 
 
+def _real(value: Any, what: str) -> None:
+    """Any number: inf is a legitimate (failed) error figure, a perplexity change may be negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} is {_brief(value)}, expected a number")
+
+
+def _kind(value: Any, kind: type, what: str, wanted: str) -> None:
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ValueError(f"{what} is {_brief(value)}, expected {wanted}")
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    """A value from the file as short JSON: the error line names it, never dumps a whole entry."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _check(env: dict[str, Any], data: dict[str, Any]) -> None:
-    """Every field a report reads, with its type (ValueError/KeyError/TypeError otherwise)."""
+    """Every field a report reads, with its JSON type: ValueError naming the field otherwise (KeyError for
+    a missing one)."""
     if env.get("kind") not in KINDS:
-        raise ValueError(f"kind {env.get('kind')!r} is not one of {', '.join(KINDS)}")
+        raise ValueError(f"kind {_brief(env.get('kind'))} is not one of {', '.join(KINDS)}")
     if not isinstance(env.get("artifact"), str) or not env["artifact"]:
         raise ValueError("environment.artifact is missing")
     if env["kind"] == "bench":
-        rows = data["positions"]
-        if not isinstance(rows, list) or not rows:
-            raise ValueError("positions is empty")
-        for i, row in enumerate(rows):
-            if not isinstance(row.get("model"), str):
-                raise ValueError(f"positions[{i}].model is {row.get('model')!r}")
-            _number(row["position"], f"positions[{i}].position", 1)
-            for key in ("p50_ms", "p90_ms", "p99_ms", "state_bytes", "rss_bytes"):
-                _number(row[key], f"positions[{i}].{key}")
-        for key in ("prefill_tokens_per_s", "steps_tokens_per_s"):
-            for label, value in data.get(key, {}).items():
-                _number(value, f"{key}.{label}")
-        return
+        _check_bench(data)
+    else:
+        _check_validate(data)
+
+
+def _check_bench(data: dict[str, Any]) -> None:
+    rows = data["positions"]
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"positions is {_brief(rows)}, expected a non-empty list")
+    for i, row in enumerate(rows):
+        _kind(row, dict, f"positions[{i}]", "an object")
+        _kind(row.get("model"), str, f"positions[{i}].model", "a string")
+        _number(row["position"], f"positions[{i}].position", 1)
+        for key in ("p50_ms", "p90_ms", "p99_ms", "state_bytes", "rss_bytes"):
+            _number(row[key], f"positions[{i}].{key}")
+    for key in ("prefill_tokens_per_s", "steps_tokens_per_s"):
+        _kind(data.get(key, {}), dict, key, "an object (series -> tokens per second)")
+        for label, value in data.get(key, {}).items():
+            _number(value, f"{key}.{label}")
+    if data.get("prefill_tokens_per_s") and "steps_tokens_per_s" not in data:  # the report sets them side by side
+        raise ValueError("steps_tokens_per_s is missing (prefill_tokens_per_s is there)")
+
+
+def _check_validate(data: dict[str, Any]) -> None:
+    _kind(data["metrics"], list, "metrics", "a list")
     for i, metric in enumerate(data["metrics"]):
+        _kind(metric, dict, f"metrics[{i}]", "an object")
         if not isinstance(metric.get("check"), str) or not isinstance(metric.get("passed"), bool):
             raise ValueError(f"metrics[{i}] has no check name or verdict")
-        float(metric["max_rel"])  # inf is a legitimate (failed) value
-    for output, series in (data.get("step_errors") or {}).items():
+        _real(metric["max_rel"], f"metrics[{i}].max_rel")
+    quality = data.get("quality")
+    if quality is not None:
+        _kind(quality, dict, "quality", "an object or null")
+        for key in ("top1", "perplexity_change"):
+            if quality.get(key) is not None:
+                _real(quality[key], f"quality.{key}")
+    step_errors = data.get("step_errors") or {}
+    _kind(step_errors, dict, "step_errors", "an object")
+    for output, series in step_errors.items():
+        _kind(series, dict, f"step_errors.{output}", "an object")
         _number(series["steps_per_point"], f"step_errors.{output}.steps_per_point", 1)
+        _kind(series["max_rel"], list, f"step_errors.{output}.max_rel", "a list of numbers")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in series["max_rel"]):
             raise ValueError(f"step_errors.{output}.max_rel holds a non-number")
 
