@@ -8,6 +8,9 @@ shape [1, K], with the step's own weights, in the runner's step session options 
 Then alternates one runner step (B=1, after a prefill) and one run of that graph, and prints both medians
 and the median over pairs of matmuls / step: the weight products' share of the step, the part a faster
 quantised or float matmul kernel could cut. Not a test; a step after a prefill of --prefill tokens.
+At --threads above 1 the two sessions' thread pools spin against each other for the same cores (measured:
+the Mamba2 int4 step 1.2-1.4x slower than at 1 thread here, 1.35x faster in a process of its own): read
+only 1-thread figures; bench/step_threads.py times threads.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def main() -> None:
     for node in model.graph.node:
         counts[node.op_type] = counts.get(node.op_type, 0) + 1
     print(f"{args.folder}: weight products {counts}, {args.threads} thread(s)", flush=True)
+    if args.threads > 1:
+        print("note: two thread pools in one process contend for the cores: these figures are not the step's "
+              "(bench/step_threads.py times threads)", flush=True)
     runner = open_runner(args.folder, threads=args.threads)
     # the step session's own options: threads, prepacking (quantised exports only, by default), and the
     # OrtValues over the shared weights mapping where the runner uses one

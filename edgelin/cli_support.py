@@ -127,10 +127,16 @@ def environment_error(exc: BaseException) -> EdgelinError:
 _TERMINATING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
+_terminating: list[int] = []
+
+
 def _terminate(signum: int, frame: Any) -> None:
     # Once: a second signal must not cut short the cleanup (partial folder, lock) the first one started.
-    for sig in _TERMINATING:
-        signal.signal(sig, signal.SIG_IGN)
+    # A flag, not SIG_IGN: switching to SIG_IGN while the other signal is pending makes Python print
+    # "Signal 15 ignored due to race condition" with a traceback (SIGHUP then SIGTERM: a closed terminal).
+    if _terminating:
+        return
+    _terminating.append(signum)
     raise Terminated(signum)
 
 
@@ -138,6 +144,7 @@ def handle_termination() -> None:
     """SIGTERM and SIGHUP raise Terminated (a KeyboardInterrupt) like Ctrl-C's SIGINT, so that output
     claims are rolled back and the command exits with 128 + the signal's number. Call from the main
     thread (the entry point). A signal already ignored (`nohup` ignores SIGHUP) stays ignored."""
+    _terminating.clear()
     for sig in _TERMINATING:
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _terminate)

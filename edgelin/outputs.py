@@ -10,8 +10,9 @@ Rules, so a user's data is never lost:
   holder dies, so a killed run never leaves a lock that blocks the next one). A file at that name that is
   not such a lock (a symlink, a hard link, other content) is refused, never written through or removed.
 - Parent folders a failed run created are removed again (when empty).
-- Everything is written into `.NAME.partial-PID` (`.tmp-PID` for checkpoints) and renamed into place
-  once complete; leftovers of killed runs (their pid is gone) are removed by the next run.
+- Everything is written into `.NAME.edgelin-partial-PID` (`-tmp-` for checkpoints) and renamed into place
+  once complete; leftovers of killed runs (their pid is gone) are removed by the next run. Ctrl-C, SIGTERM
+  and SIGHUP wait for the final swap to finish or be undone (a signal half-way would leave it moved aside).
 - Every OSError (read-only filesystem, permissions, disk full, a file where a folder should be)
   becomes one EdgelinError line naming the path, the OS reason and what to do.
 """
@@ -25,14 +26,17 @@ import json
 import os
 import re
 import shutil
+import signal
 import stat
+import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgelin.errors import EdgelinError
 
-LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:partial|tmp|old)-(?P<pid>\d+)")
+# `.NAME.edgelin-partial-PID` and the like: the "edgelin-" tag keeps a user's own `.NAME.old-123` out of it
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.edgelin-(?:partial|tmp|old)-(?P<pid>\d+)")
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "training_log.json")
 TRAINING_LOG = "training_log.json"
 
@@ -41,7 +45,7 @@ TRAINING_LOG = "training_log.json"
 class OutputKind:
     label: str  # "export": used in "another export is writing ..."
     noun: str  # what --force may replace
-    temp_tag: str  # .NAME.<temp_tag>-PID
+    temp_tag: str  # .NAME.edgelin-<temp_tag>-PID
     whole_folder: bool  # True: the folder is swapped as a whole; False: files are written into it
     owned: Callable[[Path], tuple[frozenset[str], str]]  # (names edgelin wrote, why not ours if empty)
     reads: str = "the model"  # what the protected paths hold, for the refusal's line
@@ -51,7 +55,7 @@ def _owned_export(folder: Path) -> tuple[frozenset[str], str]:
     """An export folder is ours when its manifest.json says so; it lists the files the export wrote
     (`files`), or for older exports the manifest, the graphs and the tokenizer it names."""
     try:
-        data = json.loads((folder / "manifest.json").read_text())
+        data = json.loads(read_regular(folder / "manifest.json"))
     except FileNotFoundError:
         return frozenset(), "it has no manifest.json"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -72,8 +76,8 @@ def _owned_checkpoint(folder: Path) -> tuple[frozenset[str], str]:
     """A checkpoint is ours when edgelin trained it: config.json of model_type "edgelin" plus
     training_log.json, which lists the files the run wrote (older logs: the four training writes)."""
     try:
-        config = json.loads((folder / "config.json").read_text())
-        log = json.loads((folder / TRAINING_LOG).read_text())
+        config = json.loads(read_regular(folder / "config.json"))
+        log = json.loads(read_regular(folder / TRAINING_LOG))
     except FileNotFoundError as exc:
         return frozenset(), f"it has no {Path(exc.filename or '?').name}"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -90,6 +94,14 @@ EXPORT = OutputKind("export", "an edgelin export", "partial", True, _owned_expor
 CHECKPOINT = OutputKind("training run", "a checkpoint edgelin trained", "tmp", False, _owned_checkpoint)
 
 
+def read_regular(path: Path) -> str:
+    """The text of a regular file; anything else (a FIFO, whose read would block forever, a device) is an
+    OSError, which the ownership checks report as unreadable."""
+    if not stat.S_ISREG(path.stat().st_mode):  # FileNotFoundError when missing
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return path.read_text()
+
+
 def _plain_name(name: str) -> bool:
     return Path(name).name == name and name not in ("", ".", "..")
 
@@ -102,7 +114,7 @@ RECORD = ".edgelin-files.json"
 def written_record(folder: Path) -> frozenset[str]:
     """The paths (relative to folder, '/'-separated) that edgelin recorded writing into folder."""
     try:
-        data = json.loads((Path(folder) / RECORD).read_text())
+        data = json.loads(read_regular(Path(folder) / RECORD))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return frozenset()
     files = data.get("files") if isinstance(data, dict) else None
@@ -266,18 +278,22 @@ def os_error(exc: OSError, out: Path) -> EdgelinError:
 def _lock(out: Path, target: Path, kind: OutputKind) -> Iterator[None]:
     path = lock_path(target)
     while True:
+        with contextlib.suppress(FileNotFoundError):  # what is there is looked at, not opened (a device node)
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                raise _foreign_lock(out, path, "it is not a regular file")
         try:  # O_NOFOLLOW: a symlink planted at the lock's name is refused, never written through
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
-            if exc.errno != errno.ELOOP:
+            if exc.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 raise
-            raise _foreign_lock(out, path, "it is a symbolic link") from None
+            raise _foreign_lock(out, path, "it is a symbolic link" if exc.errno == errno.ELOOP
+                                else "it is not a regular file") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            pid, _, label = os.read(fd, 64).decode(errors="replace").strip().partition(" ")
             os.close(fd)
-            raise EdgelinError(f"another {kind.label} (pid {holder}) is writing {out} right now",
+            raise EdgelinError(f"another {label or kind.label} (pid {pid or '?'}) is writing {out} right now",
                                "two runs would replace each other's output",
                                "wait for it to finish, or pick another --out") from None
         why_foreign = _not_a_lock(fd)
@@ -293,7 +309,7 @@ def _lock(out: Path, target: Path, kind: OutputKind) -> Iterator[None]:
         os.close(fd)
     try:
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.write(fd, f"{os.getpid()} {kind.label}\n".encode())  # who holds it, for the refusal's line
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -313,7 +329,7 @@ def _not_a_lock(fd: int) -> str:
         return "it is not a regular file"
     if info.st_nlink > 1:
         return "it has other hard links"
-    if info.st_size > 32 or not re.fullmatch(rb"(\d+\n)?", os.pread(fd, 64, 0)):
+    if info.st_size > 64 or not re.fullmatch(rb"(\d+( [a-z ]+)?\n)?", os.pread(fd, 64, 0)):
         return "it holds something other than a process id"
     return ""
 
@@ -329,7 +345,9 @@ def lock_held(target: Path) -> bool:
         fd = os.open(lock_path(target), os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
-    except OSError:
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise
         return True  # a symlink or an unreadable file at that name: treat the name as taken
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -357,7 +375,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def clean_leftovers(target: Path) -> list[Path]:
-    """Remove `.NAME.partial-PID` / `.tmp-PID` / `.old-PID` folders of `target` whose process is gone
+    """Remove `.NAME.edgelin-{partial,tmp,old}-PID` folders of `target` whose process is gone
     (a killed run); only names of edgelin's own pattern, never anything else. Returns those removed."""
     removed = []
     with contextlib.suppress(OSError):
@@ -376,8 +394,11 @@ def _commit(out: Path, tmp: Path, target: Path, kind: OutputKind) -> None:
     if not target.exists():
         tmp.rename(target)
         return
-    old = target.parent / f".{target.name}.old-{os.getpid()}"
-    shutil.rmtree(old, ignore_errors=True)
+    if kind.whole_folder and (target.is_symlink() or not target.is_dir()):
+        raise EdgelinError(f"output {out} changed while this {kind.label} ran", "it is not a folder any more",
+                           "move that file away and run again")
+    old = target.parent / f".{target.name}.edgelin-old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)  # ours: the edgelin- tag, this pid, under the lock
     if kind.whole_folder:
         target.rename(old)
         try:  # checked again once moved aside: files added to it while this run wrote are never deleted
@@ -434,17 +455,48 @@ def claim_output(out: Path, force: bool, kind: OutputKind, protected: Sequence[P
             raise os_error(exc, out) from exc
         check_output(out, force, kind, protected, writes)  # again, under the lock: it may have appeared
         clean_leftovers(target)
-        tmp = target.parent / f".{target.name}.{kind.temp_tag}-{os.getpid()}"
+        tmp = target.parent / f".{target.name}.edgelin-{kind.temp_tag}-{os.getpid()}"
         stack.callback(shutil.rmtree, tmp, ignore_errors=True)
         try:
             shutil.rmtree(tmp, ignore_errors=True)  # ours (this pid, under the lock)
             tmp.mkdir()
             yield tmp
-            if not kind.whole_folder:  # the names are known now: check nothing foreign is replaced
-                check_output(out, force, kind, protected, [p.name for p in tmp.iterdir()])
-            _commit(out, tmp, target, kind)
+            with _signals_deferred():  # the swap is done or undone whole, never left half-way
+                if not kind.whole_folder:  # the names are known now: check nothing foreign is replaced
+                    check_output(out, force, kind, protected, [p.name for p in tmp.iterdir()])
+                _commit(out, tmp, target, kind)
         except OSError as exc:
             raise os_error(exc, out) from exc
+
+
+_DEFERRED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP arriving inside the block are delivered when it ends. Python-level
+    handlers, not a signal mask: ONNX Runtime's and torch's threads would take a masked signal instead,
+    and the main thread would still run its handler mid-block. Outside the main thread: nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    saved = {sig: signal.getsignal(sig) for sig in _DEFERRED}
+    for sig, handler in saved.items():
+        if handler not in (signal.SIG_IGN, None):  # an ignored signal stays ignored
+            signal.signal(sig, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler not in (signal.SIG_IGN, None):
+                signal.signal(sig, handler)
+        for sig in dict.fromkeys(caught):  # now, in order: the handler raises (KeyboardInterrupt) or kills
+            handler = saved[sig]
+            if callable(handler):
+                handler(sig, None)
+            else:
+                os.kill(os.getpid(), sig)
 
 
 def _remove_empty(folders: list[Path]) -> None:

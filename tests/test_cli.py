@@ -39,7 +39,7 @@ def assert_clean_failure(result, *needles: str, code: int = 2) -> None:
 
 
 def no_partials(folder: Path) -> bool:
-    return not [p for p in folder.iterdir() if ".partial-" in p.name or ".tmp-" in p.name]
+    return not [p for p in folder.iterdir() if ".partial-" in p.name or ".tmp-" in p.name or ".edgelin-" in p.name]
 
 
 @pytest.fixture(scope="module")

@@ -169,8 +169,10 @@ def test_escaping_keeps_styles_on_their_characters():
 
 
 # ---- 3. SIGTERM and SIGHUP clean up like Ctrl-C -------------------------------------------------
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_termination_signal_removes_the_partial_output_and_the_lock(tmp_path, signum):
+@pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGHUP,), (signal.SIGHUP, signal.SIGTERM)],
+                         ids=["SIGTERM", "SIGHUP", "SIGHUP-then-SIGTERM"])  # the last: a closed terminal, then kill
+def test_termination_signal_removes_the_partial_output_and_the_lock(tmp_path, signals):
+    signum = signals[0]
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "edgelin.cli", "train", REPO / "recipes/tiny-gdn-hybrid/recipe.toml",
@@ -178,12 +180,13 @@ def test_termination_signal_removes_the_partial_output_and_the_lock(tmp_path, si
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
-        while not [p for p in tmp_path.iterdir() if p.name.startswith(".run.tmp-")]:
+        while not [p for p in tmp_path.iterdir() if p.name.startswith(".run.edgelin-tmp-")]:
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the run never claimed its output"
             time.sleep(0.2)
         time.sleep(1)  # into the training loop
-        proc.send_signal(signum)
+        for sent in signals:
+            proc.send_signal(sent)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -43,8 +46,7 @@ def tree_hashes(folder: Path) -> dict[str, str]:
 
 
 def leftovers(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if ".partial-" in p.name or ".tmp-" in p.name
-                  or ".old-" in p.name or p.name.endswith(".lock"))
+    return sorted(p.name for p in folder.iterdir() if ".edgelin-" in p.name or p.name.endswith(".lock"))
 
 
 def dead_pid() -> int:
@@ -170,7 +172,7 @@ def test_failed_export_removes_the_parent_folders_it_created(ckpt, monkeypatch, 
     assert os.listdir(tmp_path / "kept") == []  # a/ and a/b/ went; kept/ (the user's) stayed
 
 
-@pytest.mark.parametrize("planted", ["symlink", "user-file", "hard-link"])
+@pytest.mark.parametrize("planted", ["symlink", "user-file", "hard-link", "directory", "fifo"])
 def test_a_file_at_the_lock_name_is_never_written_or_removed(ckpt, fast_graphs, tmp_path, planted):
     victim = tmp_path / "victim.txt"
     victim.write_text("important user data\n")
@@ -179,11 +181,61 @@ def test_a_file_at_the_lock_name_is_never_written_or_removed(ckpt, fast_graphs, 
         lock.symlink_to(victim)
     elif planted == "hard-link":
         os.link(victim, lock)
+    elif planted == "directory":
+        lock.mkdir()
+    elif planted == "fifo":
+        os.mkfifo(lock)
     else:
         lock.write_text("my own notes, not a pid\n")
     refused(run("export", ckpt, "--out", tmp_path / "out"), "cannot lock", ".out.lock", "move that file away")
-    assert victim.read_text() == "important user data\n" and (lock.is_symlink() or lock.read_text())
+    assert victim.read_text() == "important user data\n"
+    assert lock.is_symlink() or not lock.is_file() or lock.read_text()  # still there, as it was
     assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch):
+    """An interrupt between moving the old output aside and moving the new one in would leave --out
+    missing and the old folder (with anything the user kept in it) to the next run's cleanup."""
+    from edgelin import outputs
+
+    out = tmp_path / "out"
+    for content in ("old", "new"):
+        if content == "new":  # SIGINT arrives right after the old folder was moved aside
+            check = outputs._check_owned
+
+            def check_then_interrupt(out, folder, *rest):
+                check(out, folder, *rest)
+                if ".edgelin-old-" in folder.name:  # the swap's own re-check, not the one at the start
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(0.05)
+
+            monkeypatch.setattr(outputs, "_check_owned", check_then_interrupt)
+        with contextlib.ExitStack() as stack:
+            if content == "new":
+                stack.enter_context(pytest.raises(KeyboardInterrupt))  # delivered, once the swap is done
+            with claim_output(out, content == "new", EXPORT) as tmp:
+                (tmp / "manifest.json").write_text(json.dumps({"format": "edgelin-export",
+                                                               "files": ["manifest.json", "a.txt"]}))
+                (tmp / "a.txt").write_text(content)
+    assert (out / "a.txt").read_text() == "new" and leftovers(tmp_path) == []
+
+
+def test_a_fifo_in_an_output_is_unreadable_not_a_hang(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "manifest.json")  # reading it would block until a writer opens it: forever
+    found: list = []
+    reader = threading.Thread(target=lambda: found.append(EXPORT.owned(out)), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert found and found[0][0] == frozenset() and "unreadable" in found[0][1], found
+
+
+def test_the_lock_names_the_command_holding_it(ckpt, fast_graphs, tmp_path):
+    from edgelin.report import REPORT
+
+    with claim_output(tmp_path / "out", False, REPORT):
+        refused(run("export", ckpt, "--out", tmp_path / "out"), "another report (pid", "is writing")
 
 
 def test_a_lock_left_by_a_killed_run_does_not_take_the_name(tmp_path):
@@ -253,14 +305,16 @@ def test_two_concurrent_exports_exactly_one_wins(ckpt, tmp_path):
 # ---- 4. leftovers of killed exports ---------------------------------------------------------------
 def test_stale_partials_are_removed_live_ones_kept(ckpt, fast_graphs, tmp_path):
     dead, live = dead_pid(), os.getppid()  # the parent (the shell running pytest) is alive
-    stale = [tmp_path / f".out.partial-{dead}", tmp_path / f".out.old-{dead}"]
-    kept = [tmp_path / f".out.partial-{live}", tmp_path / f".other.partial-{dead}", tmp_path / ".out.partial-x"]
+    stale = [tmp_path / f".out.edgelin-partial-{dead}", tmp_path / f".out.edgelin-old-{dead}"]
+    kept = [tmp_path / f".out.edgelin-partial-{live}", tmp_path / f".other.edgelin-partial-{dead}",
+            tmp_path / ".out.edgelin-partial-x",
+            tmp_path / f".out.old-{dead}"]  # a user's folder of a look-alike name, without edgelin's tag
     for folder in stale + kept:
         folder.mkdir()
         (folder / "step.onnx").write_bytes(b"x" * 1000)
     assert run("export", ckpt, "--out", tmp_path / "out").exit_code == 0
     assert [p.exists() for p in stale] == [False, False]
-    assert [p.exists() for p in kept] == [True, True, True]
+    assert [p.exists() for p in kept] == [True, True, True, True]
 
 
 # ---- 12. filesystem faults are one line, exit 2 ---------------------------------------------------
