@@ -44,6 +44,10 @@ class PositionResult:
     p99_ms: float
     state_bytes: int
     rss_bytes: int
+    # None: state_bytes is the state held at the position. A fixed-capacity KV cache (export --kv-cache static
+    # --context N): N, and state_bytes is the state as allocated from new_state on (N positions), whatever the
+    # position: what the sequence takes in memory.
+    state_capacity: int | None = None
 
 
 @dataclass
@@ -67,11 +71,15 @@ class BenchReport:
     environment: dict = field(default_factory=dict)  # what it ran on (edgelin.environment)
 
     def footprint_line(self) -> str:
-        """One line for people: bytes on disk and in memory (method in load_memory's docstring)."""
+        """One line for people: bytes on disk and in memory (method in load_memory's docstring), and what the
+        state column means for a fixed-capacity KV cache."""
         pss = f", PSS +{human(self.load_pss_bytes)}" if self.load_pss_bytes is not None else ""
+        capacities = sorted({r.state_capacity for r in self.positions if r.state_capacity is not None})
+        static = (f"; state: allocated at the fixed KV cache capacity ({', '.join(f'{c:,}' for c in capacities)} "
+                  "tokens), whatever the position" if capacities else "")
         return (f"on disk: {human(self.runtime_bytes)} loaded by the runner (graphs + weights), "
                 f"{human(sum(self.disk_bytes.values()))} in the folder; in memory after loading and a first step "
-                f"+ prefill: RSS +{human(self.load_rss_bytes)}{pss}; peak RSS {human(self.peak_rss_bytes)}")
+                f"+ prefill: RSS +{human(self.load_rss_bytes)}{pss}; peak RSS {human(self.peak_rss_bytes)}{static}")
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -129,9 +137,11 @@ def measure(runner: Runner, label: str, positions: list[int], batch: int, warmup
         if on_progress:
             on_progress(f"{label}: {iters} steps at position {p}")
         ms = time_steps(runner, state, p, batch, warmup, iters)
-        nbytes = runner.manifest.state_bytes(batch, past=p)  # a growing cache holds p positions here
+        # a growing cache holds p positions here; a fixed-capacity one holds its capacity from new_state on
+        capacity = runner.manifest.kv_capacity
+        nbytes = runner.manifest.state_bytes(batch, past=p if capacity is None else capacity)
         report.positions.append(PositionResult(label, p, *np.percentile(ms, [50, 90, 99]).tolist(), nbytes,
-                                               rss_bytes()))
+                                               rss_bytes(), capacity))
         if on_done:
             on_done()
 
@@ -235,7 +245,7 @@ def memory_needed(manifest: Manifest, position: int, batch: int, chunk: int) -> 
     and for a growing cache the attention scores of one layer at a time ([batch, heads, piece,
     past + piece] floats, and the softmax of them; the cache's kv heads stand in for the heads)."""
     piece = min(chunk, position)
-    state = manifest.state_bytes(batch, past=position)
+    state = manifest.state_bytes(batch, past=position if manifest.kv_capacity is None else manifest.kv_capacity)
     scores = max((batch * int(t.dims[1]) * piece * position * 4 for t in manifest.state_inputs
                   if "past_sequence" in t.dims and (t.state_role or t.state_name) == "key"), default=0)
     return 2 * state + 2 * scores + batch * piece * 8 + batch * manifest.vocab_size * 4
@@ -257,6 +267,8 @@ def check_time(runner: Runner, positions: list[int], prefill_tokens: int, batch:
                timed_steps: int, max_seconds: float, kv: bool) -> None:
     """Time one prefill piece and a few steps, and refuse a plan whose prefill would outlast max_seconds."""
     vocab, piece = runner.manifest.vocab_size, min(chunk, max(positions[-1], prefill_tokens, 1))
+    if runner.manifest.kv_capacity is not None:  # the piece and the 5 steps after it fit the fixed-capacity cache
+        piece = max(1, min(piece, runner.manifest.kv_capacity - 5))
     ids = np.random.default_rng(0).integers(0, vocab, (batch, piece), dtype=np.int64)
     zeros = np.zeros(batch, np.int64)
     runner.prefill(ids, runner.new_state(batch), zeros)  # the first call at a shape plans it: not timed
@@ -282,6 +294,29 @@ def check_time(runner: Runner, positions: list[int], prefill_tokens: int, batch:
             f"--prefill-tokens {prefill_tokens:,}, at the {prefill_rate:,.0f} prefill tok/s and "
             f"{step_rate:,.0f} steps/s just measured; the limit is {duration(max_seconds)}",
             "pick smaller --positions, --iters or --prefill-tokens")
+
+
+def check_capacity(manifest: Manifest, label: str, positions: list[int], prefill_tokens: int) -> None:
+    """A fixed-capacity KV cache (export --kv-cache static --context N) holds N tokens: a step timed at
+    position p needs p + 1 (the largest position is N - 1), the prefill-vs-steps pass --prefill-tokens.
+    Refused before anything is timed, naming every option to change."""
+    capacity = manifest.kv_capacity
+    if capacity is None:
+        return
+    over = [p for p in positions if p + 1 > capacity]
+    what, fixes = [], []
+    if over:
+        example = ",".join(str(p) for p in sorted({1, capacity // 2, capacity - 1}) if p >= 1)
+        what.append(f"--positions {','.join(str(p) for p in over)}")
+        fixes.append(f"pass --positions up to {capacity - 1} (e.g. --positions {example})")
+    if prefill_tokens > capacity:
+        what.append(f"--prefill-tokens {prefill_tokens}")
+        fixes.append(f"pass --prefill-tokens {capacity} or fewer (0 skips it)")
+    if what:
+        raise EdgelinError(f"{label}: {' and '.join(what)} on an export whose fixed-capacity KV cache holds "
+                           f"{capacity} tokens", f"a step timed at position p needs p + 1 tokens of cache and the "
+                           f"prefill-vs-steps pass --prefill-tokens (exported with --kv-cache static --context "
+                           f"{capacity})", f"{' and '.join(fixes)}, or re-export with a larger --context")
 
 
 def human(nbytes: float) -> str:
@@ -329,6 +364,7 @@ def bench(
         raise EdgelinError(f"unknown baseline {baseline!r}", "the one baseline is a KV-cache model", "use --baseline kv")
     kv_chunk = min(prefill_chunk, 1024)  # full attention over a growing cache: smaller pieces bound the scores
     runner, load_rss, load_pss = load_memory(folder, threads, device)
+    check_capacity(runner.manifest, "edgelin", positions, prefill_tokens)
     available = available_memory()
     check_memory(runner.manifest, "edgelin", positions, batch, prefill_chunk, available)
     report = BenchReport(str(folder), runner.manifest.target, batch, threads, iters=iters, warmup=warmup)
@@ -340,6 +376,7 @@ def bench(
         from edgelin.export.baselines import baseline_folder
 
         kv = open_runner(baseline_folder(folder, runner.manifest, "kv"), threads)
+        check_capacity(kv.manifest, "kv-baseline", positions, 0)  # it runs no prefill-vs-steps pass
         check_memory(kv.manifest, "kv-baseline", positions, batch, kv_chunk, available)
     if on_progress:
         on_progress("estimating the time to reach each position")

@@ -14,12 +14,12 @@ import torch
 
 from edgelin.errors import EdgelinError
 from edgelin.model.config import MODEL_TYPE, ModelConfig
+from edgelin.tokenizer import TOKENIZER
 from edgelin.model.lm import CausalLM
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER = "tokenizer.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 

@@ -150,6 +150,26 @@ def handle_termination() -> None:
             signal.signal(sig, _terminate)
 
 
+# Libraries an install may lack by design (`edgelin[runtime]` has none of them), each with how to get it.
+OPTIONAL_MODULES = {
+    "torch": "pip install 'edgelin[onnx]' (it brings torch)",
+    "onnx": "pip install 'edgelin[onnx]'",
+    "safetensors": "pip install 'edgelin[onnx]'",
+    "transformers": "pip install 'edgelin[onnx]'",
+    "triton": "pip install 'edgelin[onnx]' on a machine with an NVIDIA GPU",
+    "coremltools": "pip install coremltools (Core ML predictions also need macOS 13+)",
+    "tensorrt": "use a machine with TensorRT (a Jetson, an NGC container)",
+    "matplotlib": "pip install matplotlib",
+}
+
+
+def missing_library(module: str, command_name: str) -> EdgelinError:
+    top = module.split(".")[0]
+    return EdgelinError(f"`edgelin {command_name.replace('_', '-')}` needs {top} here",
+                        f"this install does not have it (a runtime-only install, edgelin[runtime], runs validate, "
+                        f"bench, generate and build on export folders)", OPTIONAL_MODULES[top])
+
+
 def command(fn: Callable) -> Callable:
     """Register a command whose EdgelinErrors become one line on stderr and a non-zero exit."""
 
@@ -173,6 +193,12 @@ def command(fn: Callable) -> Callable:
             raise typer.Exit(0)
         except (typer.Exit, typer.Abort):
             raise
+        except ModuleNotFoundError as exc:  # an optional library this install lacks (a runtime-only one)
+            if _debug["on"] or (exc.name or "").split(".")[0] not in OPTIONAL_MODULES:
+                raise
+            error = missing_library(exc.name or "", fn.__name__)
+            out.error(error.line())
+            raise typer.Exit(error.exit_code)
         except (OSError, MemoryError) as exc:  # the safety net: the library names the common ones itself
             if _debug["on"]:
                 raise

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from edgelin.errors import EdgelinError
-from edgelin.runtime import open_runner, prefill, rss_bytes, runner_label
-from edgelin.tokenizer import TextTokenizer
+from edgelin.runtime import check_room, open_runner, prefill, rss_bytes, runner_label
+from edgelin.tokenizer import TOKENIZER, TextTokenizer
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile
@@ -82,6 +82,38 @@ def check_finite(logits: np.ndarray, token: int, folder: Path) -> None:
                            "or re-export")
 
 
+def no_tokenizer(folder: Path, source: object) -> EdgelinError:
+    """generate's refusal of an export without a tokenizer. The manifest does not say why it has none
+    (exported with --no-tokenizer, or from a checkpoint without tokenizer.json): the fix names the
+    checkpoint's tokenizer where it is there now."""
+    checkpoint = Path(source) if isinstance(source, str) and source else None
+    if checkpoint is not None and (checkpoint / TOKENIZER).is_file():
+        fix = f"re-export from {checkpoint} (it has {TOKENIZER}) without --no-tokenizer"
+    else:
+        fix = f"re-export without --no-tokenizer from a checkpoint with {TOKENIZER}"
+    return EdgelinError(f"{folder} has no tokenizer", "the export has no tokenizer (exported with --no-tokenizer, "
+                        "or the checkpoint had none)", fix)
+
+
+def check_length(manifest, prompt_tokens: int, max_new_tokens: int) -> None:
+    """A fixed-capacity KV cache (`export --kv-cache static --context N`) must hold the whole run, checked
+    before the prefill: the prompt, then a step for each new token (the loop steps after every token it
+    samples), prompt_tokens + max_new_tokens positions in all."""
+    capacity, need = manifest.kv_capacity, prompt_tokens + max_new_tokens
+    if capacity is None or need <= capacity:
+        return
+    if prompt_tokens < capacity:
+        fix = (f"pass -n {capacity - prompt_tokens} or fewer, shorten the prompt, or re-export with "
+               f"--kv-cache static --context {need} or more")
+    elif max_new_tokens < capacity:
+        fix = (f"shorten the prompt to at most {capacity - max_new_tokens} tokens, or re-export with --kv-cache "
+               f"static --context {need} or more")
+    else:
+        fix = (f"shorten the prompt and lower -n (prompt tokens + -n at most {capacity}), or re-export with "
+               f"--kv-cache static --context {need} or more")
+    check_room(manifest, need, f"a prompt of {prompt_tokens} tokens with -n {max_new_tokens}", fix)
+
+
 @dataclass(frozen=True)
 class GenerateResult:
     prompt_tokens: int
@@ -121,14 +153,14 @@ def generate(
     runner = open_runner(folder, threads, device)
     manifest = runner.manifest
     if manifest.tokenizer is None:
-        raise EdgelinError(f"{folder} has no tokenizer", "the checkpoint had no tokenizer.json",
-                           "add tokenizer.json to the checkpoint and re-export")
+        raise no_tokenizer(folder, manifest.source.get("path"))
     tokenizer = TextTokenizer(Path(folder) / manifest.tokenizer)
     ids = tokenizer.encode(prompt)
     if not ids and manifest.bos_token_id is not None:
         ids = [manifest.bos_token_id]
     if not ids:
         raise EdgelinError("the prompt is empty", "there is no token to start from", "pass --prompt TEXT")
+    check_length(manifest, len(ids), max_new_tokens)
     rng = np.random.default_rng(sampling.seed)
     feed = tokenizer.stream()
     for token in ids:  # prime the streaming decoder so the first new token decodes in context

@@ -1,16 +1,19 @@
-"""`edgelin inspect`: what a checkpoint is, what it costs per sequence, and where it can go."""
+"""`edgelin inspect`: what a checkpoint is, what it costs per sequence, and where it can go; on an
+export folder what it holds (no torch: a runtime-only install inspects the folders it runs)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from edgelin.checkpoint import TOKENIZER, checkpoint_dir, load_model, read_config
 from edgelin.devices import check_state_dims, export_settings, load_devices
 from edgelin.errors import EdgelinError
 from edgelin.export.targets import get_target, target_names
-from edgelin.model.lm import CausalLM
-from edgelin.tokenizer import tokenizer_status
+from edgelin.tokenizer import TOKENIZER, tokenizer_status
+
+if TYPE_CHECKING:
+    from edgelin.model.lm import CausalLM
 
 
 @dataclass
@@ -72,6 +75,8 @@ def _placements(model: CausalLM) -> list[dict]:
 
 
 def inspect_checkpoint(path: Path) -> InspectReport:
+    from edgelin.checkpoint import checkpoint_dir, load_model, read_config
+
     path = checkpoint_dir(Path(path))
     data = read_config(path)
     model_type = data.get("model_type")

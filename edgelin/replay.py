@@ -36,7 +36,7 @@ import numpy as np
 from edgelin.errors import EdgelinError
 from edgelin.export.manifest import MANIFEST, Manifest
 from edgelin.export.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, QUALITY, batch_key,
-                                              sha256_of, state_key, threshold_for)
+                                              positions_needed, sha256_of, state_key, threshold_for)
 from edgelin.export.state import output_name_for
 from edgelin.quality import (QualityCheck, QualityFigures, QualityReference, evaluate, measure, precision_key,
                              resolve_bounds)
@@ -248,6 +248,26 @@ def _runner(folder: Path, threads: int | None):
     return open_runner(folder, threads=threads), "reference vectors"
 
 
+def check_capacity(manifest: Manifest, vectors: ReferenceVectors, measured: bool = True) -> None:
+    """Refuse, before anything runs, a fixed-capacity KV cache (`--kv-cache static --context N`) too short for
+    the longest sequence the replay feeds (the recorded prompt and steps, and where `measured`, the quality
+    figures' greedy rollout and text pass). Exports refuse such a --context since the check existed; a folder
+    exported before it is refused here in one line, naming the --context it needs."""
+    capacity = manifest.kv_capacity
+    if capacity is None:
+        return
+    quality = vectors.quality if measured else None
+    need = positions_needed(
+        text_tokens=int(quality.text_ids.shape[0]) if quality is not None and quality.has_text else 0,
+        prompt_len=vectors.prompt_len, steps=vectors.steps,
+        greedy=(quality.prompt_len, quality.greedy_steps) if quality is not None else (0, 0))
+    if need > capacity:
+        raise EdgelinError(f"cannot validate an export whose fixed-capacity KV cache holds {capacity} tokens",
+                           f"the replay (reference vectors and quality figures) feeds sequences of up to {need} "
+                           f"tokens (exported with --kv-cache static --context {capacity})",
+                           f"re-export with --kv-cache static --context {need} or more")
+
+
 def replay(folder: Path, rtol: float | None = None, threads: int | None = None,
            on_progress: Callable[[str], None] | None = None, min_top1: float | None = None,
            max_ppl_change: float | None = None) -> ValidationReport:
@@ -261,6 +281,7 @@ def replay(folder: Path, rtol: float | None = None, threads: int | None = None,
     runner, against = _runner(folder, threads)
     manifest = runner.manifest
     vectors = load_vectors(folder, manifest)
+    check_capacity(manifest, vectors, measured=get_target(manifest.target).can_run().ok)
     # By the saved manifest's precision and quantisation (what the folder is), not the recorded meta.
     key = precision_key(manifest)
     threshold = rtol if rtol is not None else threshold_for(key)

@@ -63,6 +63,10 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
     if chunk < 1:
         raise EdgelinError(f"prefill chunk {chunk}", "a piece holds at least one token", "pass chunk >= 1")
     batch = ids.shape[0]
+    # A fixed-capacity KV cache: the whole prompt is checked, not piece by piece (whose refusal would name
+    # one piece and a --context too short for the rest). A constant-memory model has no KV cache.
+    if not runner.manifest.constant_memory:
+        check_room(runner.manifest, start + ids.shape[1], f"prefill of {ids.shape[1]} token(s) after {start}")
     state = runner.new_state(batch) if state is None else state
     # a static KV cache (export --kv-cache static) holds no [piece, past + piece] scores: pieces as for constant memory
     logits, lo, growing = None, 0, not runner.manifest.constant_memory and runner.manifest.kv_capacity is None
@@ -71,6 +75,17 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
         logits = runner.prefill(ids[:, lo:lo + n], state, np.full(batch, start + lo, np.int64))
         lo += n
     return logits, state
+
+
+def check_room(manifest: Manifest, tokens: int, what: str, fix: str | None = None) -> None:
+    """Refuse, in one line, a sequence of `tokens` tokens on an export whose fixed-capacity KV cache
+    (`export --kv-cache static --context N`, manifest.kv_capacity) holds fewer; nothing for any other export.
+    `fix`: what the caller can change (default: re-export with a --context that holds it)."""
+    capacity = manifest.kv_capacity
+    if capacity is not None and tokens > capacity:
+        raise EdgelinError(what, f"the export's fixed-capacity KV cache holds {capacity} tokens (exported with "
+                           f"--kv-cache static --context {capacity}) and this needs {tokens}",
+                           fix or f"re-export with a larger --context (at least {tokens}), or start a new sequence")
 
 
 # A constant-memory model's prefill graph holds its activations for a whole piece (ONNX Runtime keeps

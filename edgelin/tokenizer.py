@@ -6,6 +6,8 @@ from pathlib import Path
 
 from edgelin.errors import EdgelinError
 
+TOKENIZER = "tokenizer.json"  # its name in a checkpoint and in an export folder
+
 
 class TextTokenizer:
     def __init__(self, path: Path):

@@ -37,7 +37,8 @@ from edgelin.environment import environment
 from edgelin.errors import EdgelinError
 from edgelin.export.dequantized import parity_reference
 from edgelin.export.manifest import Manifest
-from edgelin.export.reference_vectors import flat_state, held_out_text, reference_quality, threshold_for
+from edgelin.export.reference_vectors import (flat_state, held_out_text, positions_needed, reference_quality,
+                                              threshold_for)
 from edgelin.model.lm import CausalLM
 from edgelin.quality import TEXT_TOKENS, measure, precision_key
 from edgelin.replay import Checks, ValidationReport
@@ -104,6 +105,30 @@ def load_reference(manifest: Manifest, against: Path | None) -> CausalLM:
     return load_model(path)[0]
 
 
+def check_capacity(manifest: Manifest, prompt_len: int, steps: int, text_ids: np.ndarray | None) -> None:
+    """Refuse, before anything runs, a plan longer than a fixed-capacity KV cache (`--kv-cache static
+    --context N`) holds: the rollout feeds prompt_len + steps tokens, the quality figures a greedy rollout
+    (positions_needed: 527 tokens) and a text pass (a step for every text token but the last)."""
+    capacity = manifest.kv_capacity
+    if capacity is None:
+        return
+    held = f"the export's fixed-capacity KV cache holds {capacity} tokens (exported with --kv-cache static " \
+           f"--context {capacity})"
+    if prompt_len + steps > capacity:
+        fix = (f"pass --steps {capacity - prompt_len} or fewer" if prompt_len < capacity else
+               f"pass --prompt-len {capacity // 2} --steps {capacity - capacity // 2} or fewer")
+        raise EdgelinError(f"--prompt-len {prompt_len} with --steps {steps} feeds {prompt_len + steps} tokens", held,
+                           fix)
+    greedy = positions_needed(0, 0, 0)
+    if greedy > capacity:
+        raise EdgelinError(f"the quality figures' greedy rollout feeds {greedy} tokens", held,
+                           f"re-export with --kv-cache static --context {max(greedy, prompt_len + steps)} or more")
+    text = 0 if text_ids is None else len(text_ids)
+    if text - 1 > capacity:
+        raise EdgelinError(f"the perplexity pass over {text} held-out tokens feeds {text - 1}", held,
+                           f"pass --text-tokens {capacity + 1} or fewer")
+
+
 def validate(
     folder: Path,
     steps: int = 512,
@@ -132,6 +157,7 @@ def validate(
     source = str(against) if against else str(manifest.source["path"])
     # --text is read (and refused) before the long part
     text_ids, text_source = held_out_text(manifest, Path(folder), text, text_tokens, Path(source))
+    check_capacity(manifest, prompt_len, steps, text_ids)  # before the long part, too
     fp32 = load_reference(manifest, against)
     model, weights = parity_reference(fp32, Path(folder), manifest)
     key = precision_key(manifest)

@@ -27,7 +27,8 @@ def torchless(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     folder = export_checkpoint(make_checkpoint(root / "ckpt", "hybrid"), root / "out").folder
     poison = root / "poison" / "torch"
     poison.mkdir(parents=True)
-    (poison / "__init__.py").write_text(f"raise ImportError({POISON!r})\n")
+    # what an absent torch raises (ModuleNotFoundError, name "torch"), with a message that says why
+    (poison / "__init__.py").write_text(f"raise ModuleNotFoundError({POISON!r}, name='torch')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(poison.parent), str(ROOT)]), "EDGELIN_DEBUG": ""}
     return folder, env
 
@@ -74,6 +75,29 @@ def test_build_says_onnx_has_no_build_phase(torchless):
     result = run(env, "-m", "edgelin.cli", "build", str(folder))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"{folder}: the onnx target has no build phase; the exported files run as they are"
+
+
+def test_inspect_of_an_export_folder_runs_without_torch(torchless):
+    folder, env = torchless
+    result = run(env, "-m", "edgelin.cli", "inspect", str(folder))
+    assert result.returncode == 0, result.stderr
+    assert "onnx export, precision" in result.stdout and "weights.bin" in result.stdout
+
+
+@pytest.mark.parametrize("args", [("families",), ("inspect", "CKPT"), ("train", "RECIPE", "--steps", "1")],
+                         ids=["families", "inspect-checkpoint", "train"])
+def test_commands_that_need_torch_say_so_in_one_line(torchless, tmp_path, args):
+    """Not an "internal error": the install lacks torch by design; the line says how to get it."""
+    _, env = torchless
+    spelled = [str(ROOT / "recipes/tiny-gdn-hybrid") if a == "CKPT" else
+               str(ROOT / "recipes/tiny-gdn-hybrid/recipe.toml") if a == "RECIPE" else a for a in args]
+    result = subprocess.run([sys.executable, "-m", "edgelin.cli", *spelled, "--out", str(tmp_path / "run")]
+                            if args[0] == "train" else [sys.executable, "-m", "edgelin.cli", *spelled],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: `edgelin {args[0]}` needs torch here") and "edgelin[onnx]" in lines[0]
+    assert "internal error" not in result.stderr and list(tmp_path.iterdir()) == []
 
 
 def test_export_without_torch_names_the_export_phase(tmp_path, monkeypatch):

@@ -78,6 +78,29 @@ def weights_entries(folder: Path, files: dict[str, str], settings: ExportSetting
             "precision": precision_entry(settings), **({"quantization": quantized} if quantized else {})}
 
 
+def check_cache_capacity(model: CausalLM, target: str, settings: ExportSettings, options: Any) -> None:
+    """A fixed-capacity KV cache (`--kv-cache static --context N`) must hold the longest sequence the export's
+    own checks feed it: `edgelin validate DIR` replays the recorded reference vectors and measures the quality
+    figures (reference_vectors.positions_needed: 527 tokens), and an fp16/quantised export runs the same figures
+    as its quality gate. A shorter cache would write an export that cannot validate itself: refused before
+    anything is traced, naming the least --context that works."""
+    from edgelin.export import reference_vectors
+
+    capacity = getattr(options, "context", None) if getattr(options, "kv_cache", None) == "static" else None
+    if capacity is None:
+        return
+    from edgelin.export.onnx_target import check_static_cache
+
+    check_static_cache(model, target, settings)  # its own refusals first (wrong target, no growing cache)
+    need = reference_vectors.positions_needed()
+    if capacity < need:
+        raise EdgelinError(f"--kv-cache static --context {capacity}",
+                           f"the export's own checks (the reference vectors and quality figures that `edgelin "
+                           f"validate DIR` replays, and the fp16/quantised quality gate) feed one sequence up to "
+                           f"{need} tokens, more than a {capacity}-token cache holds",
+                           f"pass --context {need} or more (the longest sequence the export will hold)")
+
+
 def export_phases(baselines: Sequence[str] = (), serve: str | None = None) -> list[str]:
     """The phases export_model reports to on_progress, in order (a progress bar's total)."""
     return ["tracing the graphs", "recording reference vectors", "checking quality",
@@ -120,6 +143,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                            f"the {target.name} target takes {target.options_type.__name__}",
                            f"pass {target.options_type.__name__}(...) or no options")
     settings = settings or export_settings(device, target.name)
+    check_cache_capacity(model, target.name, settings, options)
     if serve is not None:
         from edgelin.export.graphs import graph_io as _io
         from edgelin.serve.triton import check_server, check_servable

@@ -70,6 +70,16 @@ QUALITY = "quality/"  # key prefix of the quality figures' reference
 THRESHOLDS = {"fp32": 1e-4, "fp16": 2e-2, "int8": 5e-2, "int4": 0.25}
 
 
+def positions_needed(text_tokens: int = TEXT_TOKENS, prompt_len: int = PROMPT_LEN, steps: int = STEPS,
+                     greedy: tuple[int, int] = (GREEDY_PROMPT, GREEDY_STEPS)) -> int:
+    """The most tokens one sequence holds while `edgelin validate DIR` replays what `record` writes: the
+    prompt and its steps (prompt_len + steps), the quality figures' greedy rollout (a prefill of its prompt,
+    then a step for every greedy token but the last: prompt + G - 1) and the text pass (a step for every
+    text token but the last: T - 1). A fixed-capacity KV cache (`--kv-cache static --context N`) must hold
+    this many: with the defaults, 16 + 512 - 1 = 527."""
+    return max(prompt_len + steps, greedy[0] + greedy[1] - 1, text_tokens - 1)
+
+
 def threshold_for(precision: str) -> float:
     return THRESHOLDS.get(precision, THRESHOLDS["int4"])
 
