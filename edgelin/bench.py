@@ -399,7 +399,9 @@ def bench(
         count()
     if kv is not None:
         measure(kv, "kv-baseline", positions, batch, warmup, iters, kv_chunk, report, seed, on_progress, count)
-    report.peak_rss_bytes = peak_rss_bytes()
+    # getrusage's peak and /proc's current RSS are read differently (a row's RSS could show above the "peak"):
+    # the peak is at least every RSS this run recorded
+    report.peak_rss_bytes = max([peak_rss_bytes(), *(row.rss_bytes for row in report.positions)])
     report.runner = runner_label(runner)
     report.environment = environment("bench", Path(folder), report.runner, threads,
                                      device.name if device is not None else None)

@@ -134,6 +134,7 @@ def test_bench_refuses_what_the_cache_cannot_hold_and_runs_what_it_can(static):
     report = bench(static, [1, NEED // 2, NEED - 1], warmup=1, iters=2, prefill_tokens=NEED)
     assert [r.position for r in report.positions] == [1, NEED // 2, NEED - 1]
     assert report.prefill_tokens == NEED and report.prefill_tokens_per_s["edgelin"] > 0
+    assert report.peak_rss_bytes >= max(r.rss_bytes for r in report.positions)  # a peak below a row read wrong
     # the state as allocated: the capacity from new_state on, whatever the position
     runner = open_runner(static)
     allocated = sum(a.nbytes for a in runner.new_state(1)._value.arrays[0])
