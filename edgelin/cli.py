@@ -474,7 +474,7 @@ def generate(
 ) -> None:
     """Decode from a prompt with constant memory, streaming tokens to stdout (statistics on stderr)."""
     from edgelin.devices import get_device
-    from edgelin.generate import Sampling
+    from edgelin.generate import SETTLE_STEPS, Sampling
     from edgelin.generate import generate as run_generate
 
     given = {"--temperature": temperature, "--top-k": top_k, "--top-p": top_p}
@@ -497,7 +497,9 @@ def generate(
     out.result(result.to_dict())
     out.note(f"{result.new_tokens} tokens, {result.tokens_per_second:,.0f} tok/s, prefill "
              f"{result.prompt_tokens} tokens in {result.prefill_seconds * 1e3:.1f} ms, RSS "
-             f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}; runner: {result.runner}")
+             + (f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}" if result.rss_settled
+                else f"{human_bytes(result.rss_end_bytes)} (its growth is measured from token {SETTLE_STEPS + 1} on)")
+             + f"; runner: {result.runner}")
 
 
 @command
@@ -521,6 +523,9 @@ def build(
     profile = get_device(device) if device else None
     artifact = load_artifact(folder)
     target = get_target(artifact.manifest.target)
+    refused = target.device_refusal(profile)  # as generate and bench refuse it, with or without a build phase
+    if refused is not None:
+        raise phase_refusal(target, "build", refused)
     phase = target.can_build(profile)
     if phase is None:
         out.result({"folder": str(folder), "target": target.name, "build": None})

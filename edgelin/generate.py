@@ -130,9 +130,15 @@ class GenerateResult:
     def tokens_per_second(self) -> float:
         return self.new_tokens / max(self.decode_seconds, 1e-9)
 
+    @property
+    def rss_settled(self) -> bool:
+        """Whether the RSS figures measure decoding: the start is read after SETTLE_STEPS tokens, once the
+        runtime's buffers exist; a shorter run's start predates them (its "growth" is that allocation)."""
+        return self.new_tokens > SETTLE_STEPS
+
     def to_dict(self) -> dict:
         return {**self.__dict__, "tokens_per_second": self.tokens_per_second,
-                "rss_growth_bytes": self.rss_end_bytes - self.rss_start_bytes}
+                "rss_growth_bytes": self.rss_end_bytes - self.rss_start_bytes if self.rss_settled else None}
 
 
 def generate(

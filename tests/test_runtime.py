@@ -75,3 +75,14 @@ def test_decoding_memory_is_flat(tmp_path):
     assert result.new_tokens == 3000
     growth = result.rss_end_bytes - result.rss_start_bytes
     assert growth < 1 << 20, f"RSS grew by {growth} bytes"
+
+
+def test_generate_reports_rss_growth_only_once_the_runtime_settled():
+    """Before SETTLE_STEPS tokens the start figure predates the step session's buffers: `-n 10` showed
+    growth that was only their allocation. Then the growth is None, not a number that reads as a leak."""
+    from edgelin.generate import SETTLE_STEPS, GenerateResult
+
+    short = GenerateResult(3, SETTLE_STEPS, 0.1, 0.1, 100 << 20, 102 << 20, None, None)
+    long = GenerateResult(3, SETTLE_STEPS + 1, 0.1, 0.1, 100 << 20, 100 << 20, None, None)
+    assert short.to_dict()["rss_growth_bytes"] is None and not short.rss_settled
+    assert long.to_dict()["rss_growth_bytes"] == 0 and long.rss_settled

@@ -77,6 +77,15 @@ def test_build_says_onnx_has_no_build_phase(torchless):
     assert result.stdout.strip() == f"{folder}: the onnx target has no build phase; the exported files run as they are"
 
 
+def test_build_for_a_device_that_does_not_take_the_target_is_refused(torchless):
+    """As generate and bench refuse it: an ONNX export built "for" the iphone profile (Core ML only)."""
+    folder, env = torchless
+    result = run(env, "-m", "edgelin.cli", "build", str(folder), "--device", "iphone")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert "device iphone does not list target onnx" in lines[0] and "Fix:" in lines[0]
+
+
 def test_inspect_of_an_export_folder_runs_without_torch(torchless):
     folder, env = torchless
     result = run(env, "-m", "edgelin.cli", "inspect", str(folder))
