@@ -3,6 +3,7 @@ share (the app, one-line errors, option checks) is edgelin.cli_support."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -11,6 +12,7 @@ from rich.text import Text
 
 from edgelin import __version__
 from edgelin.cli_support import JSON, POSITIVE, _debug, _finite, app, command, handle_termination
+from edgelin.devices import MAX_THREADS
 from edgelin.errors import EdgelinError
 from edgelin.export.targets import target_names
 from edgelin.output import Output, human_bytes, styled
@@ -58,7 +60,7 @@ def devices(out: Output, as_json: bool = JSON) -> None:
     from edgelin.devices import DEVICES_DIR, load_devices
 
     profiles = load_devices()
-    out.result([p.__dict__ for p in profiles.values()])
+    out.result([dataclasses.asdict(p) for p in profiles.values()])  # nested tables (serving) as objects too
     out.table(f"Device profiles ({DEVICES_DIR})", ["device", "title", "targets", "compute", "precision", "state"],
               [[p.name, p.title, ", ".join(p.targets), p.compute, p.precision, p.state_dtype] for p in profiles.values()])
 
@@ -404,7 +406,7 @@ def bench(
     warmup: int = typer.Option(20, min=0, help="Untimed steps before timing, per position."),
     prefill_tokens: int = typer.Option(2048, min=0, help="Prompt length for prefill-vs-steps throughput (0: skip)."),
     baseline: Optional[Baseline] = typer.Option(None, help="Also measure a same-size KV-cache softmax model."),
-    threads: Optional[int] = typer.Option(None, min=0, help="Runtime threads (0 or unset: the device's, "
+    threads: Optional[int] = typer.Option(None, min=0, max=MAX_THREADS, help="Runtime threads (0 or unset: the device's, "
                                                             "else the runtime's default)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
     prepack: Optional[bool] = typer.Option(
@@ -467,7 +469,7 @@ def generate(
                                      "already in the context by P; 1: off, 1.1-1.3: typical."),
     greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding (takes no --temperature, --top-k, --top-p)."),
     seed: int = typer.Option(0, min=0, help="Sampling seed."),
-    threads: Optional[int] = typer.Option(None, min=0, help="Runtime threads (0 or unset: the device's, "
+    threads: Optional[int] = typer.Option(None, min=0, max=MAX_THREADS, help="Runtime threads (0 or unset: the device's, "
                                                             "else the runtime's default)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
     as_json: bool = JSON,

@@ -118,8 +118,9 @@ def test_unknown_field_through_the_cli_is_one_line(tmp_path, monkeypatch):
     ("targets", '["onnx", "onnx"]', "names a target twice"),
     ("sm", "30", "sm = 30: sm must be an integer in 53..120"),
     ("sm", "8.7", "sm must be an integer in 53..120"),
-    ("threads", "-1", "threads must be an integer >= 0"),
-    ("threads", "true", "threads must be an integer >= 0"),
+    ("threads", "-1", "threads must be an integer in 0..1024"),
+    ("threads", "true", "threads must be an integer in 0..1024"),
+    ("threads", "9223372036854775807", "threads must be an integer in 0..1024"),  # was an internal error in bench
     ("state_dim_multiple", "0", "state_dim_multiple must be an integer >= 1"),
     ("memory_gib", "0", "memory_gib must be a number of GiB > 0"),
     ("memory_gib", "nan", "memory_gib must be a number of GiB > 0"),
@@ -237,3 +238,11 @@ def test_state_dim_multiple_is_met_or_refused_with_the_dims():
     assert info.value.line().startswith("device npu needs state widths that are multiples of 16: these are not: "
                                         "layer 0 recurrent_state 8, layer 0 conv_state 3, layer 2 recurrent_state 8 "
                                         "(the innermost dim of each state tensor)")
+
+
+def test_devices_json_gives_nested_tables_as_objects():
+    result = CliRunner().invoke(app, ["devices", "--json"])
+    profiles = json.loads(result.stdout)
+    assert result.exit_code == 0 and profiles
+    serving = profiles[0]["serving"]  # was the dataclass's repr, a string
+    assert isinstance(serving, dict) and serving["max_batch_size"] >= 1 and isinstance(serving["preferred_batch_sizes"], list)

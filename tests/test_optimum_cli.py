@@ -83,3 +83,11 @@ def test_same_artifact_as_edgelin_export(tmp_path: Path, capsys: pytest.CaptureF
     assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
     for name in ("weights.bin", "reference.npz", "step.onnx", "prefill.onnx"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_unknown_target_names_the_optimum_command() -> None:
+    """edgelin's own refusal would point at `optimum-cli export edgelin export --help`, which does not exist."""
+    from optimum.commands.register.register_edgelin import edgelin_argv
+
+    with pytest.raises(EdgelinError, match=r"--target tflite.*onnx, tensorrt, coreml.*`optimum-cli export edgelin --help`"):
+        edgelin_argv("ckpt", "out", target="tflite")

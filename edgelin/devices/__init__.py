@@ -38,8 +38,7 @@ STATE_DTYPES = ("float32", "float16")
 TARGETS = ("onnx", "tensorrt", "coreml")  # implemented or planned; the registry says which exist
 SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackwell (12.0)
 
-# What each implemented target can write today. fp16 ONNX graphs land with the edge-precision work;
-# a planned target (tensorrt, coreml) is refused by the target registry before this matters.
+# What each target can write (a combination outside these is refused, never written as another).
 TARGET_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
     "onnx": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",), "quantize": ("int8", "int4")},
     "tensorrt": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",)},  # the plugin's state: fp32 always
@@ -64,6 +63,10 @@ def _choice(allowed: tuple[str, ...]) -> Callable[[Any], str | None]:
             return None
         return f"must be one of: {', '.join(allowed)}{_closest(value, allowed)}"
     return check
+
+
+# More runtime threads than any machine has cores is a typo (ONNX Runtime would try to start them all).
+MAX_THREADS = 1024
 
 
 def _integer(low: int, high: int | None = None) -> Callable[[Any], str | None]:
@@ -152,7 +155,7 @@ FIELDS: dict[str, FieldRule] = {
     "precision": FieldRule(_choice(PRECISIONS)),
     "state_dtype": FieldRule(_choice(STATE_DTYPES)),
     "memory_gib": FieldRule(_memory),
-    "threads": FieldRule(_integer(0), required=False),
+    "threads": FieldRule(_integer(0, MAX_THREADS), required=False),
     "sm": FieldRule(_integer(*SM_RANGE), required=False),
     "state_dim_multiple": FieldRule(_integer(1), required=False),
     "notes": FieldRule(_notes, required=False),

@@ -26,6 +26,9 @@ DEVICE_PROFILES = {"cpu": "desktop-cpu", "cuda": "desktop-gpu"}  # --device -> e
 DTYPES = {"fp32": "fp32", "fp16": "fp16", "float32": "fp32", "float16": "fp16"}  # --dtype -> --precision
 
 
+TARGETS = ("onnx", "tensorrt", "coreml")
+
+
 def edgelin_argv(model: str, output: str, task: str = TASK, device: str | None = None, dtype: str | None = None,
                  target: str = "onnx", device_profile: str | None = None, serve: str | None = None,
                  force: bool = False) -> list[str]:
@@ -48,6 +51,9 @@ def edgelin_argv(model: str, output: str, task: str = TASK, device: str | None =
         raise EdgelinError(f"--dtype {dtype}", "edgelin exports fp32 or fp16 graphs (the recurrence and the "
                            "state stay float32); for int8/int4 weights use `edgelin export --quantize`",
                            "pass --dtype fp32 or --dtype fp16")
+    if target not in TARGETS:  # checked here: edgelin's own message would name `... edgelin export --help`
+        raise EdgelinError(f"--target {target}", f"optimum-cli's edgelin export writes {', '.join(TARGETS)}",
+                           "pass one of those (`optimum-cli export edgelin --help`)")
     argv = ["export", model, "--out", output, "--target", target]
     profile = device_profile or (DEVICE_PROFILES[device] if device is not None else None)
     argv += ["--device", profile] if profile else []
