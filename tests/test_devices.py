@@ -246,3 +246,11 @@ def test_devices_json_gives_nested_tables_as_objects():
     assert result.exit_code == 0 and profiles
     serving = profiles[0]["serving"]  # was the dataclass's repr, a string
     assert isinstance(serving, dict) and serving["max_batch_size"] >= 1 and isinstance(serving["preferred_batch_sizes"], list)
+
+
+def test_a_profile_saved_with_a_byte_order_mark_loads(tmp_path):
+    from edgelin.devices import get_device
+
+    shipped = (REPO / "edgelin" / "devices" / "desktop-cpu.toml").read_text()
+    (tmp_path / "notepad.toml").write_bytes(b"\xef\xbb\xbf" + shipped.encode())  # Windows Notepad's UTF-8
+    assert get_device("notepad", tmp_path).targets == get_device("desktop-cpu").targets

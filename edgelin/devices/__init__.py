@@ -218,7 +218,7 @@ class DeviceProfile:
 def _read_profile(entry: Traversable, name: str) -> DeviceProfile:
     source = str(entry)
     try:
-        text = entry.read_text(encoding="utf-8")
+        text = entry.read_text(encoding="utf-8-sig")  # the BOM Windows editors write is not TOML: dropped
     except (OSError, UnicodeDecodeError) as exc:
         raise EdgelinError(f"device profile {source} cannot be read", f"{type(exc).__name__}: {exc}",
                            "fix the file's permissions or encoding (UTF-8), or remove it") from exc
