@@ -263,12 +263,15 @@ def check_memory(manifest: Manifest, label: str, positions: list[int], batch: in
                                f"{human(available)} is available", "pick smaller --positions (or a smaller --batch)")
 
 
+PROBE_STEPS = 4  # steps check_time times (after one untimed) to estimate a plan's run time
+
+
 def check_time(runner: Runner, positions: list[int], prefill_tokens: int, batch: int, chunk: int,
                timed_steps: int, max_seconds: float, kv: bool) -> None:
     """Time one prefill piece and a few steps, and refuse a plan whose prefill would outlast max_seconds."""
     vocab, piece = runner.manifest.vocab_size, min(chunk, max(positions[-1], prefill_tokens, 1))
-    if runner.manifest.kv_capacity is not None:  # the piece and the 5 steps after it fit the fixed-capacity cache
-        piece = max(1, min(piece, runner.manifest.kv_capacity - 5))
+    if runner.manifest.kv_capacity is not None:  # the piece and the probe's steps fit the fixed-capacity cache
+        piece = max(1, min(piece, runner.manifest.kv_capacity - 1 - PROBE_STEPS))
     ids = np.random.default_rng(0).integers(0, vocab, (batch, piece), dtype=np.int64)
     zeros = np.zeros(batch, np.int64)
     runner.prefill(ids, runner.new_state(batch), zeros)  # the first call at a shape plans it: not timed
@@ -278,9 +281,9 @@ def check_time(runner: Runner, positions: list[int], prefill_tokens: int, batch:
     prefill_rate = piece / max(time.perf_counter() - t0, 1e-9)
     runner.step(ids[:, 0], state, np.full(batch, piece, np.int64))
     t0 = time.perf_counter()
-    for i in range(4):
+    for i in range(PROBE_STEPS):
         runner.step(ids[:, 0], state, np.full(batch, piece + 1 + i, np.int64))
-    step_rate = 4 / max(time.perf_counter() - t0, 1e-9)
+    step_rate = PROBE_STEPS / max(time.perf_counter() - t0, 1e-9)
     # the prefill to the last position, the timed steps, then prefill_throughput: 4 prefills and
     # one token-by-token pass over prefill_tokens
     seconds = (positions[-1] / prefill_rate + len(positions) * timed_steps / step_rate

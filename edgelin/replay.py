@@ -261,11 +261,10 @@ def check_capacity(manifest: Manifest, vectors: ReferenceVectors, measured: bool
         text_tokens=int(quality.text_ids.shape[0]) if quality is not None and quality.has_text else 0,
         prompt_len=vectors.prompt_len, steps=vectors.steps,
         greedy=(quality.prompt_len, quality.greedy_steps) if quality is not None else (0, 0))
-    if need > capacity:
-        raise EdgelinError(f"cannot validate an export whose fixed-capacity KV cache holds {capacity} tokens",
-                           f"the replay (reference vectors and quality figures) feeds sequences of up to {need} "
-                           f"tokens (exported with --kv-cache static --context {capacity})",
-                           f"re-export with --kv-cache static --context {need} or more")
+    from edgelin.runtime import check_room
+
+    check_room(manifest, need, f"cannot validate: the replay (reference vectors and quality figures) feeds "
+               f"sequences of up to {need} tokens", f"re-export with --kv-cache static --context {need} or more")
 
 
 def replay(folder: Path, rtol: float | None = None, threads: int | None = None,

@@ -42,7 +42,7 @@ from edgelin.export.reference_vectors import (flat_state, held_out_text, positio
 from edgelin.model.lm import CausalLM
 from edgelin.quality import TEXT_TOKENS, measure, precision_key
 from edgelin.replay import Checks, ValidationReport
-from edgelin.runtime import open_runner, runner_label
+from edgelin.runtime import check_room, open_runner, runner_label
 
 # The rollout is compared window by window: reference logits for at most this many bytes (and
 # positions) at a time, whatever the step count.
@@ -112,21 +112,16 @@ def check_capacity(manifest: Manifest, prompt_len: int, steps: int, text_ids: np
     capacity = manifest.kv_capacity
     if capacity is None:
         return
-    held = f"the export's fixed-capacity KV cache holds {capacity} tokens (exported with --kv-cache static " \
-           f"--context {capacity})"
-    if prompt_len + steps > capacity:
-        fix = (f"pass --steps {capacity - prompt_len} or fewer" if prompt_len < capacity else
+    rollout = prompt_len + steps
+    check_room(manifest, rollout, f"--prompt-len {prompt_len} with --steps {steps} feeds {rollout} tokens",
+               f"pass --steps {capacity - prompt_len} or fewer" if prompt_len < capacity else
                f"pass --prompt-len {capacity // 2} --steps {capacity - capacity // 2} or fewer")
-        raise EdgelinError(f"--prompt-len {prompt_len} with --steps {steps} feeds {prompt_len + steps} tokens", held,
-                           fix)
-    greedy = positions_needed(0, 0, 0)
-    if greedy > capacity:
-        raise EdgelinError(f"the quality figures' greedy rollout feeds {greedy} tokens", held,
-                           f"re-export with --kv-cache static --context {max(greedy, prompt_len + steps)} or more")
+    greedy = positions_needed(text_tokens=0, prompt_len=0, steps=0)  # the greedy rollout's alone
+    check_room(manifest, greedy, f"the quality figures' greedy rollout feeds {greedy} tokens",
+               f"re-export with --kv-cache static --context {max(greedy, rollout)} or more")
     text = 0 if text_ids is None else len(text_ids)
-    if text - 1 > capacity:
-        raise EdgelinError(f"the perplexity pass over {text} held-out tokens feeds {text - 1}", held,
-                           f"pass --text-tokens {capacity + 1} or fewer")
+    check_room(manifest, text - 1, f"the perplexity pass over {text} held-out tokens feeds {text - 1}",
+               f"pass --text-tokens {capacity + 1} or fewer")
 
 
 def validate(
