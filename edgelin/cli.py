@@ -164,7 +164,9 @@ def export(
     step_ops: Optional[str] = typer.Option(
         None, "--step-ops", help="onnx: the step's recurrence and short conv as ONNX Runtime's contrib ops "
                                  "LinearAttention and CausalConvWithState (contrib, default; ONNX Runtime >= 1.32) "
-                                 "or in standard ONNX ops (standard: any ONNX runtime, slower)."),
+                                 "or in standard ONNX ops (standard: any ONNX runtime, slower); edgelin: contrib, "
+                                 "and the 4-bit weight products through edgelin's CPU kernel library where the "
+                                 "runner loads it (ONNX Runtime's own op elsewhere, in the same file)."),
     as_json: bool = JSON,
 ) -> None:
     """Export step + prefill graphs, reference vectors and manifest.json for a target."""

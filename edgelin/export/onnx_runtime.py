@@ -35,6 +35,7 @@ from edgelin.export.manifest import NUMPY_DTYPES, GraphEntry, Manifest
 from edgelin.export.state import outputs_by_input
 
 if TYPE_CHECKING:
+    from edgelin.ortops import OpsLibrary
     import onnxruntime as ort
 
 # ONNX Runtime's weight prepacking for exports whose graphs share a weights file: None (default) leaves
@@ -172,11 +173,18 @@ class OnnxRunner(Runner):
         if manifest.extra.get("weights") and not self.prepack and os.environ.get(SHARED_ENV, "1") != "0":
             self.weights, self.shared = shared_initializers(Path(folder), manifest)
         self.sessions: dict[str, ort.InferenceSession] = {}
+        # edgelin's operator library for a --step-ops edgelin export: what was loaded, or why not (None: the
+        # export names none of its ops). Without it the step's function bodies run ONNX Runtime's own kernels.
+        self.ort_ops: "OpsLibrary | None" = None
         for kind, entry in manifest.graphs.items():
             path = Path(folder) / entry.file
             if not path.is_file():
                 raise EdgelinError(f"{path} is missing", "the manifest lists it", "re-run `edgelin export`")
             graph_options = _options(ort, threads, self.prepack, kind)
+            if kind == "step" and manifest.extra.get("ort_ops"):  # --step-ops edgelin: edgelin's kernels if loadable
+                from edgelin.ortops import register
+
+                self.ort_ops = register(graph_options)
             if self.shared.get(kind):
                 for name, value in self.shared[kind]:
                     graph_options.add_initializer(name, value)
@@ -188,6 +196,7 @@ class OnnxRunner(Runner):
                                    _load_fix(reason)) from exc
             _check_contract(kind, session, entry)
             self.sessions[kind] = session
+        self.label = _label(self.ort_ops)  # `runner: ...` in reports (the tensorrt target's fallback sets its own)
         self.state_names = [t.name for t in manifest.state_inputs]
         self._dtypes = [NUMPY_DTYPES[t.dtype] for t in manifest.state_inputs]
         feeds = outputs_by_input(manifest.graphs["step"].outputs)  # the manifest checked prefill's agree
@@ -383,6 +392,17 @@ class OnnxRunner(Runner):
                 binding.bind_ortvalue_output(name, value)
             bindings.append(binding)
         buffers.bindings = bindings
+
+
+def _label(ort_ops: "OpsLibrary | None") -> str:
+    """Whether a --step-ops edgelin export runs edgelin's kernels (and on which path), or why not."""
+    if ort_ops is None:
+        return "onnxruntime"
+    if ort_ops.path is None:
+        return f"onnxruntime (edgelin ops not loaded: {ort_ops.reason}; ONNX Runtime's own kernels ran)"
+    from edgelin.ortops import kernel_path
+
+    return f"onnxruntime + edgelin ops ({kernel_path(ort_ops.path)})"
 
 
 def _check_weights(folder: Path, entry: dict) -> None:

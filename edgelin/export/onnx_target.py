@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError, environment_fault, one_line
+from edgelin.ortops import DOMAIN as ORT_OPS_DOMAIN
 from edgelin.export.base import Artifact, Phase, Target, missing_module
 from edgelin.export.tensors import TensorIO
 
@@ -224,13 +225,16 @@ class OnnxOptions:
     context: int | None = None  # the static cache's capacity in tokens (required with kv_cache="static")
     # --step-ops: the step graph's recurrence and short conv as ONNX Runtime's com.microsoft LinearAttention and
     # CausalConvWithState (one node each per linear layer; ONNX Runtime >= 1.32), or standard ONNX ops (any
-    # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops.
+    # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops. "edgelin": contrib, and the step's
+    # 4-bit weight products as ai.edgelin ops for edgelin's operator library, ONNX Runtime's own op as each
+    # one's function body (edgelin.export.onnx_kernels; edgelin.ortops).
     step_ops: str = "contrib"
 
     def __post_init__(self) -> None:
         if self.step_ops not in STEP_OPS:
             raise EdgelinError(f"--step-ops {self.step_ops}", f"the ONNX step's ops are one of {', '.join(STEP_OPS)}",
-                               "pass --step-ops contrib (ONNX Runtime >= 1.32) or --step-ops standard")
+                               "pass --step-ops contrib (ONNX Runtime >= 1.32), edgelin (contrib and edgelin's own "
+                               "CPU kernels) or standard")
         if self.kv_cache not in KV_CACHES:
             raise EdgelinError(f"--kv-cache {self.kv_cache}", f"the ONNX target's KV caches are {', '.join(KV_CACHES)}",
                                "pass --kv-cache growing or --kv-cache static --context N")
@@ -248,7 +252,8 @@ class OnnxOptions:
 # growing: past/present are graph inputs/outputs, concatenated each call (the default); static: an in-place
 # fixed-capacity cache (GroupQueryAttention, one bound buffer; README "Fixed-capacity KV cache").
 KV_CACHES = ("growing", "static")
-STEP_OPS = ("contrib", "standard")  # OnnxOptions.step_ops: OnnxEngine.contrib_ops on or off
+STEP_OPS = ("contrib", "standard", "edgelin")  # OnnxOptions.step_ops: OnnxEngine.contrib_ops on or off (edgelin: on)
+ORT_OPS_KEY = "ort_ops"  # the manifest's entry for a step graph that names edgelin.ortops' ops
 MAX_CONTEXT = (1 << 31) - 1  # GroupQueryAttention's sequence lengths are int32
 KV_CAPACITY_KEY = "edgelin.kv_capacity"  # the graphs' metadata_props entry a static-cache export carries
 
@@ -313,6 +318,14 @@ def set_metadata(proto, key: str, value: str) -> None:
     del proto.metadata_props[:]
     proto.metadata_props.extend(kept)
     proto.metadata_props.add(key=key, value=value)
+
+
+def edgelin_op_count(path: Path) -> int:
+    """How many nodes of the graph at `path` are edgelin.ortops' (--step-ops edgelin)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    return sum(node.domain == ORT_OPS_DOMAIN for node in proto.graph.node)
 
 
 def static_capacity(path: Path) -> int | None:
@@ -388,6 +401,10 @@ class OnnxTarget(Target):
         if static:  # on the graphs as written (quantised, weights shared)
             for kind, outputs in written.items():
                 mark_static_cache(Path(folder) / files[kind], outputs, layers, options.context)
+        if options.step_ops == "edgelin":
+            from edgelin.export.onnx_kernels import route_to_edgelin_kernels
+
+            route_to_edgelin_kernels(Path(folder) / files["step"])
         return {**files, **shared}
 
     def finish_export(self, folder: Path, manifest: "Manifest", options: OnnxOptions | None = None) -> "Manifest | None":
@@ -396,12 +413,18 @@ class OnnxTarget(Target):
         reference vectors are recorded through the runner that reads it. Other exports: nothing to add."""
         import dataclasses
 
-        if not isinstance(options, OnnxOptions) or options.kv_cache != "static":
+        if not isinstance(options, OnnxOptions):
             return None
-        capacity = static_capacity(Path(folder) / manifest.graphs["step"].file)
-        if capacity is None:
-            return None
-        return dataclasses.replace(manifest, extra={**manifest.extra, "kv_cache": kv_cache_entry(capacity)})
+        extra = dict(manifest.extra)
+        if options.kv_cache == "static":
+            capacity = static_capacity(Path(folder) / manifest.graphs["step"].file)
+            if capacity is not None:
+                extra["kv_cache"] = kv_cache_entry(capacity)
+        if options.step_ops == "edgelin":
+            routed = edgelin_op_count(Path(folder) / manifest.graphs["step"].file)
+            if routed:  # the runner loads edgelin's operator library for this step graph
+                extra[ORT_OPS_KEY] = {"library": "edgelin.ortops", "domain": ORT_OPS_DOMAIN, "step_nodes": routed}
+        return dataclasses.replace(manifest, extra=extra) if extra != manifest.extra else None
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
                threads: int | None = None) -> "OnnxRunner":

@@ -1,0 +1,130 @@
+"""edgelin's ONNX Runtime operator library: CPU kernels that stock ONNX Runtime runs slower, loaded into a session
+with `SessionOptions.register_custom_ops_library`.
+
+- `ai.edgelin::MatMulNBits` (ops.c, q4_gemv.c): the 4-bit weight products of one-token decoding. Same inputs,
+  attributes and packed weights as `com.microsoft::MatMulNBits` (bits 4, block 32; the activations rounded to
+  int8 per 32-block, as accuracy level 4 does); on AVX2 it multiplies two blocks per 256-bit step and four
+  weight rows at once (docs/benchmarks.md, issue 13); a portable C path elsewhere.
+
+An export made with `--step-ops edgelin` names these ops in its step graph and carries, for each, an ONNX
+function of the same name whose body is ONNX Runtime's own op: a runtime without the library runs the same file
+(bit for bit ONNX Runtime's numbers), one with it runs edgelin's kernels. The runner loads the library when the
+manifest lists these ops (`EDGELIN_ORT_OPS`: unset = build it here once with the C compiler and cache it,
+`0` = never, a path = that prebuilt library, e.g. cross-compiled for a board without a compiler).
+
+The C sources need no ONNX Runtime headers (ort_abi.h declares the few C API slots they call) and nothing but a
+C11 compiler: `cc -O3 -std=gnu11 -shared -fPIC ops.c q4_gemv.c -lm`. Runtime-side module: no torch, no onnx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+DOMAIN = "ai.edgelin"
+ENV = "EDGELIN_ORT_OPS"
+SOURCES = ("ops.c", "q4_gemv.c")
+HEADERS = ("ort_abi.h", "q4_gemv.h")
+LIBRARY = "libedgelin_ortops.so"
+_HERE = Path(__file__).resolve().parent
+_CFLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden")
+
+
+@dataclass(frozen=True)
+class OpsLibrary:
+    """Where the library is and why: `path` None when it is not loaded (`reason` says why)."""
+
+    path: Path | None
+    reason: str
+
+
+def _compiler() -> list[str] | None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return shlex.split(cc) if cc else None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "edgelin" / "ortops"
+
+
+def _fingerprint(compiler: list[str]) -> str:
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((_HERE / name).read_bytes())
+    digest.update(" ".join((*compiler, *_CFLAGS, platform.machine())).encode())
+    return digest.hexdigest()[:16]
+
+
+def build(out: Path | None = None) -> Path:
+    """Compile the library (into the per-user cache unless `out` is given) and return its path; a cached build of
+    the same sources and compiler is reused. Written to a temporary file first, then renamed into place, so a
+    concurrent or interrupted build never leaves a partial library. Raises OSError/RuntimeError on failure."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (set CC, or install gcc or clang)")
+    target = out if out is not None else _cache_dir() / _fingerprint(compiler) / LIBRARY
+    if out is None and target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, staged = tempfile.mkstemp(prefix=f".{LIBRARY}.", suffix=".tmp", dir=target.parent)
+    os.close(handle)
+    try:
+        command = [*compiler, *_CFLAGS, "-o", staged, *(str(_HERE / s) for s in SOURCES), "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            message = " ".join((done.stderr or done.stdout).split())[:300]
+            raise RuntimeError(f"{' '.join(compiler)} failed: {message}")
+        os.chmod(staged, 0o755)
+        os.replace(staged, target)
+    finally:
+        if os.path.exists(staged):
+            os.unlink(staged)
+    return target
+
+
+def locate() -> OpsLibrary:
+    """The library the runner should load, per EDGELIN_ORT_OPS (see the module docstring); never raises."""
+    setting = os.environ.get(ENV, "").strip()
+    if setting == "0":
+        return OpsLibrary(None, f"{ENV}=0")
+    if setting:
+        path = Path(setting).expanduser()
+        return OpsLibrary(path, f"{ENV}") if path.is_file() else OpsLibrary(None, f"{ENV}={setting}: no such file")
+    try:
+        return OpsLibrary(build(), "built here")
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return OpsLibrary(None, f"could not build it: {' '.join(str(exc).split())[:200]}")
+
+
+def kernel_path(library: Path) -> str:
+    """Which path the library's kernels take on this CPU ("avx2" or "portable")."""
+    import ctypes
+
+    try:
+        entry = ctypes.CDLL(str(library)).edgelin_q4_path
+    except (OSError, AttributeError):  # a library built from other sources (EDGELIN_ORT_OPS=path)
+        return "unknown kernel path"
+    entry.restype = ctypes.c_char_p
+    return entry().decode()
+
+
+def register(options: object) -> OpsLibrary:
+    """Register the library with an onnxruntime.SessionOptions; returns what was loaded (or why not). A library
+    ONNX Runtime refuses (wrong architecture, damaged file) is reported, not raised: the export's function
+    bodies then run ONNX Runtime's own ops."""
+    found = locate()
+    if found.path is None:
+        return found
+    try:
+        options.register_custom_ops_library(str(found.path))  # type: ignore[attr-defined]
+    except Exception as exc:  # onnxruntime's own error types share no base class
+        return OpsLibrary(None, f"ONNX Runtime refused {found.path}: {' '.join(str(exc).split())[:200]}")
+    return found

@@ -1,0 +1,31 @@
+/* edgelin's 4-bit weight products for one-token decoding (M small), on ONNX Runtime's MatMulNBits layout as it is
+   stored (no repacking, no second copy of the weights): weights [N, nb, 16] bytes, nb = ceil(K / 32) blocks per
+   row, element 2j in byte j's low nibble and 2j+1 in its high one. */
+#ifndef EDGELIN_Q4_GEMV_H
+#define EDGELIN_Q4_GEMV_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define EDGELIN_API __attribute__((visibility("default")))  /* the library builds with -fvisibility=hidden */
+
+/* Bytes of scratch for K inputs: the int8 activation blocks and their scales. */
+EDGELIN_API size_t edgelin_q4_scratch_bytes(int64_t K);
+
+/* Per-block offsets of one weight, W[n, k] = q[n, k] * scale[n, b] + offset[n, b]: offset = -scale * zero point,
+   zero points (NULL: 8) packed two per byte as MatMulNBits stores them (low nibble first, ceil(nb / 2) bytes per
+   row). */
+EDGELIN_API void edgelin_q4_offsets(int64_t K, int64_t N, const float* scales, const uint8_t* zero_points,
+                                    float* offsets);
+
+/* One row of x into `scratch`: int8 per 32-block (scale max|x| / 127, rounded to nearest even), as MatMulNBits'
+   accuracy level 4 does. Then y[n0:n1] = x . W[n] for rows n0 <= n < n1 (any slice of rows reads the same
+   scratch). */
+EDGELIN_API void edgelin_q4_quantize(const float* x, int64_t K, void* scratch);
+EDGELIN_API void edgelin_q4_rows(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
+                                 const float* offsets, int64_t n0, int64_t n1, float* y);
+
+/* Which path edgelin_q4_rows takes on this CPU: "avx2" or "portable"; for the tests, force the portable one
+   (on = 1) or go back to what the CPU has (on = 0). */
+EDGELIN_API const char* edgelin_q4_path(void);
+EDGELIN_API void edgelin_q4_use_portable(int on);
+#endif

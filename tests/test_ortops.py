@@ -1,0 +1,282 @@
+"""edgelin's ONNX Runtime operator library (edgelin.ortops) and --step-ops edgelin.
+
+The chain of trust: the C kernel inside an ONNX Runtime session == ONNX Runtime's own com.microsoft::MatMulNBits
+on the same packed weights (an independent implementation: MLAS), at odd shapes and batch sizes; the export's
+function fallback == that op bit for bit; a --step-ops edgelin export validates with and without the library, and
+its step rollout with the library == without it. Needs a C compiler (the library builds at first use)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgelin import ortops
+from edgelin.devices import export_settings
+from edgelin.export.onnx_kernels import fallback_function
+from edgelin.export.onnx_target import OnnxOptions
+from edgelin.export.pipeline import export_checkpoint
+from edgelin.families import SOFTMAX
+from edgelin.runtime import open_runner, runner_label
+from edgelin.replay import replay
+from helpers import assert_close, make_checkpoint
+
+pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
+
+# The kernel and MLAS both round the activations to int8 per 32-block (the same bytes); what is left is the
+# order of float sums: measured <= 5e-7 max-relative on these shapes. Bound ~20x that.
+KERNEL_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory) -> Path:
+    return ortops.build(tmp_path_factory.mktemp("ortops") / ortops.LIBRARY)
+
+
+def _onnxruntime_core() -> ctypes.CDLL:
+    capi = Path(ort.__file__).parent / "capi"
+    (core,) = [p for p in capi.iterdir() if p.name.startswith("libonnxruntime.so")]
+    return ctypes.CDLL(str(core))
+
+
+def test_the_abi_slots_reach_the_installed_runtime(library):
+    """ort_abi.h's slot numbers, read against the runtime installed here: a status made through slot
+    CreateStatus comes back through GetErrorMessage with its text (a shifted table would not), and a runtime
+    this new has KernelContext_ParallelFor."""
+    core = _onnxruntime_core()
+    core.OrtGetApiBase.restype = ctypes.c_void_p
+    check = ctypes.CDLL(str(library)).edgelin_ort_abi_check
+    out = ctypes.create_string_buffer(64)
+    has_parallel_for = check(ctypes.c_void_p(core.OrtGetApiBase()), out, 64)
+    assert out.value == b"edgelin abi check"
+    assert has_parallel_for == 1
+
+
+def _quantized_matmul(K: int, N: int, seed: int, bits: int = 4) -> onnx.ModelProto:
+    """A [m, K] x [K, N] MatMul quantised by ONNX Runtime's own tool (`bits`, block 32, asymmetric, level 4)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    weight = (np.random.default_rng(seed).standard_normal((K, N)) * 0.05).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", N])],
+                              [numpy_helper.from_array(weight, "W")])
+    tool = MatMulNBitsQuantizer(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), bits=bits,
+                                block_size=32, is_symmetric=False, accuracy_level=4)
+    tool.process()
+    return tool.model.model
+
+
+def _routed(model: onnx.ModelProto) -> onnx.ModelProto:
+    routed = onnx.ModelProto()
+    routed.CopyFrom(model)
+    for node in routed.graph.node:
+        if node.op_type == "MatMulNBits":
+            node.domain = ortops.DOMAIN
+    routed.opset_import.append(helper.make_opsetid(ortops.DOMAIN, 1))
+    routed.functions.append(fallback_function({"": 18}))
+    return routed
+
+
+def _session(model: onnx.ModelProto, library: Path | None = None, threads: int = 1) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if library is not None:
+        options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+# K: whole pairs of blocks, an odd block count (a lone last block), K not a multiple of 32 (padded); N: rows in
+# fours and a remainder
+SHAPES = [(384, 1676), (768, 37), (96, 5), (100, 70), (64, 1)]
+
+
+@pytest.mark.parametrize("K,N", SHAPES, ids=[f"K{k}-N{n}" for k, n in SHAPES])
+@pytest.mark.parametrize("rows", [1, 3], ids=["M1", "M3"])
+@pytest.mark.parametrize("threads", [1, 2], ids=["t1", "t2"])
+def test_kernel_matches_onnxruntimes_matmulnbits(library, K, N, rows, threads):
+    model = _quantized_matmul(K, N, seed=K + N)
+    x = np.random.default_rng(rows).standard_normal((rows, K)).astype(np.float32)
+    want = _session(model).run(None, {"x": x})[0]
+    got = _session(_routed(model), library, threads).run(None, {"x": x})[0]
+    assert_close(got, want, KERNEL_RTOL, f"K={K} N={N} M={rows}")
+    assert np.abs(got - want).max() <= KERNEL_RTOL * np.abs(want).max()
+
+
+@pytest.mark.parametrize("bits", [4, 8], ids=["int4", "int8"])
+def test_the_function_fallback_is_onnxruntimes_op_bit_for_bit(bits):
+    """Without the library the routed node runs its function body: ONNX Runtime's own kernel, same bytes."""
+    model = _quantized_matmul(384, 200, seed=1, bits=bits)
+    x = np.random.default_rng(0).standard_normal((2, 384)).astype(np.float32)
+    assert np.array_equal(_session(_routed(model)).run(None, {"x": x})[0], _session(model).run(None, {"x": x})[0])
+
+
+def test_a_node_the_kernel_does_not_take_is_refused_in_one_line(library):
+    """An 8-bit node routed by hand: the library refuses it when the session is made, saying what it takes."""
+    model = _routed(_quantized_matmul(64, 8, seed=2, bits=8))
+    with pytest.raises(Exception, match="only bits 4 with block_size 32"):
+        _session(model, library).run(None, {"x": np.ones((1, 64), np.float32)})
+
+
+def _c_kernel(library: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library))
+    lib.edgelin_q4_scratch_bytes.restype = ctypes.c_size_t
+    lib.edgelin_q4_scratch_bytes.argtypes = [ctypes.c_int64]
+    lib.edgelin_q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.edgelin_q4_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.edgelin_q4_path.restype = ctypes.c_char_p
+    return lib
+
+
+def _activations(scratch: np.ndarray, K: int) -> np.ndarray:
+    """The int8 activation blocks times their scales, [nb, 32] in float64, read back from the scratch bytes."""
+    nb = (K + 31) // 32
+    nb8 = (nb + 7) // 8 * 8
+    scales = scratch[: 4 * nb8].view(np.float32)[:nb].astype(np.float64)
+    values = scratch[8 * nb8:].view(np.int8)
+    acts = np.zeros((nb, 32))
+    for b in range(nb):  # pairs of blocks: 32 even-position values (16 per block), then 32 odd ones
+        base = (b // 2) * 64 + (b % 2) * 16
+        acts[b, 0::2], acts[b, 1::2] = values[base:base + 16], values[base + 32:base + 48]
+    return acts * scales[:, None]
+
+
+@pytest.mark.parametrize("K", [384, 352, 100], ids=["K384", "K352-odd-blocks", "K100-padded"])
+def test_avx2_and_portable_paths_agree(library, K):
+    """The two paths quantise the activations to the same bytes and give the same products (to float sum
+    order); and both equal the products of the dequantised weights with those int8 activations in float64."""
+    lib = _c_kernel(library)
+    if lib.edgelin_q4_path() != b"avx2":
+        pytest.skip("this CPU has no AVX2: only the portable path runs here")
+    rng = np.random.default_rng(K)
+    N, nb = 45, (K + 31) // 32
+    weights = rng.integers(0, 256, (N, nb, 16), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, N * nb).astype(np.float32)
+    offsets = (scales * rng.uniform(-8, 8, N * nb)).astype(np.float32)
+    x = rng.standard_normal(K).astype(np.float32)
+    size = lib.edgelin_q4_scratch_bytes(K)
+    results = {}
+    for portable in (0, 1):
+        lib.edgelin_q4_use_portable(portable)
+        scratch, y = np.full(size, 0xAB, np.uint8), np.empty(N, np.float32)  # garbage in the scratch
+        lib.edgelin_q4_quantize(x.ctypes.data, K, scratch.ctypes.data)
+        lib.edgelin_q4_rows(scratch.ctypes.data, K, weights.ctypes.data, scales.ctypes.data, offsets.ctypes.data,
+                            0, N, y.ctypes.data)
+        results[portable] = (scratch, y)
+    lib.edgelin_q4_use_portable(0)
+    (s_avx2, y_avx2), (s_portable, y_portable) = results[0], results[1]
+    assert np.array_equal(s_avx2, s_portable)
+    assert_close(y_avx2, y_portable, 1e-6, "avx2 vs portable")
+    q = np.stack([weights & 15, weights >> 4], -1).reshape(N, nb, 32).astype(np.float64)
+    dequantised = q * scales.reshape(N, nb, 1) + offsets.reshape(N, nb, 1)
+    want = np.einsum("nbj,bj->n", dequantised, _activations(s_portable, K))
+    assert_close(y_portable, want, 1e-6, "portable vs float64")
+
+
+# ---- --step-ops edgelin ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Gated DeltaNet + attention model (hidden 96: three 32-blocks per row, the lone-block path), block 32:
+    int4 with --step-ops edgelin and contrib; int8 with edgelin (ONNX Runtime's 8-bit kernel stays)."""
+    root = tmp_path_factory.mktemp("step-ops-edgelin")
+    ckpt = make_checkpoint(root / "ckpt", tokenizer=False, layers=("gated_deltanet", SOFTMAX), hidden_size=96,
+                           intermediate_size=160)
+    folders = {}
+    for name, ops, quantize in (("edgelin", "edgelin", "int4"), ("contrib", "contrib", "int4"),
+                                ("edgelin-int8", "edgelin", "int8")):
+        settings = export_settings(None, "onnx", "fp32", quantize, 32)
+        folders[name] = export_checkpoint(ckpt, root / name, settings=settings, options=OnnxOptions(step_ops=ops)).folder
+    return folders
+
+
+def test_the_export_routes_every_4bit_step_product_and_only_those(exports):
+    routed = onnx.load(str(exports["edgelin"] / "step.onnx"), load_external_data=False)
+    plain = onnx.load(str(exports["contrib"] / "step.onnx"), load_external_data=False)
+    products = sum(n.op_type == "MatMulNBits" for n in plain.graph.node)
+    assert products > 0
+    assert sum(n.domain == ortops.DOMAIN for n in routed.graph.node) == products
+    assert [f"{f.domain}::{f.name}" for f in routed.functions] == [f"{ortops.DOMAIN}::MatMulNBits"]
+    prefill = onnx.load(str(exports["edgelin"] / "prefill.onnx"), load_external_data=False)
+    assert not any(n.domain == ortops.DOMAIN for n in prefill.graph.node)
+    import json
+
+    manifest = json.loads((exports["edgelin"] / "manifest.json").read_text())
+    assert manifest["extra"]["ort_ops"] == {"library": "edgelin.ortops", "domain": ortops.DOMAIN,
+                                            "step_nodes": products}
+    int8 = onnx.load(str(exports["edgelin-int8"] / "step.onnx"), load_external_data=False)
+    assert not any(n.domain == ortops.DOMAIN for n in int8.graph.node) and not int8.functions
+    assert "ort_ops" not in json.loads((exports["edgelin-int8"] / "manifest.json").read_text())["extra"]
+    assert "ort_ops" not in json.loads((exports["contrib"] / "manifest.json").read_text())["extra"]
+
+
+@pytest.mark.parametrize("setting", ["library", "off"])
+def test_a_step_ops_edgelin_export_validates_with_and_without_the_library(exports, library, setting, monkeypatch):
+    monkeypatch.setenv(ortops.ENV, str(library) if setting == "library" else "0")
+    report = replay(exports["edgelin"])
+    assert report.passed, (report.failures, report.quality_failures)
+    if setting == "library":
+        assert report.runner == f"onnxruntime + edgelin ops ({_c_kernel(library).edgelin_q4_path().decode()})"
+    else:
+        assert report.runner.startswith("onnxruntime (edgelin ops not loaded: EDGELIN_ORT_OPS=0")
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_step_rollout_with_the_library_matches_onnxruntimes_kernels(exports, library, batch, monkeypatch):
+    """30 teacher-forced steps after an 11-token prefill, library vs function fallback vs a contrib export."""
+    ids = np.random.default_rng(batch).integers(0, 97, (batch, 41))
+    logits = {}
+    for name, folder, setting in (("library", "edgelin", str(library)), ("fallback", "edgelin", "0"),
+                                  ("contrib", "contrib", "0")):
+        monkeypatch.setenv(ortops.ENV, setting)
+        runner = open_runner(exports[folder], threads=1)
+        state = runner.new_state(batch)
+        runner.prefill(ids[:, :11], state, np.zeros(batch, np.int64))
+        logits[name] = np.stack([runner.step(ids[:, t], state, np.full(batch, t)) for t in range(11, 41)])
+    assert np.array_equal(logits["fallback"], logits["contrib"])
+    assert_close(logits["library"], logits["contrib"], KERNEL_RTOL, f"batch {batch}")
+
+
+def test_without_a_compiler_the_runner_says_so_and_runs_onnxruntimes_kernels(exports, monkeypatch, tmp_path):
+    monkeypatch.delenv(ortops.ENV, raising=False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runner = open_runner(exports["edgelin"], threads=1)
+    assert runner_label(runner).startswith("onnxruntime (edgelin ops not loaded: could not build it:")
+    assert not list((tmp_path / "cache").rglob("*.so")) and not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_a_failed_build_leaves_no_partial_library(tmp_path, monkeypatch):
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'half a library' > \"$(echo \"$@\" | sed 's/.*-o \\([^ ]*\\).*/\\1/')\"\n"
+                      "echo 'cc: error: out of cheese' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with pytest.raises(RuntimeError, match="out of cheese"):
+        ortops.build(tmp_path / "out" / ortops.LIBRARY)
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_a_library_path_that_is_not_there_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv(ortops.ENV, str(tmp_path / "missing.so"))
+    found = ortops.locate()
+    assert found.path is None and "no such file" in found.reason
+
+
+def test_the_sources_build_with_a_plain_c_compiler_and_strict_warnings(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no cc/gcc on PATH")
+    import subprocess
+
+    sources = [str(Path(ortops.__file__).parent / s) for s in ortops.SOURCES]
+    done = subprocess.run([cc, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-O2", "-fPIC", "-shared",
+                           "-o", str(tmp_path / "lib.so"), *sources, "-lm"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
