@@ -79,3 +79,22 @@ def make_checkpoint(folder: Path, family: str = "hybrid", tokenizer: bool = True
 def export_family(root: Path, family: str, **changes) -> Path:
     ckpt = make_checkpoint(root / f"{family}-ckpt", family, tokenizer=False, **changes)
     return export_checkpoint(ckpt, root / f"{family}-onnx").folder
+
+
+def run_state_in_place(session, feeds: dict, output: str, past: str = "past",
+                       present: str = "present") -> tuple[np.ndarray, np.ndarray]:
+    """One ONNX Runtime run with the state's past input and present output bound to one buffer, as the runner binds
+    them: (the other output, the state after the run); the feeds other than `past` bound as inputs."""
+    import onnxruntime as ort
+
+    state = ort.OrtValue.ortvalue_from_numpy(feeds[past].copy())
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if name != past:
+            binding.bind_cpu_input(name, value)
+    binding.bind_ortvalue_input(past, state)
+    binding.bind_output(output)  # get_outputs() follows the order of binding
+    binding.bind_ortvalue_output(present, state)
+    session.run_with_iobinding(binding)
+    return binding.copy_outputs_to_cpu()[0], state.numpy().copy()  # (a view would die with the OrtValue)
+

@@ -13,7 +13,7 @@ from onnx import TensorProto
 
 from edgelin.export.onnx_in_place import IN_PLACE_KEY, in_place_states
 from edgelin.runtime import open_runner
-from helpers import export_family
+from helpers import export_family, run_state_in_place
 
 FEEDS = {"present": "past"}
 
@@ -75,17 +75,9 @@ def test_linear_attention_gives_the_same_outputs_with_its_past_and_present_in_on
         feeds["beta"] = 1 / (1 + np.exp(-feeds["beta"]))
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     out, present = session.run(None, feeds)
-    shared = ort.OrtValue.ortvalue_from_numpy(feeds["past"].copy())
-    binding = session.io_binding()
-    for name, value in feeds.items():
-        if name != "past":
-            binding.bind_cpu_input(name, value)
-    binding.bind_ortvalue_input("past", shared)
-    binding.bind_output("out")  # get_outputs() follows the order of binding
-    binding.bind_ortvalue_output("present", shared)
-    session.run_with_iobinding(binding)
-    np.testing.assert_array_equal(binding.get_outputs()[0].numpy(), out)
-    np.testing.assert_array_equal(shared.numpy(), present)
+    got_out, got_present = run_state_in_place(session, feeds, "out")
+    np.testing.assert_array_equal(got_out, out)
+    np.testing.assert_array_equal(got_present, present)
     assert not np.allclose(present, feeds["past"])
 
 
@@ -114,15 +106,9 @@ def test_causal_conv_gives_the_same_outputs_with_its_past_and_present_in_one_buf
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     out, present = session.run(None, feeds)
     np.testing.assert_array_equal(present, np.concatenate([feeds["past"], feeds["x"]], -1)[..., 1:])  # the shift
-    shared = ort.OrtValue.ortvalue_from_numpy(feeds["past"].copy())
-    binding = session.io_binding()
-    binding.bind_cpu_input("x", feeds["x"])
-    binding.bind_ortvalue_input("past", shared)
-    binding.bind_output("out")
-    binding.bind_ortvalue_output("present", shared)
-    session.run_with_iobinding(binding)
-    np.testing.assert_array_equal(binding.get_outputs()[0].numpy(), out)
-    np.testing.assert_array_equal(shared.numpy(), present)
+    got_out, got_present = run_state_in_place(session, feeds, "out")
+    np.testing.assert_array_equal(got_out, out)
+    np.testing.assert_array_equal(got_present, present)
 
 
 def test_a_view_of_the_past_is_the_past():

@@ -20,13 +20,13 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
 from edgelin.devices import export_settings
-from edgelin.export.onnx_kernels import fallback_function
+from edgelin.export.onnx_kernels import CONV, MATMUL, RECURRENCE, fallback_function
 from edgelin.export.onnx_target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.families import SOFTMAX
 from edgelin.runtime import open_runner, runner_label
 from edgelin.replay import replay
-from helpers import assert_close, make_checkpoint
+from helpers import assert_close, make_checkpoint, run_state_in_place
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
 
@@ -81,7 +81,7 @@ def _routed(model: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type == "MatMulNBits":
             node.domain = ortops.DOMAIN
     routed.opset_import.append(helper.make_opsetid(ortops.DOMAIN, 1))
-    routed.functions.append(fallback_function({"": 18}))
+    routed.functions.append(fallback_function(MATMUL, {"": 18}))
     return routed
 
 
@@ -101,7 +101,7 @@ SHAPES = [(384, 1676), (768, 37), (96, 5), (100, 70), (64, 1)]
 @pytest.mark.parametrize("K,N", SHAPES, ids=[f"K{k}-N{n}" for k, n in SHAPES])
 @pytest.mark.parametrize("rows", [1, 3], ids=["M1", "M3"])
 @pytest.mark.parametrize("threads", [1, 2], ids=["t1", "t2"])
-def test_kernel_matches_onnxruntimes_matmulnbits(library, K, N, rows, threads):
+def test_kernel_matches_onnxruntimes_matmulnbits(library, K, N, rows, threads, kernel_path):
     model = _quantized_matmul(K, N, seed=K + N)
     x = np.random.default_rng(rows).standard_normal((rows, K)).astype(np.float32)
     want = _session(model).run(None, {"x": x})[0]
@@ -132,8 +132,20 @@ def _c_kernel(library: Path) -> ctypes.CDLL:
     lib.edgelin_q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.edgelin_q4_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.edgelin_q4_path.restype = ctypes.c_char_p
+    lib.edgelin_kernel_path.restype = ctypes.c_char_p
     return lib
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def kernel_path(request, library):
+    """The library's AVX2 paths, then its portable ones (forced in the loaded library: ONNX Runtime's sessions
+    dlopen the same file, so they run what this sets)."""
+    lib = _c_kernel(library)
+    if request.param == "avx2" and lib.edgelin_kernel_path() != b"avx2":
+        pytest.skip("this CPU has no AVX2: only the portable path runs here")
+    lib.edgelin_use_portable(int(request.param == "portable"))
+    yield request.param
+    lib.edgelin_use_portable(0)
 
 
 def _activations(scratch: np.ndarray, K: int) -> np.ndarray:
@@ -154,7 +166,7 @@ def test_avx2_and_portable_paths_agree(library, K):
     """The two paths quantise the activations to the same bytes and give the same products (to float sum
     order); and both equal the products of the dequantised weights with those int8 activations in float64."""
     lib = _c_kernel(library)
-    if lib.edgelin_q4_path() != b"avx2":
+    if lib.edgelin_kernel_path() != b"avx2":
         pytest.skip("this CPU has no AVX2: only the portable path runs here")
     rng = np.random.default_rng(K)
     N, nb = 45, (K + 31) // 32
@@ -165,13 +177,13 @@ def test_avx2_and_portable_paths_agree(library, K):
     size = lib.edgelin_q4_scratch_bytes(K)
     results = {}
     for portable in (0, 1):
-        lib.edgelin_q4_use_portable(portable)
+        lib.edgelin_use_portable(portable)
         scratch, y = np.full(size, 0xAB, np.uint8), np.empty(N, np.float32)  # garbage in the scratch
         lib.edgelin_q4_quantize(x.ctypes.data, K, scratch.ctypes.data)
         lib.edgelin_q4_rows(scratch.ctypes.data, K, weights.ctypes.data, scales.ctypes.data, offsets.ctypes.data,
                             0, N, y.ctypes.data)
         results[portable] = (scratch, y)
-    lib.edgelin_q4_use_portable(0)
+    lib.edgelin_use_portable(0)
     (s_avx2, y_avx2), (s_portable, y_portable) = results[0], results[1]
     assert np.array_equal(s_avx2, s_portable)
     assert_close(y_avx2, y_portable, 1e-6, "avx2 vs portable")
@@ -181,11 +193,131 @@ def test_avx2_and_portable_paths_agree(library, K):
     assert_close(y_portable, want, 1e-6, "portable vs float64")
 
 
+# ---- ai.edgelin::CausalConvWithState ------------------------------------------------------------------------
+def _conv_model(channels: int, width: int, bias: bool, domain: str) -> onnx.ModelProto:
+    node = helper.make_node(CONV.name, ["x", "w", "b" if bias else "", "past"], ["y", "present"], domain=domain,
+                            activation="silu", ndim=1)
+    graph = helper.make_graph([node], "conv", [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", channels, "T"]),
+        helper.make_tensor_value_info("w", TensorProto.FLOAT, [channels, 1, width]),
+        helper.make_tensor_value_info("b", TensorProto.FLOAT, [channels]),
+        helper.make_tensor_value_info("past", TensorProto.FLOAT, ["B", channels, width - 1])], [
+        helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+        helper.make_tensor_value_info("present", TensorProto.FLOAT, None)])
+    if not bias:
+        del graph.input[2]
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(ortops.DOMAIN, 1)])
+    if domain == ortops.DOMAIN:
+        model.functions.append(fallback_function(CONV, {"": 18}))
+    return model
+
+
+CONVS = [(1, 896, 4, 1, True), (3, 37, 4, 1, True), (2, 20, 2, 5, False), (1, 9, 4, 70, True)]
+
+
+@pytest.mark.parametrize("batch,channels,width,steps,bias", CONVS,
+                         ids=[f"B{b}-C{c}-W{w}-T{t}-{'bias' if bias else 'nobias'}" for b, c, w, t, bias in CONVS])
+def test_conv_matches_onnxruntimes_causal_conv(library, batch, channels, width, steps, bias, kernel_path):
+    rng = np.random.default_rng(channels + steps)
+    feeds = {"x": rng.standard_normal((batch, channels, steps)).astype(np.float32) * 3,
+             "w": rng.standard_normal((channels, 1, width)).astype(np.float32),
+             "past": rng.standard_normal((batch, channels, width - 1)).astype(np.float32)}
+    if bias:
+        feeds["b"] = rng.standard_normal(channels).astype(np.float32)
+    want = _session(_conv_model(channels, width, bias, "com.microsoft")).run(None, feeds)
+    fallback = _session(_conv_model(channels, width, bias, ortops.DOMAIN)).run(None, feeds)
+    got = _session(_conv_model(channels, width, bias, ortops.DOMAIN), library).run(None, feeds)
+    assert all(np.array_equal(a, b) for a, b in zip(fallback, want))
+    assert np.array_equal(got[1], want[1])  # the shifted window: copied values
+    assert_close(got[0], want[0], 1e-6, "conv output")  # the SiLU's exp: a polynomial here
+    assert np.abs(got[0] - want[0]).max() <= 1e-6 * np.abs(want[0]).max()
+
+
+def test_conv_updates_its_state_in_place(library, kernel_path):
+    """past and present bound to one buffer (as the runner binds them): the same outputs as two buffers."""
+    rng = np.random.default_rng(7)
+    feeds = {"x": rng.standard_normal((2, 64, 1)), "w": rng.standard_normal((64, 1, 4)), "b": rng.standard_normal(64),
+             "past": rng.standard_normal((2, 64, 3))}
+    feeds = {name: value.astype(np.float32) for name, value in feeds.items()}
+    session = _session(_conv_model(64, 4, True, ortops.DOMAIN), library)
+    want_y, want_state = session.run(None, feeds)
+    got_y, got_state = run_state_in_place(session, feeds, "y")
+    assert np.array_equal(got_y, want_y) and np.array_equal(got_state, want_state)
+
+
+def test_conv_refuses_what_it_does_not_compute(library):
+    model = _conv_model(8, 4, True, ortops.DOMAIN)
+    model.graph.node[0].attribute[0].s = b"none"
+    with pytest.raises(Exception, match="only ndim 1 with activation silu"):
+        _session(model, library)
+
+
+# ---- ai.edgelin::LinearAttention ----------------------------------------------------------------------------
+def _recurrence_model(rule: str, q_heads: int, heads: int, dk: int, dv: int, per_key: bool, domain: str):
+    gated, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
+    names = ["q", "k", "v", "past", "g" if gated else "", "beta" if delta else ""]
+    while not names[-1]:
+        names.pop()
+    node = helper.make_node(RECURRENCE.name, names, ["o", "present"], domain=domain, update_rule=rule,
+                            q_num_heads=q_heads, kv_num_heads=heads, scale=0.5)
+    shapes = {"q": ["B", "T", q_heads * dk], "k": ["B", "T", heads * dk], "v": ["B", "T", heads * dv],
+              "past": ["B", heads, dk, dv], "g": ["B", "T", heads * (dk if per_key else 1)], "beta": ["B", "T", heads]}
+    graph = helper.make_graph([node], "recurrence",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, shapes[n]) for n in names if n],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("o", "present")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1),
+                                                    helper.make_opsetid(ortops.DOMAIN, 1)])
+    if domain == ortops.DOMAIN:
+        model.functions.append(fallback_function(RECURRENCE, {"": 18}))
+    return model, [n for n in names if n]
+
+
+RECURRENCES = [(rule, per_key, q_heads, batch, steps) for rule in ("linear", "gated", "delta", "gated_delta")
+               for per_key in ((False, True) if "gated" in rule else (False,))
+               for q_heads, batch, steps in ((1, 1, 1), (2, 3, 3))]
+
+
+@pytest.mark.parametrize("rule,per_key,q_heads,batch,steps", RECURRENCES, ids=[
+    f"{r}-{'per_key' if pk else 'per_head'}-Hq{hq}-B{b}-T{t}" for r, pk, hq, b, t in RECURRENCES])
+def test_recurrence_matches_onnxruntimes_linear_attention(library, rule, per_key, q_heads, batch, steps,
+                                                          kernel_path):
+    heads, dk, dv = 6, 16, 24
+    rng = np.random.default_rng(len(rule) + 10 * q_heads + steps)
+    data = {"q": rng.standard_normal((batch, steps, q_heads * dk)), "k": rng.standard_normal((batch, steps, heads * dk)) / 4,
+            "v": rng.standard_normal((batch, steps, heads * dv)), "past": rng.standard_normal((batch, heads, dk, dv)),
+            "g": -rng.uniform(0.01, 1.0, (batch, steps, heads * (dk if per_key else 1))),
+            "beta": rng.uniform(0.1, 0.9, (batch, steps, heads))}
+    runs = {}
+    for name, domain, lib in (("ort", "com.microsoft", None), ("fallback", ortops.DOMAIN, None),
+                              ("edgelin", ortops.DOMAIN, library)):
+        model, inputs = _recurrence_model(rule, q_heads, heads, dk, dv, per_key, domain)
+        runs[name] = _session(model, lib).run(None, {n: data[n].astype(np.float32) for n in inputs})
+    assert all(np.array_equal(a, b) for a, b in zip(runs["fallback"], runs["ort"]))
+    for got, want, what in zip(runs["edgelin"], runs["ort"], ("output", "state")):
+        assert_close(got, want, 1e-6, f"{rule} {what}")
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("rule", ["gated", "gated_delta"])
+def test_recurrence_updates_its_state_in_place(library, rule, kernel_path):
+    model, inputs = _recurrence_model(rule, 1, 4, 8, 16, True, ortops.DOMAIN)
+    rng = np.random.default_rng(3)
+    shapes = {"q": (2, 1, 8), "k": (2, 1, 32), "v": (2, 1, 64), "past": (2, 4, 8, 16), "g": (2, 1, 32), "beta": (2, 1, 4)}
+    feeds = {n: (rng.standard_normal(shapes[n]) * (0.1 if n == "g" else 1)).astype(np.float32) for n in inputs}
+    feeds["g"] = -np.abs(feeds["g"])
+    session = _session(model, library)
+    want_o, want_state = session.run(None, feeds)
+    got_o, got_state = run_state_in_place(session, feeds, "o")
+    assert np.array_equal(got_o, want_o) and np.array_equal(got_state, want_state)
+
+
 # ---- --step-ops edgelin ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory) -> dict[str, Path]:
     """A tiny Gated DeltaNet + attention model (hidden 96: three 32-blocks per row, the lone-block path), block 32:
-    int4 with --step-ops edgelin and contrib; int8 with edgelin (ONNX Runtime's 8-bit kernel stays)."""
+    int4 with --step-ops edgelin and contrib; int8 with edgelin (its convs and recurrences routed, ONNX Runtime's
+    8-bit kernel kept)."""
     root = tmp_path_factory.mktemp("step-ops-edgelin")
     ckpt = make_checkpoint(root / "ckpt", tokenizer=False, layers=("gated_deltanet", SOFTMAX), hidden_size=96,
                            intermediate_size=160)
@@ -197,23 +329,27 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     return folders
 
 
-def test_the_export_routes_every_4bit_step_product_and_only_those(exports):
+def test_the_export_routes_every_4bit_step_product_and_conv_and_only_those(exports):
     routed = onnx.load(str(exports["edgelin"] / "step.onnx"), load_external_data=False)
     plain = onnx.load(str(exports["contrib"] / "step.onnx"), load_external_data=False)
     products = sum(n.op_type == "MatMulNBits" for n in plain.graph.node)
-    assert products > 0
-    assert sum(n.domain == ortops.DOMAIN for n in routed.graph.node) == products
-    assert [f"{f.domain}::{f.name}" for f in routed.functions] == [f"{ortops.DOMAIN}::MatMulNBits"]
+    convs = sum(n.op_type == "CausalConvWithState" for n in plain.graph.node)
+    recurrences = sum(n.op_type == "LinearAttention" for n in plain.graph.node)
+    assert products > 0 and convs > 0 and recurrences > 0
+    for op, count in (("MatMulNBits", products), ("CausalConvWithState", convs), ("LinearAttention", recurrences)):
+        assert sum(n.domain == ortops.DOMAIN and n.op_type == op for n in routed.graph.node) == count
+    assert sorted(f"{f.domain}::{f.name}" for f in routed.functions) == [
+        f"{ortops.DOMAIN}::{op}" for op in ("CausalConvWithState", "LinearAttention", "MatMulNBits")]
     prefill = onnx.load(str(exports["edgelin"] / "prefill.onnx"), load_external_data=False)
     assert not any(n.domain == ortops.DOMAIN for n in prefill.graph.node)
     import json
 
     manifest = json.loads((exports["edgelin"] / "manifest.json").read_text())
     assert manifest["extra"]["ort_ops"] == {"library": "edgelin.ortops", "domain": ortops.DOMAIN,
-                                            "step_nodes": products}
-    int8 = onnx.load(str(exports["edgelin-int8"] / "step.onnx"), load_external_data=False)
-    assert not any(n.domain == ortops.DOMAIN for n in int8.graph.node) and not int8.functions
-    assert "ort_ops" not in json.loads((exports["edgelin-int8"] / "manifest.json").read_text())["extra"]
+                                            "step_nodes": products + convs + recurrences}
+    int8 = onnx.load(str(exports["edgelin-int8"] / "step.onnx"), load_external_data=False)  # no 8-bit products
+    assert sorted(n.op_type for n in int8.graph.node if n.domain == ortops.DOMAIN) == sorted(
+        ["CausalConvWithState"] * convs + ["LinearAttention"] * recurrences)
     assert "ort_ops" not in json.loads((exports["contrib"] / "manifest.json").read_text())["extra"]
 
 
@@ -223,7 +359,7 @@ def test_a_step_ops_edgelin_export_validates_with_and_without_the_library(export
     report = replay(exports["edgelin"])
     assert report.passed, (report.failures, report.quality_failures)
     if setting == "library":
-        assert report.runner == f"onnxruntime + edgelin ops ({_c_kernel(library).edgelin_q4_path().decode()})"
+        assert report.runner == f"onnxruntime + edgelin ops ({_c_kernel(library).edgelin_kernel_path().decode()})"
     else:
         assert report.runner.startswith("onnxruntime (edgelin ops not loaded: EDGELIN_ORT_OPS=0")
 

@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 IN_PLACE_KEY = "edgelin.in_place_states"  # the step graph's metadata_props entry: past input names, comma-separated
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where"}  # writers that may read the past (same element, before)
 # contrib writers checked to read their past before writing it (tests/test_onnx_in_place.py)
-IN_PLACE_CONTRIB = {("com.microsoft", "LinearAttention"), ("com.microsoft", "CausalConvWithState")}
+# edgelin.ortops' own: each conv channel's window and each state row (the delta rules: the whole state) read first
+IN_PLACE_CONTRIB = {("com.microsoft", "LinearAttention"), ("com.microsoft", "CausalConvWithState"),
+                    ("ai.edgelin", "LinearAttention"), ("ai.edgelin", "CausalConvWithState")}
 SHAPE_ONLY = {"Shape", "Size"}  # readers of a tensor's shape, never of its data
 # ops whose output ONNX Runtime may place in their input's buffer (a view of the past is the past)
 VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}

@@ -1,34 +1,67 @@
-"""--step-ops edgelin: the step graph's 4-bit weight products routed to edgelin's ONNX Runtime operator library
-(edgelin.ortops), with ONNX Runtime's own op as the fallback inside the same file.
+"""--step-ops edgelin: the step graph's 4-bit weight products, short convs and recurrences routed to edgelin's ONNX
+Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the fallback inside the same file.
 
-Each `com.microsoft::MatMulNBits` of the step graph that the library's kernel takes (4 bits, 32-weight blocks,
-float32 activations; --quantize int4 with the default block size) moves to the `ai.edgelin` domain, inputs, attributes and packed weights unchanged, and the
-graph gains one ONNX function `ai.edgelin::MatMulNBits` whose body is the `com.microsoft` node with the caller's
-attributes (attribute references). ONNX Runtime picks a registered kernel for a node before it inlines the
-node's function, so a session with the library runs edgelin's kernel and a session without it runs the body:
-ONNX Runtime's own kernel, bit for bit what a `--step-ops contrib` export computes (tests/test_ortops.py). The
-prefill graph keeps ONNX Runtime's kernels (many rows at once: its GEMM path).
+Each step-graph node the library's kernels take moves from the `com.microsoft` domain to `ai.edgelin`, inputs,
+attributes and weights unchanged: `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
+int4 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU) and
+`LinearAttention` (the recurrence; float32 graphs, every update rule). The graph
+gains, per routed op type, one ONNX function `ai.edgelin::<op>` whose body is the `com.microsoft` node with the
+caller's attributes (attribute references). ONNX Runtime picks a registered kernel for a node before it inlines
+the node's function, so a session with the library runs edgelin's kernels and a session without it runs the
+bodies: ONNX Runtime's own kernels, bit for bit what a `--step-ops contrib` export computes (tests/test_ortops.py).
+The prefill graph keeps ONNX Runtime's kernels.
 
 Export-side module: imports onnx inside its functions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from edgelin.ortops import DOMAIN
 
-OP = "MatMulNBits"
-_ATTRIBUTES = ("K", "N", "bits", "block_size", "accuracy_level")
-_INPUTS = ("A", "B", "scales", "zero_points")
 _FLOAT = 1  # onnx.TensorProto.FLOAT
+_ATTR_FLOAT, _INT, _STRING = 1, 2, 3  # onnx.AttributeProto.FLOAT, INT, STRING
 
 
-def _takes(node, attrs: dict, float_inputs: set[str]) -> bool:
-    """Whether edgelin's kernel computes this MatMulNBits: 4 bits, blocks of 32, float32 activations, no group
-    index or bias (inputs past the zero points)."""
-    return (node.domain == "com.microsoft" and node.op_type == OP and attrs.get("bits") == 4
-            and attrs.get("block_size") == 32 and node.input[0] in float_inputs and len(node.input) <= len(_INPUTS))
+@dataclass(frozen=True)
+class RoutedOp:
+    """A com.microsoft op edgelin's library also implements: its inputs, outputs and attributes (name, type)."""
+
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attributes: tuple[tuple[str, int], ...]
+
+
+MATMUL = RoutedOp("MatMulNBits", ("A", "B", "scales", "zero_points"), ("Y",),
+                  (("K", _INT), ("N", _INT), ("bits", _INT), ("block_size", _INT), ("accuracy_level", _INT)))
+CONV = RoutedOp("CausalConvWithState", ("input", "weight", "bias", "past_state"), ("output", "present_state"),
+                (("activation", _STRING), ("ndim", _INT)))
+RECURRENCE = RoutedOp("LinearAttention", ("query", "key", "value", "past_state", "decay", "beta"),
+                      ("output", "present_state"), (("update_rule", _STRING), ("q_num_heads", _INT),
+                                                    ("kv_num_heads", _INT), ("scale", _ATTR_FLOAT)))
+ROUTED = (MATMUL, CONV, RECURRENCE)
+
+
+def _takes(node, attrs: dict, float_inputs: set[str]) -> RoutedOp | None:
+    """The op edgelin's kernels compute this node as, else None. MatMulNBits: 4 bits, blocks of 32, float32
+    activations, no group index or bias (inputs past the zero points). CausalConvWithState: float32, SiLU,
+    one spatial dimension, a past state. LinearAttention: float32, a past state, an explicit non-zero scale and
+    none of the prefill attributes (chunk_size, state_window)."""
+    if node.domain != "com.microsoft" or not node.input or node.input[0] not in float_inputs:
+        return None
+    if node.op_type == MATMUL.name and attrs.get("bits") == 4 and attrs.get("block_size") == 32 \
+            and len(node.input) <= len(MATMUL.inputs):
+        return MATMUL
+    if node.op_type == CONV.name and attrs.get("activation") in ("silu", b"silu") and attrs.get("ndim", 1) == 1 \
+            and len(node.input) == len(CONV.inputs) and node.input[3]:
+        return CONV
+    if node.op_type == RECURRENCE.name and attrs.get("scale") and not {"chunk_size", "state_window"} & set(attrs) \
+            and len(node.input) > 3 and node.input[3]:
+        return RECURRENCE
+    return None
 
 
 def _float_tensors(proto) -> set[str]:
@@ -40,34 +73,37 @@ def _float_tensors(proto) -> set[str]:
     return {v.name for v in infos if v.type.tensor_type.elem_type == _FLOAT}
 
 
-def fallback_function(opsets: dict[str, int]):
-    """ai.edgelin::MatMulNBits as a function of com.microsoft::MatMulNBits (same inputs and attributes)."""
-    from onnx import AttributeProto, helper
+def fallback_function(op: RoutedOp, opsets: dict[str, int]):
+    """ai.edgelin::<op> as a function of com.microsoft::<op> (same inputs, outputs and attributes)."""
+    from onnx import helper
 
-    body = helper.make_node(OP, list(_INPUTS), ["Y"], domain="com.microsoft")
-    body.attribute.extend(helper.make_attribute_ref(name, AttributeProto.INT) for name in _ATTRIBUTES)
+    body = helper.make_node(op.name, list(op.inputs), list(op.outputs), domain="com.microsoft")
+    body.attribute.extend(helper.make_attribute_ref(name, kind) for name, kind in op.attributes)
     imports = [helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("", opsets.get("", 18))]
-    return helper.make_function(DOMAIN, OP, list(_INPUTS), ["Y"], [body], imports, attributes=list(_ATTRIBUTES))
+    return helper.make_function(DOMAIN, op.name, list(op.inputs), list(op.outputs), [body], imports,
+                                attributes=[name for name, _ in op.attributes])
 
 
 def route_to_edgelin_kernels(path: Path) -> int:
     """Rewrite the graph at `path` (its weights stay where they are) as the module docstring says; returns how
-    many nodes now run edgelin's kernel (0: the file is left as it was)."""
+    many nodes now run edgelin's kernels (0: the file is left as it was)."""
     import onnx
     from onnx import helper
 
     proto = onnx.load(str(path), load_external_data=False)
     floats = _float_tensors(proto)
-    routed = 0
+    routed: dict[str, RoutedOp] = {}
+    count = 0
     for node in proto.graph.node:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if _takes(node, attrs, floats):
+        op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats)
+        if op is not None:
             node.domain = DOMAIN
-            routed += 1
-    if routed:
+            routed[op.name] = op
+            count += 1
+    if count:
         opsets = {o.domain: o.version for o in proto.opset_import}
         if DOMAIN not in opsets:
             proto.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-        proto.functions.append(fallback_function(opsets))
+        proto.functions.extend(fallback_function(op, opsets) for op in routed.values())
         onnx.save(proto, str(path))
-    return routed
+    return count

@@ -5,6 +5,10 @@ with `SessionOptions.register_custom_ops_library`.
   attributes and packed weights as `com.microsoft::MatMulNBits` (bits 4, block 32; the activations rounded to
   int8 per 32-block, as accuracy level 4 does); on AVX2 it multiplies two blocks per 256-bit step and four
   weight rows at once (docs/benchmarks.md, issue 13); a portable C path elsewhere.
+- `ai.edgelin::CausalConvWithState` (conv.c): the short conv's step with its carried state, SiLU fused (ndim 1),
+  the SiLU over a whole row of channels at once; the state may be updated in place.
+- `ai.edgelin::LinearAttention` (linear_attention.c): the recurrence's step for every update rule (linear, gated,
+  delta, gated_delta; decay per head or per key; grouped query heads), each state row read and written once.
 
 An export made with `--step-ops edgelin` names these ops in its step graph and carries, for each, an ONNX
 function of the same name whose body is ONNX Runtime's own op: a runtime without the library runs the same file
@@ -13,7 +17,7 @@ manifest lists these ops (`EDGELIN_ORT_OPS`: unset = build it here once with the
 `0` = never, a path = that prebuilt library, e.g. cross-compiled for a board without a compiler).
 
 The C sources need no ONNX Runtime headers (ort_abi.h declares the few C API slots they call) and nothing but a
-C11 compiler: `cc -O3 -std=gnu11 -shared -fPIC ops.c q4_gemv.c -lm`. Runtime-side module: no torch, no onnx.
+C11 compiler: `cc -O3 -std=gnu11 -shared -fPIC ops.c q4_gemv.c conv.c linear_attention.c cpu.c -lm`. Runtime-side module: no torch, no onnx.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from pathlib import Path
 
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
-SOURCES = ("ops.c", "q4_gemv.c")
-HEADERS = ("ort_abi.h", "q4_gemv.h")
+SOURCES = ("ops.c", "q4_gemv.c", "conv.c", "linear_attention.c", "cpu.c")
+HEADERS = ("ort_abi.h", "q4_gemv.h", "conv.h", "linear_attention.h", "cpu.h")
 LIBRARY = "libedgelin_ortops.so"
 _HERE = Path(__file__).resolve().parent
 _CFLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -109,7 +113,7 @@ def kernel_path(library: Path) -> str:
     import ctypes
 
     try:
-        entry = ctypes.CDLL(str(library)).edgelin_q4_path
+        entry = ctypes.CDLL(str(library)).edgelin_kernel_path
     except (OSError, AttributeError):  # a library built from other sources (EDGELIN_ORT_OPS=path)
         return "unknown kernel path"
     entry.restype = ctypes.c_char_p

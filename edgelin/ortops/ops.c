@@ -1,12 +1,17 @@
-/* edgelin's ONNX Runtime operator library: ai.edgelin::MatMulNBits, the 4-bit weight products of one-token decoding
-   (q4_gemv.c), with com.microsoft::MatMulNBits' inputs, attributes and weight layout. An export that uses it also
-   carries an ONNX function of the same name whose body is com.microsoft::MatMulNBits, so a runtime without this
-   library runs the same file through ONNX Runtime's own kernel.
+/* edgelin's ONNX Runtime operator library, for one-token decoding, each op with the inputs, attributes and outputs of
+   the com.microsoft op of the same name:
+   - ai.edgelin::MatMulNBits: the 4-bit weight products (q4_gemv.c; MatMulNBits' packed weights as stored);
+   - ai.edgelin::CausalConvWithState: the short conv with its carried state, SiLU fused (conv.c);
+   - ai.edgelin::LinearAttention: the recurrence's step, every update rule (linear_attention.c).
+   An export that uses them also carries, for each, an ONNX function of the same name whose body is the
+   com.microsoft op, so a runtime without this library runs the same file through ONNX Runtime's own kernels.
    Load: SessionOptions.register_custom_ops_library(path); ONNX Runtime calls RegisterCustomOps. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "ort_abi.h"
+#include "conv.h"
+#include "linear_attention.h"
 #include "q4_gemv.h"
 
 #define DOMAIN "ai.edgelin"
@@ -155,46 +160,197 @@ static void destroy_kernel(void* kernel) {
   free(k);
 }
 
-static const char* op_name(const OrtCustomOp* op) { (void)op; return "MatMulNBits"; }
+/* ---- ai.edgelin::CausalConvWithState ---------------------------------------------------------------------- */
+static OrtStatus* create_conv(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  (void)api;
+  char activation[16] = {0};
+  size_t size = sizeof activation;
+  int64_t ndim = 1;
+  OrtStatus* status = ORT_CALL(g_api, KernelInfoGetAttribute_string)(info, "activation", activation, &size);
+  if (!status) {
+    OrtStatus* missing = attribute(info, "ndim", &ndim);  /* absent: 1 */
+    if (missing) ORT_CALL(g_api, ReleaseStatus)(missing);
+  }
+  if (!status && (strcmp(activation, "silu") != 0 || ndim != 1))
+    status = fail("edgelin CausalConvWithState: only ndim 1 with activation silu (or use com.microsoft's)");
+  if (status) return status;
+  *out = calloc(1, 1);  /* no state of its own */
+  return *out ? NULL : fail("edgelin CausalConvWithState: out of memory");
+}
+
+static OrtStatus* compute_conv(void* kernel, OrtKernelContext* context) {
+  (void)kernel;
+  const OrtValue *x = NULL, *weight = NULL, *bias = NULL, *state = NULL;
+  int64_t xd[8], wd[8], sd[8];
+  size_t xr = 0, wr = 0, sr = 0, inputs = 0;
+  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetInputCount)(context, &inputs);
+  if (!status) status = ORT_CALL(g_api, KernelContext_GetInput)(context, 0, &x);
+  if (!status) status = ORT_CALL(g_api, KernelContext_GetInput)(context, 1, &weight);
+  if (!status && inputs > 2) status = ORT_CALL(g_api, KernelContext_GetInput)(context, 2, &bias);
+  if (!status && inputs > 3) status = ORT_CALL(g_api, KernelContext_GetInput)(context, 3, &state);
+  if (!status && !state) status = fail("edgelin CausalConvWithState: no conv state input");
+  if (!status) status = shape_of(x, xd, &xr);
+  if (!status) status = shape_of(weight, wd, &wr);
+  if (!status) status = shape_of(state, sd, &sr);
+  if (status) return status;
+  if (xr != 3 || wr != 3 || sr != 3 || wd[0] != xd[1] || wd[1] != 1 || wd[2] < 1 || wd[2] > 64 || sd[0] != xd[0]
+      || sd[1] != xd[1] || sd[2] != wd[2] - 1)
+    return fail("edgelin CausalConvWithState: expected x [B, C, T], weight [C, 1, W <= 64], conv_state [B, C, W-1]");
+  OrtValue *y = NULL, *present = NULL;
+  status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, xd, 3, &y);
+  if (!status) status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 1, sd, 3, &present);
+  if (status) return status;
+  edgelin_conv_silu(data_of(x), data_of(weight), bias ? data_of(bias) : NULL, data_of(state), xd[0], xd[1], xd[2],
+                    wd[2], data_of(y), data_of(present));
+  return NULL;
+}
+
+static void destroy_conv(void* kernel) { free(kernel); }
+
+/* ---- ai.edgelin::LinearAttention --------------------------------------------------------------------------- */
+typedef struct {
+  int rule;
+  int64_t q_heads, heads;
+  float scale;
+} Recurrence;
+
+static OrtStatus* create_la(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  (void)api;
+  static const char* rules[] = {"linear", "gated", "delta", "gated_delta"};
+  char rule[32] = {0};
+  size_t size = sizeof rule;
+  Recurrence* r = calloc(1, sizeof(Recurrence));
+  if (!r) return fail("edgelin LinearAttention: out of memory");
+  r->rule = -1;
+  OrtStatus* status = ORT_CALL(g_api, KernelInfoGetAttribute_string)(info, "update_rule", rule, &size);
+  if (!status) status = attribute(info, "q_num_heads", &r->q_heads);
+  if (!status) status = attribute(info, "kv_num_heads", &r->heads);
+  if (!status) status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "scale", &r->scale);
+  for (int i = 0; !status && i < 4; ++i)
+    if (strcmp(rule, rules[i]) == 0) r->rule = i;
+  if (!status && (r->rule < 0 || r->q_heads <= 0 || r->heads <= 0 || r->heads % r->q_heads || r->scale == 0.0f))
+    status = fail("edgelin LinearAttention: needs update_rule linear|gated|delta|gated_delta, q_num_heads dividing "
+                  "kv_num_heads and an explicit non-zero scale (or use com.microsoft's)");
+  if (status) {
+    free(r);
+    return status;
+  }
+  *out = r;
+  return NULL;
+}
+
+static OrtStatus* compute_la(void* kernel, OrtKernelContext* context) {
+  const Recurrence* r = kernel;
+  const OrtValue* in[6] = {NULL};
+  int64_t qd[8], kd[8], vd[8], sd[8], gd[8];
+  size_t qr = 0, kr = 0, vr = 0, sr = 0, gr = 0, inputs = 0;
+  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetInputCount)(context, &inputs);
+  for (size_t i = 0; !status && i < inputs && i < 6; ++i) status = ORT_CALL(g_api, KernelContext_GetInput)(context, i, &in[i]);
+  if (status) return status;
+  int gated = r->rule == EDGELIN_RULE_GATED || r->rule == EDGELIN_RULE_GATED_DELTA;
+  int delta = r->rule == EDGELIN_RULE_DELTA || r->rule == EDGELIN_RULE_GATED_DELTA;
+  if (!in[3] || (gated && !in[4]) || (delta && !in[5]))
+    return fail("edgelin LinearAttention: needs past_state, and decay / beta for its update rule");
+  status = shape_of(in[0], qd, &qr);
+  if (!status) status = shape_of(in[1], kd, &kr);
+  if (!status) status = shape_of(in[2], vd, &vr);
+  if (!status) status = shape_of(in[3], sd, &sr);
+  if (!status && gated) status = shape_of(in[4], gd, &gr);
+  if (status) return status;
+  int64_t B = qd[0], T = qd[1], H = r->heads, dk = sd[2], dv = sd[3];
+  int64_t gw = gated ? gd[2] / H : 1;
+  if (qr != 3 || kr != 3 || vr != 3 || sr != 4 || kd[0] != B || vd[0] != B || kd[1] != T || vd[1] != T
+      || sd[0] != B || sd[1] != H || qd[2] != r->q_heads * dk || kd[2] != H * dk || vd[2] != H * dv || dv > 1024
+      || (gated && (gr != 3 || (gw != 1 && gw != dk) || gd[2] != H * gw)))
+    return fail("edgelin LinearAttention: expected q [B, T, Hq*dk], k [B, T, H*dk], v [B, T, H*dv], past_state "
+                "[B, H, dk, dv <= 1024], decay [B, T, H or H*dk]");
+  int64_t od[3] = {B, T, H * dv};
+  OrtValue *o = NULL, *present = NULL;
+  status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, od, 3, &o);
+  if (!status) status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 1, sd, 4, &present);
+  if (status) return status;
+  edgelin_linear_attention(r->rule, data_of(in[0]), data_of(in[1]), data_of(in[2]), gated ? data_of(in[4]) : NULL,
+                           gw, delta ? data_of(in[5]) : NULL, data_of(in[3]), B, T, r->q_heads, H, dk, dv, r->scale,
+                           data_of(o), data_of(present));
+  return NULL;
+}
+
+static void destroy_la(void* kernel) { free(kernel); }
+
+/* ---- registration ------------------------------------------------------------------------------------------ */
+static const char* name_matmul(const OrtCustomOp* op) { (void)op; return "MatMulNBits"; }
+static int input_type_matmul(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i == 0 || i == 2 ? ORT_TYPE_FLOAT : ORT_TYPE_UINT8;
+}
+static int input_kind_matmul(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
+static size_t outputs_matmul(const OrtCustomOp* op) { (void)op; return 1; }
+
+static const char* name_conv(const OrtCustomOp* op) { (void)op; return "CausalConvWithState"; }
+static int all_float(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT; }
+static int input_kind_conv(const OrtCustomOp* op, size_t i) { (void)op; return i == 2 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
+static size_t two_outputs(const OrtCustomOp* op) { (void)op; return 2; }
+
+static const char* name_la(const OrtCustomOp* op) { (void)op; return "LinearAttention"; }
+static int input_kind_la(const OrtCustomOp* op, size_t i) { (void)op; return i >= 3 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
+static size_t inputs_la(const OrtCustomOp* op) { (void)op; return 6; }
+
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
-static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 || i == 2 ? ORT_TYPE_FLOAT : ORT_TYPE_UINT8; }
-static size_t input_count(const OrtCustomOp* op) { (void)op; return 4; }
+static size_t four_inputs(const OrtCustomOp* op) { (void)op; return 4; }
 static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT; }
-static size_t output_count(const OrtCustomOp* op) { (void)op; return 1; }
-static int input_kind(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
 static int output_kind(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
 static int memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 static int one(const OrtCustomOp* op) { (void)op; return 1; }
 
-static OrtCustomOp g_op;
+static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input_type)(const OrtCustomOp*, size_t),
+                            size_t (*inputs)(const OrtCustomOp*), int (*input_kind)(const OrtCustomOp*, size_t),
+                            size_t (*outputs)(const OrtCustomOp*),
+                            OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
+                            OrtStatus* (*run)(void*, OrtKernelContext*), void (*destroy)(void*)) {
+  OrtCustomOp op;
+  memset(&op, 0, sizeof op);
+  op.version = ORT_ABI_VERSION;
+  op.GetName = name;
+  op.GetExecutionProviderType = op_provider;
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = inputs;
+  op.GetOutputType = output_type;
+  op.GetOutputTypeCount = outputs;
+  op.KernelDestroy = destroy;
+  op.GetInputCharacteristic = input_kind;
+  op.GetOutputCharacteristic = output_kind;
+  op.GetInputMemoryType = memory_type;
+  op.GetVariadicInputMinArity = one;
+  op.GetVariadicInputHomogeneity = one;
+  op.GetVariadicOutputMinArity = one;
+  op.GetVariadicOutputHomogeneity = one;
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = run;
+  return op;
+}
 
-/* ONNX Runtime's entry point (register_custom_ops_library). */
+static OrtCustomOp g_ops[3];
+
+/* ONNX Runtime's entry point (register_custom_ops_library), once per session that loads the library. */
 EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   const OrtApi* api = base->GetApi(ORT_ABI_VERSION);
   if (!api) return NULL;  /* older than 1.16: nothing registered; the export's function bodies run instead */
-  g_api = api;
-  g_parallel_for = base->GetApi(ORT_ABI_PARALLEL_FOR) != NULL;
-  memset(&g_op, 0, sizeof g_op);
-  g_op.version = ORT_ABI_VERSION;
-  g_op.GetName = op_name;
-  g_op.GetExecutionProviderType = op_provider;
-  g_op.GetInputType = input_type;
-  g_op.GetInputTypeCount = input_count;
-  g_op.GetOutputType = output_type;
-  g_op.GetOutputTypeCount = output_count;
-  g_op.KernelDestroy = destroy_kernel;
-  g_op.GetInputCharacteristic = input_kind;
-  g_op.GetOutputCharacteristic = output_kind;
-  g_op.GetInputMemoryType = memory_type;
-  g_op.GetVariadicInputMinArity = one;
-  g_op.GetVariadicInputHomogeneity = one;
-  g_op.GetVariadicOutputMinArity = one;
-  g_op.GetVariadicOutputHomogeneity = one;
-  g_op.CreateKernelV2 = create_kernel;
-  g_op.KernelComputeV2 = compute;
+  if (!g_api) {  /* the op tables once: sessions made earlier keep pointers to them */
+    g_api = api;
+    g_parallel_for = base->GetApi(ORT_ABI_PARALLEL_FOR) != NULL;
+    g_ops[0] = describe(name_matmul, input_type_matmul, four_inputs, input_kind_matmul, outputs_matmul, create_kernel,
+                        compute, destroy_kernel);
+    g_ops[1] = describe(name_conv, all_float, four_inputs, input_kind_conv, two_outputs, create_conv,
+                        compute_conv, destroy_conv);
+    g_ops[2] = describe(name_la, all_float, inputs_la, input_kind_la, two_outputs, create_la, compute_la,
+                        destroy_la);
+  }
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* status = ORT_CALL(api, CreateCustomOpDomain)(DOMAIN, &domain);
-  if (!status) status = ORT_CALL(api, CustomOpDomain_Add)(domain, &g_op);
+  for (size_t i = 0; !status && i < sizeof g_ops / sizeof g_ops[0]; ++i)
+    status = ORT_CALL(api, CustomOpDomain_Add)(domain, &g_ops[i]);
   if (!status) status = ORT_CALL(api, AddCustomOpDomain)(options, domain);
   return status;  /* the domain lives as long as the process (ONNX Runtime keeps a pointer to it) */
 }

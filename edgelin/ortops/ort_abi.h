@@ -65,7 +65,9 @@ typedef struct OrtCustomOp {
 #define ORT_SLOT_GetDimensionsCount 61
 #define ORT_SLOT_GetDimensions 62
 #define ORT_SLOT_GetTensorTypeAndShape 65
+#define ORT_SLOT_KernelInfoGetAttribute_float 85
 #define ORT_SLOT_KernelInfoGetAttribute_int64 86
+#define ORT_SLOT_KernelInfoGetAttribute_string 87
 #define ORT_SLOT_KernelContext_GetInputCount 88
 #define ORT_SLOT_KernelContext_GetInput 90
 #define ORT_SLOT_KernelContext_GetOutput 91
@@ -83,6 +85,9 @@ typedef OrtStatus* (*OrtGetTensorMutableDataFn)(OrtValue* value, void** out);
 typedef OrtStatus* (*OrtGetDimensionsCountFn)(const OrtTensorTypeAndShapeInfo* info, size_t* out);
 typedef OrtStatus* (*OrtGetDimensionsFn)(const OrtTensorTypeAndShapeInfo* info, int64_t* values, size_t count);
 typedef OrtStatus* (*OrtGetTensorTypeAndShapeFn)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out);
+typedef OrtStatus* (*OrtKernelInfoGetAttribute_floatFn)(const OrtKernelInfo* info, const char* name, float* out);
+typedef OrtStatus* (*OrtKernelInfoGetAttribute_stringFn)(const OrtKernelInfo* info, const char* name, char* out,
+                                                         size_t* size);
 typedef OrtStatus* (*OrtKernelInfoGetAttribute_int64Fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
 typedef OrtStatus* (*OrtKernelContext_GetInputCountFn)(const OrtKernelContext* context, size_t* out);
 typedef OrtStatus* (*OrtKernelContext_GetInputFn)(const OrtKernelContext* context, size_t index, const OrtValue** out);

@@ -87,16 +87,6 @@ static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* 
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))
 
-static int g_avx2 = -1;  /* -1: not asked yet */
-
-static int has_avx2(void) {
-  if (g_avx2 < 0) {
-    __builtin_cpu_init();
-    g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }
-  return g_avx2;
-}
-
 AVX2 static inline __m256i mask_first(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
@@ -207,19 +197,7 @@ AVX2 static void rows_avx2(Scratch s, int64_t nb, const uint8_t* w, const float*
   for (; n + ROWS <= n1; n += ROWS) rows_avx2_group(s, nb, w, scales, offsets, n, ROWS, y);
   if (n < n1) rows_avx2_group(s, nb, w, scales, offsets, n, (int)(n1 - n), y);
 }
-#else
-static int has_avx2(void) { return 0; }
 #endif
-
-const char* edgelin_q4_path(void) { return has_avx2() ? "avx2" : "portable"; }
-
-void edgelin_q4_use_portable(int on) {
-#if defined(__x86_64__) || defined(_M_X64)
-  g_avx2 = on ? 0 : -1;
-#else
-  (void)on;
-#endif
-}
 
 void edgelin_q4_quantize(const float* x, int64_t K, void* scratch) {
   Scratch s = view(scratch, K);
@@ -228,7 +206,7 @@ void edgelin_q4_quantize(const float* x, int64_t K, void* scratch) {
   if (nb % 2) memset(s.qa + (nb / 2) * 64, 0, 64);  /* the lone last block's unused halves */
   for (int64_t b = 0; b < nb; ++b) {
 #if defined(__x86_64__) || defined(_M_X64)
-    if (has_avx2() && (b + 1) * BLOCK <= K) {
+    if (edgelin_avx2() && (b + 1) * BLOCK <= K) {
       quantize_avx2(x, s, b);
       continue;
     }
@@ -242,7 +220,7 @@ void edgelin_q4_rows(const void* scratch, int64_t K, const uint8_t* weights, con
   Scratch s = view(scratch, K);
   int64_t nb = n_blocks(K);
 #if defined(__x86_64__) || defined(_M_X64)
-  if (has_avx2()) {
+  if (edgelin_avx2()) {
     rows_avx2(s, nb, weights, scales, offsets, n0, n1, y);
     return;
   }

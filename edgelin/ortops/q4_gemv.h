@@ -6,7 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define EDGELIN_API __attribute__((visibility("default")))  /* the library builds with -fvisibility=hidden */
+#include "cpu.h"
 
 /* Bytes of scratch for K inputs: the int8 activation blocks and their scales. */
 EDGELIN_API size_t edgelin_q4_scratch_bytes(int64_t K);
@@ -23,9 +23,4 @@ EDGELIN_API void edgelin_q4_offsets(int64_t K, int64_t N, const float* scales, c
 EDGELIN_API void edgelin_q4_quantize(const float* x, int64_t K, void* scratch);
 EDGELIN_API void edgelin_q4_rows(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
                                  const float* offsets, int64_t n0, int64_t n1, float* y);
-
-/* Which path edgelin_q4_rows takes on this CPU: "avx2" or "portable"; for the tests, force the portable one
-   (on = 1) or go back to what the CPU has (on = 0). */
-EDGELIN_API const char* edgelin_q4_path(void);
-EDGELIN_API void edgelin_q4_use_portable(int on);
 #endif

@@ -1,0 +1,108 @@
+/* edgelin's short-conv step (see conv.h). ONNX Runtime's CausalConvWithState costs ~11.5 us for 896 channels of
+   width 4 on a Zen 3 core, ~13 ns a channel for 4 multiply-adds and a SiLU: per-channel overhead, not arithmetic.
+   Here the taps are plain loops the compiler unrolls, and the SiLU runs over the whole row of channels at once
+   (8 lanes of a polynomial exp on AVX2). */
+#include "conv.h"
+
+#include <math.h>
+#include <string.h>
+
+static float silu1(float z) { return z / (1.0f + expf(-z)); }
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* e^x for x in [-87.3, 88.7] (clamped outside), relative error ~1e-7: x = n ln2 + r, |r| <= ln2 / 2,
+   e^r by its degree-6 Taylor polynomial, 2^n through the exponent bits. */
+AVX2 static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  /* ln2 in two parts: exact n * hi */
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+AVX2 static void silu_row(float* z, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(z + i);
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(z + i, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+  }
+  for (; i < n; ++i) z[i] = silu1(z[i]);
+}
+
+#endif
+
+static void silu_all(float* z, int64_t n) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (edgelin_avx2()) {
+    silu_row(z, n);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) z[i] = silu1(z[i]);
+}
+
+/* T = 1 (decoding): no window copies, the state shifted by one in place (each value read before it is
+   overwritten: z uses the whole old window first). */
+static void step_one(const float* x, const float* weight, const float* bias, const float* state, int64_t C,
+                     int64_t W, float* y, float* new_state) {
+  int64_t keep = W - 1;
+  for (int64_t c = 0; c < C; ++c) {
+    const float* w = weight + c * W;
+    const float* st = state + c * keep;
+    float* out = new_state + c * keep;
+    float z = (bias ? bias[c] : 0.0f) + w[keep] * x[c];
+    for (int64_t j = 0; j < keep; ++j) z += w[j] * st[j];
+    for (int64_t j = 0; j + 1 < keep; ++j) out[j] = st[j + 1];
+    if (keep > 0) out[keep - 1] = x[c];
+    y[c] = z;
+  }
+}
+
+void edgelin_conv_silu(const float* x, const float* weight, const float* bias, const float* state, int64_t B,
+                       int64_t C, int64_t T, int64_t W, float* y, float* new_state) {
+  int64_t keep = W - 1;
+  if (T == 1) {
+    for (int64_t b = 0; b < B; ++b) {
+      step_one(x + b * C, weight, bias, state + b * C * keep, C, W, y + b * C, new_state + b * C * keep);
+      silu_all(y + b * C, C);
+    }
+    return;
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t c = 0; c < C; ++c) {
+      float xs[64 + 64];  /* the window: state then the new inputs (T <= 64 per pass below) */
+      const float* w = weight + c * W;
+      const float* st = state + (b * C + c) * keep;
+      const float* xc = x + (b * C + c) * T;
+      float* yc = y + (b * C + c) * T;
+      float* out_state = new_state + (b * C + c) * keep;
+      float carry[64];
+      memcpy(carry, st, sizeof(float) * (size_t)keep);
+      for (int64_t t0 = 0; t0 < T; t0 += 64) {  /* T > 64: in pieces, the window carried between them */
+        int64_t n = T - t0 < 64 ? T - t0 : 64;
+        memcpy(xs, carry, sizeof(float) * (size_t)keep);
+        memcpy(xs + keep, xc + t0, sizeof(float) * (size_t)n);
+        for (int64_t t = 0; t < n; ++t) {
+          float z = bias ? bias[c] : 0.0f;
+          for (int64_t j = 0; j < W; ++j) z += w[j] * xs[t + j];
+          yc[t0 + t] = z;
+        }
+        memcpy(carry, xs + n, sizeof(float) * (size_t)keep);
+      }
+      memcpy(out_state, carry, sizeof(float) * (size_t)keep);
+    }
+    silu_all(y + b * C * T, C * T);
+  }
+}
