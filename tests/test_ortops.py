@@ -280,7 +280,8 @@ RECURRENCES = [(rule, per_key, q_heads, batch, steps) for rule in ("linear", "ga
 
 @pytest.mark.parametrize("rule,per_key,q_heads,batch,steps", RECURRENCES, ids=[
     f"{r}-{'per_key' if pk else 'per_head'}-Hq{hq}-B{b}-T{t}" for r, pk, hq, b, t in RECURRENCES])
-def test_recurrence_matches_onnxruntimes_linear_attention(library, rule, per_key, q_heads, batch, steps,
+@pytest.mark.parametrize("threads", [1, 2], ids=["t1", "t2"])
+def test_recurrence_matches_onnxruntimes_linear_attention(library, rule, per_key, q_heads, batch, steps, threads,
                                                           kernel_path):
     heads, dk, dv = 6, 16, 24
     rng = np.random.default_rng(len(rule) + 10 * q_heads + steps)
@@ -292,7 +293,7 @@ def test_recurrence_matches_onnxruntimes_linear_attention(library, rule, per_key
     for name, domain, lib in (("ort", "com.microsoft", None), ("fallback", ortops.DOMAIN, None),
                               ("edgelin", ortops.DOMAIN, library)):
         model, inputs = _recurrence_model(rule, q_heads, heads, dk, dv, per_key, domain)
-        runs[name] = _session(model, lib).run(None, {n: data[n].astype(np.float32) for n in inputs})
+        runs[name] = _session(model, lib, threads).run(None, {n: data[n].astype(np.float32) for n in inputs})
     assert all(np.array_equal(a, b) for a, b in zip(runs["fallback"], runs["ort"]))
     for got, want, what in zip(runs["edgelin"], runs["ort"], ("output", "state")):
         assert_close(got, want, 1e-6, f"{rule} {what}")

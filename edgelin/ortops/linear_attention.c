@@ -78,30 +78,32 @@ AVX2 static void head_avx2(int rule, const float* q, const float* k, const float
 
 void edgelin_linear_attention(int rule, const float* q, const float* k, const float* v, const float* decay,
                               int64_t gw, const float* beta, const float* state, int64_t B, int64_t T, int64_t Hq,
-                              int64_t H, int64_t dk, int64_t dv, float scale, float* out, float* new_state) {
+                              int64_t H, int64_t dk, int64_t dv, float scale, float* out, float* new_state,
+                              int64_t first, int64_t count) {
   float u[1024];  /* dv <= 1024 (checked by the caller) */
   int64_t group = H / Hq, size = dk * dv;
 #if defined(__x86_64__) || defined(_M_X64)
   int vector = edgelin_avx2() && dv % 8 == 0 && dv <= 256;
 #endif
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < H; ++h) {
-        int64_t row = b * T + t;
-        const float* qh = q + (row * Hq + h / group) * dk;
-        const float* kh = k + (row * H + h) * dk;
-        const float* vh = v + (row * H + h) * dv;
-        const float* gh = decay ? decay + (row * H + h) * gw : NULL;
-        float bh = beta ? beta[row * H + h] : 1.0f;
-        const float* src = t == 0 ? state + (b * H + h) * size : new_state + (b * H + h) * size;
-        float* dst = new_state + (b * H + h) * size;
-        float* oh = out + (row * H + h) * dv;
+  for (int64_t pair = first; pair < first + count && pair < B * H; ++pair) {
+    int64_t b = pair / H, h = pair % H;
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t row = b * T + t;
+      const float* qh = q + (row * Hq + h / group) * dk;
+      const float* kh = k + (row * H + h) * dk;
+      const float* vh = v + (row * H + h) * dv;
+      const float* gh = decay ? decay + (row * H + h) * gw : NULL;
+      float rate = beta ? beta[row * H + h] : 1.0f;
+      const float* src = t == 0 ? state + pair * size : new_state + pair * size;
+      float* dst = new_state + pair * size;
+      float* oh = out + (row * H + h) * dv;
 #if defined(__x86_64__) || defined(_M_X64)
-        if (vector) {
-          head_avx2(rule, qh, kh, vh, gh, gw, bh, src, dst, dk, dv, scale, oh, u);
-          continue;
-        }
-#endif
-        head_portable(rule, qh, kh, vh, gh, gw, bh, src, dst, dk, dv, scale, oh, u);
+      if (vector) {
+        head_avx2(rule, qh, kh, vh, gh, gw, rate, src, dst, dk, dv, scale, oh, u);
+        continue;
       }
+#endif
+      head_portable(rule, qh, kh, vh, gh, gw, rate, src, dst, dk, dv, scale, oh, u);
+    }
+  }
 }

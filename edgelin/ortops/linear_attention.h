@@ -13,9 +13,10 @@ enum { EDGELIN_RULE_LINEAR = 0, EDGELIN_RULE_GATED = 1, EDGELIN_RULE_DELTA = 2, 
    ungated rules), beta [B, T, H] (NULL for the rules without delta); state, new_state [B, H, dk, dv] (may be one
    buffer); out [B, T, H * dv]. Value head h reads query head h / (H / Hq). For each token, in order:
    S = exp(g) S (gated rules; per key: row i scaled by exp(g_i)); u = beta (v - S^T k) (delta rules) else v;
-   S += k u^T; out = scale S^T q. */
+   S += k u^T; out = scale S^T q. Only the (sequence, head) pairs first <= b * H + h < first + count: the
+   heads are independent, so threads may take disjoint ranges. */
 EDGELIN_API void edgelin_linear_attention(int rule, const float* q, const float* k, const float* v,
                                           const float* decay, int64_t gw, const float* beta, const float* state,
                                           int64_t B, int64_t T, int64_t Hq, int64_t H, int64_t dk, int64_t dv,
-                                          float scale, float* out, float* new_state);
+                                          float scale, float* out, float* new_state, int64_t first, int64_t count);
 #endif

@@ -241,6 +241,22 @@ static OrtStatus* create_la(const OrtCustomOp* op, const OrtApi* api, const OrtK
   return NULL;
 }
 
+typedef struct {
+  const Recurrence* r;
+  const float *q, *k, *v, *decay;
+  int64_t gw;
+  const float *beta, *state;
+  int64_t B, T, H, dk, dv;
+  float *out, *present;
+} HeadsTask;
+
+static void run_heads_range(const HeadsTask* t, int64_t first, int64_t count) {
+  edgelin_linear_attention(t->r->rule, t->q, t->k, t->v, t->decay, t->gw, t->beta, t->state, t->B, t->T,
+                           t->r->q_heads, t->H, t->dk, t->dv, t->r->scale, t->out, t->present, first, count);
+}
+
+static void run_heads(void* data, size_t index) { run_heads_range(data, (int64_t)index, 1); }
+
 static OrtStatus* compute_la(void* kernel, OrtKernelContext* context) {
   const Recurrence* r = kernel;
   const OrtValue* in[6] = {NULL};
@@ -271,9 +287,11 @@ static OrtStatus* compute_la(void* kernel, OrtKernelContext* context) {
   status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, od, 3, &o);
   if (!status) status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 1, sd, 4, &present);
   if (status) return status;
-  edgelin_linear_attention(r->rule, data_of(in[0]), data_of(in[1]), data_of(in[2]), gated ? data_of(in[4]) : NULL,
-                           gw, delta ? data_of(in[5]) : NULL, data_of(in[3]), B, T, r->q_heads, H, dk, dv, r->scale,
-                           data_of(o), data_of(present));
+  HeadsTask task = {r, data_of(in[0]), data_of(in[1]), data_of(in[2]), gated ? data_of(in[4]) : NULL, gw,
+                    delta ? data_of(in[5]) : NULL, data_of(in[3]), B, T, H, dk, dv, data_of(o), data_of(present)};
+  if (g_parallel_for && B * H > 1)  /* one head per task: the heads' states are independent */
+    return ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_heads, (size_t)(B * H), 0, &task);
+  run_heads_range(&task, 0, B * H);
   return NULL;
 }
 
