@@ -109,7 +109,7 @@ def locate() -> OpsLibrary:
 
 
 def kernel_path(library: Path) -> str:
-    """Which path the library's kernels take on this CPU ("avx2" or "portable")."""
+    """Which path the library's kernels take on this CPU (cpu.h: "avx2", "portable", ...)."""
     import ctypes
 
     try:

@@ -11,6 +11,7 @@
 
 #include "ort_abi.h"
 #include "conv.h"
+#include "cpu.h"
 #include "linear_attention.h"
 #include "q4_gemv.h"
 
@@ -358,16 +359,19 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
   if (!g_api) {  /* the op tables once: sessions made earlier keep pointers to them */
     g_api = api;
     g_parallel_for = base->GetApi(ORT_ABI_PARALLEL_FOR) != NULL;
-    g_ops[0] = describe(name_matmul, input_type_matmul, four_inputs, input_kind_matmul, outputs_matmul, create_kernel,
-                        compute, destroy_kernel);
-    g_ops[1] = describe(name_conv, all_float, four_inputs, input_kind_conv, two_outputs, create_conv,
+    g_ops[0] = describe(name_conv, all_float, four_inputs, input_kind_conv, two_outputs, create_conv,
                         compute_conv, destroy_conv);
-    g_ops[2] = describe(name_la, all_float, inputs_la, input_kind_la, two_outputs, create_la, compute_la,
+    g_ops[1] = describe(name_la, all_float, inputs_la, input_kind_la, two_outputs, create_la, compute_la,
                         destroy_la);
+    g_ops[2] = describe(name_matmul, input_type_matmul, four_inputs, input_kind_matmul, outputs_matmul, create_kernel,
+                        compute, destroy_kernel);
   }
+  /* The 4-bit products only where their AVX2 kernel runs: elsewhere (ARM boards) ONNX Runtime's MatMulNBits (MLAS
+     has NEON kernels) beats the portable C loop, so those nodes run their function bodies. */
+  size_t count = edgelin_cpu_avx2() ? 3 : 2;
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* status = ORT_CALL(api, CreateCustomOpDomain)(DOMAIN, &domain);
-  for (size_t i = 0; !status && i < sizeof g_ops / sizeof g_ops[0]; ++i)
+  for (size_t i = 0; !status && i < count; ++i)
     status = ORT_CALL(api, CustomOpDomain_Add)(domain, &g_ops[i]);
   if (!status) status = ORT_CALL(api, AddCustomOpDomain)(options, domain);
   return status;  /* the domain lives as long as the process (ONNX Runtime keeps a pointer to it) */
