@@ -40,13 +40,15 @@ PY = {"edgelin": sys.executable, "transformers": sys.executable,
       "llama": str(PEERS / "venv-llama" / "bin" / "python"), "executorch": str(PEERS / "venv-et" / "bin" / "python")}
 PROMPT = "def main("
 MEM_LIMIT = 12 << 30  # address-space cap per worker: a runtime that would take more fails in its cell, no OOM kill
-RUNTIMES = ["edgelin-fp32", "edgelin-fp32-prepack", "edgelin-fp16", "edgelin-int8", "edgelin-int4", "edgelin-int4-ops",
-            "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0", "executorch-fp32", "transformers-fp32"]
+RUNTIMES = ["edgelin-fp32", "edgelin-fp32-prepack", "edgelin-fp16", "edgelin-int8", "edgelin-int4",
+            "edgelin-int4-contrib", "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0", "executorch-fp32",
+            "transformers-fp32"]
 # Also on request (--runtimes): edgelin-int4b64, 4-bit weights in blocks of 64 (4.56 bits per weight with their fp32
 # scale and 4-bit zero point, against Q4_0's 4.5; edgelin's default blocks of 32 are 5.13); any edgelin kind with
 # "-std" (e.g. edgelin-int4-std): the export with --step-ops standard (no contrib ops in the step), side by side;
-# "-ops" (edgelin-int4-ops, in the default list): --step-ops edgelin, the step's 4-bit products through edgelin's own
-# kernel library (edgelin.ortops, built here at first use).
+# "-contrib" (edgelin-int4-contrib, in the default list): --step-ops contrib (ONNX Runtime's kernels only); "-ops":
+# --step-ops edgelin, which is also the default export since 2026-12-03 (the step's convs, recurrences and 4-bit
+# products through edgelin's own kernel library, edgelin.ortops, built here at first use).
 PRECISION = {"fp32": "fp32", "f32": "fp32", "fp16": "fp16", "f16": "fp16", "int8": "8-bit", "q8_0": "8-bit",
              "int4": "4-bit", "int4b64": "4-bit", "q4_0": "4-bit"}
 
@@ -348,7 +350,8 @@ def prepare(kind: str, ckpt: Path, work: Path, context: int | None = None) -> tu
             flag = {"fp32": [], "fp16": ["--precision", "fp16"], "int8": ["--quantize", "int8"],
                     "int4": ["--quantize", "int4"],
                     "int4b64": ["--quantize", "int4", "--block-size", "64"]}[kind.split("-")[1]]
-            flag += {"std": ["--step-ops", "standard"], "ops": ["--step-ops", "edgelin"]}.get(kind.split("-")[-1], [])
+            flag += {"std": ["--step-ops", "standard"], "ops": ["--step-ops", "edgelin"],
+                     "contrib": ["--step-ops", "contrib"]}.get(kind.split("-")[-1], [])
             flag += ["--kv-cache", "static", "--context", str(context)] if static else []
             ok, err = _run([str(Path(sys.executable).parent / "edgelin"), "export", str(ckpt), "--target", "onnx",
                             "--out", str(out), *flag], log)

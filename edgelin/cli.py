@@ -162,11 +162,11 @@ def export(
     context: Optional[int] = typer.Option(None, "--context", help="onnx, with --kv-cache static: the cache's "
                                                                  "capacity in tokens (a longer sequence is refused)."),
     step_ops: Optional[str] = typer.Option(
-        None, "--step-ops", help="onnx: the step's recurrence and short conv as ONNX Runtime's contrib ops "
-                                 "LinearAttention and CausalConvWithState (contrib, default; ONNX Runtime >= 1.32) "
-                                 "or in standard ONNX ops (standard: any ONNX runtime, slower); edgelin: contrib, "
-                                 "and the 4-bit weight products through edgelin's CPU kernel library where the "
-                                 "runner loads it (ONNX Runtime's own op elsewhere, in the same file)."),
+        None, "--step-ops", help="onnx: edgelin (default): the step's short convs, recurrences and 4-bit products "
+                                 "through edgelin's CPU kernel library where the runner loads it, ONNX Runtime's own "
+                                 "ops elsewhere (same file); contrib: ONNX Runtime's contrib ops LinearAttention and "
+                                 "CausalConvWithState (ONNX Runtime >= 1.32); standard: standard ONNX ops only (any "
+                                 "ONNX runtime, slower)."),
     as_json: bool = JSON,
 ) -> None:
     """Export step + prefill graphs, reference vectors and manifest.json for a target."""

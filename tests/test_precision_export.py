@@ -445,7 +445,7 @@ def test_step_ops_reach_the_onnx_options_and_its_lowering(tmp_path, monkeypatch)
     base = ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
     assert CliRunner().invoke(app, [*base, "--step-ops", "standard", "--kv-cache", "static", "--context", "64"]).exit_code == 2
     assert (seen["options"].step_ops, seen["options"].kv_cache, seen["options"].context) == ("standard", "static", 64)
-    assert onnx_target.OnnxOptions().step_ops == "contrib"
+    assert onnx_target.OnnxOptions().step_ops == "edgelin"
     engines = []
     monkeypatch.setattr(onnx_target, "export_onnx_graph", lambda *a: engines.append(mixer._ENGINE.get()))
     monkeypatch.setattr(onnx_target, "finish_graphs", lambda *a, **k: {})

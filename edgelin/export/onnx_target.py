@@ -188,12 +188,14 @@ SHARED_WEIGHTS = ("onnx", "tensorrt")
 
 
 def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings", share: bool = True,
-                  embeddings: bool = True, step_outputs: list[TensorIO] | None = None) -> dict[str, str]:
+                  embeddings: bool = True, step_outputs: list[TensorIO] | None = None,
+                  edgelin_ops: bool = False) -> dict[str, str]:
     """After tracing: sibling MatMuls fused (edgelin.export.fuse_matmuls), --quantize (both graphs alike, so
     their quantised weights still match; with `embeddings`, the embedding table and LM head too), then (with
-    `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data), and, given
-    the step graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the
-    graph as written). Returns the files it adds ({"weights": "weights.bin"} or nothing)."""
+    `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data), given the step
+    graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the graph as
+    written), and with `edgelin_ops` (--step-ops edgelin) the step's nodes for edgelin's kernels
+    (edgelin.export.onnx_kernels). Returns the files it adds ({"weights": "weights.bin"} or nothing)."""
     from edgelin.export.fuse_matmuls import fuse_matmuls
     from edgelin.export.weights import WEIGHTS_KEY, share_weights
 
@@ -208,6 +210,10 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     added = {WEIGHTS_KEY: share_weights(folder, graphs)} if share else {}
     if step_outputs is not None:
         mark_in_place_states(folder / files["step"], step_outputs)
+    if edgelin_ops:
+        from edgelin.export.onnx_kernels import route_to_edgelin_kernels
+
+        route_to_edgelin_kernels(folder / files["step"])
     return added
 
 
@@ -225,10 +231,11 @@ class OnnxOptions:
     context: int | None = None  # the static cache's capacity in tokens (required with kv_cache="static")
     # --step-ops: the step graph's recurrence and short conv as ONNX Runtime's com.microsoft LinearAttention and
     # CausalConvWithState (one node each per linear layer; ONNX Runtime >= 1.32), or standard ONNX ops (any
-    # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops. "edgelin": contrib, and the step's
-    # 4-bit weight products as ai.edgelin ops for edgelin's operator library, ONNX Runtime's own op as each
-    # one's function body (edgelin.export.onnx_kernels; edgelin.ortops).
-    step_ops: str = "contrib"
+    # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops. "edgelin" (the default): contrib, and
+    # the step's convs, recurrences and 4-bit products as ai.edgelin ops for edgelin's operator library, ONNX
+    # Runtime's own op as each one's function body, so the file runs without the library too
+    # (edgelin.export.onnx_kernels; edgelin.ortops).
+    step_ops: str = "edgelin"
 
     def __post_init__(self) -> None:
         if self.step_ops not in STEP_OPS:
@@ -321,9 +328,12 @@ def set_metadata(proto, key: str, value: str) -> None:
 
 
 def edgelin_op_count(path: Path) -> int:
-    """How many nodes of the graph at `path` are edgelin.ortops' (--step-ops edgelin)."""
+    """How many nodes of the graph at `path` are edgelin.ortops' (--step-ops edgelin; a graph without the domain's
+    name in its bytes has none, and is not parsed)."""
     import onnx
 
+    if ORT_OPS_DOMAIN.encode() not in path.read_bytes():
+        return 0
     proto = onnx.load(str(path), load_external_data=False)
     return sum(node.domain == ORT_OPS_DOMAIN for node in proto.graph.node)
 
@@ -397,14 +407,11 @@ class OnnxTarget(Target):
                 files[kind], written[kind] = f"{kind}.onnx", outputs
                 export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)
         shared = finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS,
-                               embeddings=options.quantize_embeddings, step_outputs=written["step"])
+                               embeddings=options.quantize_embeddings, step_outputs=written["step"],
+                               edgelin_ops=options.step_ops == "edgelin" and self.name == "onnx")  # (not TensorRT's)
         if static:  # on the graphs as written (quantised, weights shared)
             for kind, outputs in written.items():
                 mark_static_cache(Path(folder) / files[kind], outputs, layers, options.context)
-        if options.step_ops == "edgelin":
-            from edgelin.export.onnx_kernels import route_to_edgelin_kernels
-
-            route_to_edgelin_kernels(Path(folder) / files["step"])
         return {**files, **shared}
 
     def finish_export(self, folder: Path, manifest: "Manifest", options: OnnxOptions | None = None) -> "Manifest | None":
