@@ -402,7 +402,10 @@ def _label(ort_ops: "OpsLibrary | None") -> str:
         return f"onnxruntime (edgelin ops not loaded: {ort_ops.reason}; ONNX Runtime's own kernels ran)"
     from edgelin.ortops import kernel_path
 
-    return f"onnxruntime + edgelin ops ({kernel_path(ort_ops.path)})"
+    path = kernel_path(ort_ops.path)
+    if path == "none":  # the library registers its kernels only on CPUs with AVX2 (edgelin/ortops/ops.c)
+        return "onnxruntime (edgelin ops not used: this CPU has no AVX2; ONNX Runtime's own kernels ran)"
+    return f"onnxruntime + edgelin ops ({path})"
 
 
 def _check_weights(folder: Path, entry: dict) -> None:

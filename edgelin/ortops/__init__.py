@@ -4,13 +4,16 @@ with `SessionOptions.register_custom_ops_library`.
 - `ai.edgelin::MatMulNBits` (ops.c, q4_gemv.c): the 4-bit weight products of one-token decoding. Same inputs,
   attributes and packed weights as `com.microsoft::MatMulNBits` (bits 4, block 32; the activations rounded to
   int8 per 32-block, as accuracy level 4 does); on AVX2 it multiplies two blocks per 256-bit step and four
-  weight rows at once (docs/benchmarks.md, issue 13); a portable C path elsewhere.
+  weight rows at once (docs/benchmarks.md, issue 13).
 - `ai.edgelin::CausalConvWithState` (conv.c): the short conv's step with its carried state, SiLU fused (ndim 1),
   the SiLU over a whole row of channels at once; the state may be updated in place.
 - `ai.edgelin::LinearAttention` (linear_attention.c): the recurrence's step for every update rule (linear, gated,
   delta, gated_delta; decay per head or per key; grouped query heads), each state row read and written once.
 
-An export made with `--step-ops edgelin` names these ops in its step graph and carries, for each, an ONNX
+Each kernel also has a portable C path, their tested reference; the library registers its ops only on CPUs with
+AVX2 + FMA (elsewhere, e.g. an ARM board, ONNX Runtime's own kernels run: kernel_path() says "none").
+
+An export made with `--step-ops edgelin` (the ONNX default) names these ops in its step graph and carries, for each, an ONNX
 function of the same name whose body is ONNX Runtime's own op: a runtime without the library runs the same file
 (bit for bit ONNX Runtime's numbers), one with it runs edgelin's kernels. The runner loads the library when the
 manifest lists these ops (`EDGELIN_ORT_OPS`: unset = build it here once with the C compiler and cache it,
@@ -109,7 +112,8 @@ def locate() -> OpsLibrary:
 
 
 def kernel_path(library: Path) -> str:
-    """Which path the library's kernels take on this CPU (cpu.h: "avx2", "portable", ...)."""
+    """Which path the library's kernels take on this CPU (cpu.h): "avx2", "portable" (forced by the tests) or
+    "none" (no AVX2: nothing registered)."""
     import ctypes
 
     try:

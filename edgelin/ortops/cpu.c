@@ -19,7 +19,7 @@ int edgelin_avx2(void) {
 
 const char* edgelin_kernel_path(void) {
   if (edgelin_avx2()) return "avx2";
-  return edgelin_cpu_avx2() ? "portable" : "portable; 4-bit products by ONNX Runtime";
+  return edgelin_cpu_avx2() ? "portable" : "none";
 }
 
 void edgelin_use_portable(int on) { g_avx2 = on ? 0 : -1; }

@@ -7,8 +7,8 @@
 int edgelin_cpu_avx2(void);  /* 1: this CPU has AVX2 and FMA */
 int edgelin_avx2(void);      /* 1: take the AVX2 paths (the CPU's answer unless the tests forced the portable ones) */
 
-/* "avx2", or "portable" (with "; 4-bit products by ONNX Runtime" on a CPU without AVX2, where ops.c leaves the
-   products to ONNX Runtime); for the tests, force the portable paths (on = 1) or go back to the CPU's (on = 0). */
+/* "avx2"; "portable" (forced by the tests on an AVX2 CPU); "none" (a CPU without AVX2: ops.c registers nothing
+   there). For the tests, force the portable paths (on = 1) or go back to the CPU's (on = 0). */
 EDGELIN_API const char* edgelin_kernel_path(void);
 EDGELIN_API void edgelin_use_portable(int on);
 #endif
