@@ -36,7 +36,7 @@ static OrtStatus* shape_of(const OrtValue* value, int64_t* dims, size_t* rank) {
   OrtTensorTypeAndShapeInfo* info = NULL;
   OrtStatus* status = ORT_CALL(g_api, GetTensorTypeAndShape)(value, &info);
   if (!status) status = ORT_CALL(g_api, GetDimensionsCount)(info, rank);
-  if (!status && *rank > 8) status = fail("edgelin MatMulNBits: input A has more than 8 dimensions");
+  if (!status && *rank > 8) status = fail("edgelin ops: an input has more than 8 dimensions");
   if (!status) status = ORT_CALL(g_api, GetDimensions)(info, dims, *rank);
   if (info) ORT_CALL(g_api, ReleaseTensorTypeAndShapeInfo)(info);
   return status;
