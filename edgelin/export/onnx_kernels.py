@@ -42,7 +42,6 @@ CONV = RoutedOp("CausalConvWithState", ("input", "weight", "bias", "past_state")
 RECURRENCE = RoutedOp("LinearAttention", ("query", "key", "value", "past_state", "decay", "beta"),
                       ("output", "present_state"), (("update_rule", _STRING), ("q_num_heads", _INT),
                                                     ("kv_num_heads", _INT), ("scale", _ATTR_FLOAT)))
-ROUTED = (MATMUL, CONV, RECURRENCE)
 
 
 def _takes(node, attrs: dict, float_inputs: set[str]) -> RoutedOp | None:
