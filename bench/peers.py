@@ -1,7 +1,7 @@
 """CPU decoding side by side with the peers users would pick instead (issue 13): a benchmark, not a test.
 
     python bench/peers.py CKPT [--threads 1,2] [--positions 1,1024,8192,32768] [--runtimes ...] [--json FILE]
-                               [--plot latency.png]
+                               [--rounds 3] [--plot latency.png]
     python bench/peers.py --from-json FILE [--plot latency.png]   # re-render a saved report, time nothing
 
 One transformers checkpoint (qwen3_5_text or mamba2: bench/peer_checkpoints.py makes them) through every
@@ -17,6 +17,9 @@ latency p50/p99 over --iters timed steps at each position (reached by prefill in
 empty state; step i of position p sits at p + 3 + i), peak RSS of the process, bytes on disk.
 Protocol per runtime: reset (empty state), prefill(ids) -> last logits, step(token) -> logits; the same
 seeded random ids (numpy default_rng(0), vocabulary-wide) for every runtime.
+--rounds N times every runtime N times, whole rounds interleaved (the order reversed every other round), for a
+shared host whose speed drifts: each cell is the median over rounds, each ratio also gives the range of the rounds'
+own ratios (edgelin and peer timed in the same round, minutes apart).
 """
 
 from __future__ import annotations
@@ -422,6 +425,9 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="also draw decode latency vs position (PNG, matplotlib)")
     parser.add_argument("--from-json", type=Path, help="render (and --plot) a saved --json report; time nothing")
     parser.add_argument("--prepare-only", action="store_true", help="build the artifacts, time nothing")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every runtime this many times, rounds interleaved (order reversed every other "
+                             "round); cells are medians, ratios add the spread of the rounds' own ratios")
     parser.add_argument("--edgelin-kv", choices=("static", "growing"), default="static",
                         help="edgelin's KV cache for models with full attention (export --kv-cache)")
     args = parser.parse_args()
@@ -454,30 +460,21 @@ def main() -> None:
     if args.prepare_only:
         return
     meta["uptime_before"] = os.getloadavg()
+    meta["rounds"] = args.rounds
+    for round_index in range(args.rounds):  # whole rounds, the order reversed every other one (drift cancels)
+        for row in rows if round_index % 2 == 0 else rows[::-1]:
+            kind, artifact = row["runtime"], artifacts[row["runtime"]]
+            if artifact is None:
+                continue
+            row["bytes_on_disk"] = _artifact_size(kind, artifact)
+            for threads in [int(x) for x in args.threads.split(",")]:
+                result = timed_run(kind, artifact, threads, prompt, vocab, args)
+                row.setdefault("rounds", {}).setdefault(str(threads), []).append(result)
+                print(f"{kind} x{threads} (round {round_index + 1}): {json.dumps(result)[:400]}", flush=True)
     for row in rows:
-        kind, artifact = row["runtime"], artifacts[row["runtime"]]
-        if artifact is None:
-            continue
-        row["bytes_on_disk"] = _artifact_size(kind, artifact)
-        for threads in [int(x) for x in args.threads.split(",")]:
-            spec = {"kind": kind, "artifact": str(artifact), "threads": threads, "prompt": prompt, "vocab": vocab,
-                    "new_tokens": args.new_tokens, "prefill": args.prefill, "iters": args.iters,
-                    "positions": [int(p) for p in args.positions.split(",")]}
-            env = {**os.environ, "PYTHONPATH": str(ROOT), **{v: str(threads) for v in (
-                "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
-            env.pop("EDGELIN_ORT_PREPACK", None)  # edgelin's default: off for float weights, on for int8/int4
-            if kind.endswith("-prepack"):  # the same folder with ONNX Runtime's weight prepacking on (`bench --prepack`)
-                env["EDGELIN_ORT_PREPACK"] = "1"
-            py = PY[kind.split("-")[0]]
-            result = run_worker(py, spec, env, args.timeout)
-            if kind.startswith("llama") and result.get("signal") == signal.SIGSEGV:
-                # llama.cpp's AMX weight buffers crash in ggml_backend_amx_mul_mat on AMX CPUs (llama.cpp issue
-                # #20824, open); the path it offers: its default buffers, no AMX or repacking (`--no-extra-bufts`)
-                crashed = result["error"]
-                result = run_worker(py, {**spec, "extra_bufts": False}, env, args.timeout)
-                result["note"] = f"default run: {crashed}; this row with use_extra_bufts=False (no AMX/repack)"
-            row["runs"][str(threads)] = result
-            print(f"{kind} x{threads}: {json.dumps(result)[:400]}", flush=True)
+        row["runs"] = {threads: merged(results) for threads, results in row.get("rounds", {}).items()}
+        if args.rounds == 1:
+            row.pop("rounds", None)
     meta["uptime_after"] = os.getloadavg()
     report = {"checkpoint": str(ckpt), "meta": meta, "prompt": prompt, "rows": rows}
     if args.json:
@@ -485,6 +482,45 @@ def main() -> None:
     if args.plot:
         plot(report, args.plot)
     print(render(report))
+
+
+def timed_run(kind: str, artifact: Path, threads: int, prompt: list[int], vocab: int, args) -> dict:
+    """One runtime at one thread count, in a worker process of its own."""
+    spec = {"kind": kind, "artifact": str(artifact), "threads": threads, "prompt": prompt, "vocab": vocab,
+            "new_tokens": args.new_tokens, "prefill": args.prefill, "iters": args.iters,
+            "positions": [int(p) for p in args.positions.split(",")]}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **{v: str(threads) for v in (
+        "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}}
+    env.pop("EDGELIN_ORT_PREPACK", None)  # edgelin's default: off for float weights, on for int8/int4
+    if kind.endswith("-prepack"):  # the same folder with ONNX Runtime's weight prepacking on (`bench --prepack`)
+        env["EDGELIN_ORT_PREPACK"] = "1"
+    py = PY[kind.split("-")[0]]
+    result = run_worker(py, spec, env, args.timeout)
+    if kind.startswith("llama") and result.get("signal") == signal.SIGSEGV:
+        # llama.cpp's AMX weight buffers crash in ggml_backend_amx_mul_mat on AMX CPUs (llama.cpp issue
+        # #20824, open); the path it offers: its default buffers, no AMX or repacking (`--no-extra-bufts`)
+        crashed = result["error"]
+        result = run_worker(py, {**spec, "extra_bufts": False}, env, args.timeout)
+        result["note"] = f"default run: {crashed}; this row with use_extra_bufts=False (no AMX/repack)"
+    return result
+
+
+def merged(results: list[dict]) -> dict:
+    """One cell from several rounds: per position the median of the rounds' p50s and of their p99s, the median
+    prefill rate, the largest peak RSS; the first round's greedy tokens. A cell that failed in every round keeps
+    the first error."""
+    ok = [r for r in results if "error" not in r]
+    if len(ok) <= 1:
+        return ok[0] if ok else results[0]
+    latency = {}
+    for pos in ok[0]["latency"]:
+        cells = [r["latency"].get(pos, {}) for r in ok]
+        if all("p50" in c for c in cells):
+            latency[pos] = {q: float(np.median([c[q] for c in cells])) for q in ("p50", "p99")}
+        else:
+            latency[pos] = next(c for c in cells if "p50" not in c)
+    return {**ok[0], "latency": latency, "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in ok])),
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in ok), "rounds": len(ok)}
 
 
 def run_worker(py: str, spec: dict, env: dict, timeout: float) -> dict:
@@ -576,6 +612,14 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _spread(paired: list[tuple[dict, dict]], pos: str) -> str:
+    """" (lo-hi)": the range of one cell's ratio over the rounds, each round's edgelin p50 over its peer's p50 of
+    the same round (timed minutes apart); empty with one round."""
+    each = [x["latency"][pos]["p50"] / y["latency"][pos]["p50"] for x, y in paired
+            if "p50" in x.get("latency", {}).get(pos, {}) and "p50" in y.get("latency", {}).get(pos, {})]
+    return f" ({min(each):.2f}-{max(each):.2f})" if len(each) > 1 else ""
+
+
 def ratios(rows: list[dict], threads: str, positions: list[int]) -> list[str]:
     """edgelin / peer for every cell, same weight precision (transformers counts as fp32)."""
     def prec(kind: str) -> str:
@@ -590,9 +634,11 @@ def ratios(rows: list[dict], threads: str, positions: list[int]) -> list[str]:
         for p in (r for r in ok if not r["runtime"].startswith("edgelin") and prec(r["runtime"]) == prec(e["runtime"])):
             a, b = e["runs"][threads], p["runs"][threads]
             cells = []
+            paired = list(zip(e.get("rounds", {}).get(threads, []), p.get("rounds", {}).get(threads, [])))
             for pos in positions:
                 la, lb = a["latency"].get(str(pos), {}), b["latency"].get(str(pos), {})
-                cells.append(f"{la['p50'] / lb['p50']:.2f}" if "p50" in la and "p50" in lb else "—")
+                cells.append(f"{la['p50'] / lb['p50']:.2f}{_spread(paired, str(pos))}" if "p50" in la and "p50" in lb
+                             else "—")
             out.append(f"| {e['runtime']} | {p['runtime']} | {e['bytes_on_disk'] / p['bytes_on_disk']:.2f} | "
                        f"{a['peak_rss_mib'] / b['peak_rss_mib']:.2f} | {a['prefill_tok_s'] / b['prefill_tok_s']:.2f} | "
                        + " | ".join(cells) + " |")

@@ -162,8 +162,8 @@ def export(
     context: Optional[int] = typer.Option(None, "--context", help="onnx, with --kv-cache static: the cache's "
                                                                  "capacity in tokens (a longer sequence is refused)."),
     step_ops: Optional[str] = typer.Option(
-        None, "--step-ops", help="onnx: edgelin (default): the step's short convs, recurrences and 4-bit products "
-                                 "through edgelin's CPU kernel library where the runner loads it, ONNX Runtime's own "
+        None, "--step-ops", help="onnx: edgelin (default): the step's short convs, recurrences, 4-bit products "
+                                 "and static-KV-cache attention through edgelin's CPU kernel library where the runner loads it, ONNX Runtime's own "
                                  "ops elsewhere (same file); contrib: ONNX Runtime's contrib ops LinearAttention and "
                                  "CausalConvWithState (ONNX Runtime >= 1.32); standard: standard ONNX ops only (any "
                                  "ONNX runtime, slower)."),

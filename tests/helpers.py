@@ -98,3 +98,14 @@ def run_state_in_place(session, feeds: dict, output: str, past: str = "past",
     session.run_with_iobinding(binding)
     return binding.copy_outputs_to_cpu()[0], state.numpy().copy()  # (a view would die with the OrtValue)
 
+
+
+def qwen_attention_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """A tiny GLA + full-attention hybrid whose attention layer is Qwen3.5's (grouped kv heads, q/k norm, partial
+    rotary, output gate): the model --kv-cache static is for."""
+    from edgelin.model.config import AttentionConfig
+
+    torch.manual_seed(seed)
+    attention = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, window=None, rotary_dim=8, qk_norm=True,
+                                output_gate=True)
+    return save_checkpoint(CausalLM(tiny_config(("gla", "softmax"), attention=attention)), folder, None)

@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from helpers import assert_close
+from helpers import assert_close, qwen_attention_checkpoint
 from edgelin.checkpoint import save_checkpoint
 from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
 from edgelin.export.manifest import Manifest
 from edgelin.export.onnx_target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
-from edgelin.model.config import AttentionConfig
 from edgelin.model.lm import CausalLM
 from edgelin.replay import replay
 from edgelin.runtime import open_runner, prefill
@@ -32,10 +31,7 @@ KEY = "past_key_values.1.key"  # layer 1 is the attention layer
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("kv-static")
-    torch.manual_seed(0)
-    attention = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, window=None, rotary_dim=8, qk_norm=True,
-                                output_gate=True)
-    ckpt = save_checkpoint(CausalLM(tiny_config(("gla", "softmax"), attention=attention)), root / "ckpt", None)
+    ckpt = qwen_attention_checkpoint(root / "ckpt")
     static = export_checkpoint(ckpt, root / "static", options=OnnxOptions(kv_cache="static", context=CAPACITY))
     growing = export_checkpoint(ckpt, root / "growing")
     return static.folder, growing.folder

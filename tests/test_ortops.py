@@ -27,17 +27,13 @@ from edgelin.families import SOFTMAX
 from edgelin.runtime import open_runner, runner_label
 from edgelin.replay import replay
 from helpers import assert_close, make_checkpoint, run_state_in_place
+from ortops_fixtures import c_kernel as _c_kernel, kernel_path, library, session as _session  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
 
 # The kernel and MLAS both round the activations to int8 per 32-block (the same bytes); what is left is the
 # order of float sums: measured <= 5e-7 max-relative on these shapes. Bound ~20x that.
 KERNEL_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Path:
-    return ortops.build(tmp_path_factory.mktemp("ortops") / ortops.LIBRARY)
 
 
 def _onnxruntime_core() -> ctypes.CDLL:
@@ -85,14 +81,6 @@ def _routed(model: onnx.ModelProto) -> onnx.ModelProto:
     return routed
 
 
-def _session(model: onnx.ModelProto, library: Path | None = None, threads: int = 1) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    if library is not None:
-        options.register_custom_ops_library(str(library))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 # K: whole pairs of blocks, an odd block count (a lone last block), K not a multiple of 32 (padded); N: rows in
 # fours and a remainder
 SHAPES = [(384, 1676), (768, 37), (96, 5), (100, 70), (64, 1)]
@@ -123,29 +111,6 @@ def test_a_node_the_kernel_does_not_take_is_refused_in_one_line(library):
     model = _routed(_quantized_matmul(64, 8, seed=2, bits=8))
     with pytest.raises(Exception, match="only bits 4 with block_size 32"):
         _session(model, library).run(None, {"x": np.ones((1, 64), np.float32)})
-
-
-def _c_kernel(library: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(library))
-    lib.edgelin_q4_scratch_bytes.restype = ctypes.c_size_t
-    lib.edgelin_q4_scratch_bytes.argtypes = [ctypes.c_int64]
-    lib.edgelin_q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    lib.edgelin_q4_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.edgelin_kernel_path.restype = ctypes.c_char_p
-    return lib
-
-
-@pytest.fixture(params=["avx2", "portable"])
-def kernel_path(request, library):
-    """The library's AVX2 paths, then its portable ones (forced in the loaded library: ONNX Runtime's sessions
-    dlopen the same file, so they run what this sets)."""
-    lib = _c_kernel(library)
-    if request.param == "avx2" and lib.edgelin_kernel_path() != b"avx2":
-        pytest.skip("this CPU has no AVX2: only the portable path runs here")
-    lib.edgelin_use_portable(int(request.param == "portable"))
-    yield request.param
-    lib.edgelin_use_portable(0)
 
 
 def _activations(scratch: np.ndarray, K: int) -> np.ndarray:

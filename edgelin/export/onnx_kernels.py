@@ -1,15 +1,17 @@
-"""--step-ops edgelin: the step graph's 4-bit weight products, short convs and recurrences routed to edgelin's ONNX
-Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the fallback inside the same file.
+"""--step-ops edgelin: the step graph's 4-bit weight products, short convs, recurrences and KV-cache attention
+routed to edgelin's ONNX Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the fallback
+inside the same file.
 
 Each step-graph node the library's kernels take moves from the `com.microsoft` domain to `ai.edgelin`, inputs,
 attributes and weights unchanged: `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
-int4 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU) and
-`LinearAttention` (the recurrence; float32 graphs, every update rule). The graph
-gains, per routed op type, one ONNX function `ai.edgelin::<op>` whose body is the `com.microsoft` node with the
-caller's attributes (attribute references). ONNX Runtime picks a registered kernel for a node before it inlines
-the node's function, so a session with the library runs edgelin's kernels and a session without it runs the
-bodies: ONNX Runtime's own kernels, bit for bit what a `--step-ops contrib` export computes (tests/test_ortops.py).
-The prefill graph keeps ONNX Runtime's kernels.
+int4 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU),
+`LinearAttention` (the recurrence; float32 graphs, every update rule) and `GroupQueryAttention` (full-context
+attention over the float32 static KV cache of --kv-cache static). The graph gains, per routed op type, one ONNX
+function `ai.edgelin::<op>` whose body is the `com.microsoft` node with the caller's attributes (attribute
+references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a
+session with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own
+kernels, bit for bit what a `--step-ops contrib` export computes (tests/test_ortops.py). The prefill graph keeps
+ONNX Runtime's kernels.
 
 Export-side module: imports onnx inside its functions.
 """
@@ -42,13 +44,18 @@ CONV = RoutedOp("CausalConvWithState", ("input", "weight", "bias", "past_state")
 RECURRENCE = RoutedOp("LinearAttention", ("query", "key", "value", "past_state", "decay", "beta"),
                       ("output", "present_state"), (("update_rule", _STRING), ("q_num_heads", _INT),
                                                     ("kv_num_heads", _INT), ("scale", _ATTR_FLOAT)))
+ATTENTION = RoutedOp("GroupQueryAttention", ("query", "key", "value", "past_key", "past_value", "seqlens_k",
+                                             "total_sequence_length"), ("output", "present_key", "present_value"),
+                     (("num_heads", _INT), ("kv_num_heads", _INT), ("scale", _ATTR_FLOAT), ("do_rotary", _INT),
+                      ("local_window_size", _INT), ("softcap", _ATTR_FLOAT), ("smooth_softmax", _INT)))
 
 
 def _takes(node, attrs: dict, float_inputs: set[str]) -> RoutedOp | None:
     """The op edgelin's kernels compute this node as, else None. MatMulNBits: 4 bits, blocks of 32, float32
     activations, no group index or bias (inputs past the zero points). CausalConvWithState: float32, SiLU,
     one spatial dimension, a past state. LinearAttention: float32, a past state, an explicit non-zero scale and
-    none of the prefill attributes (chunk_size, state_window)."""
+    none of the prefill attributes (chunk_size, state_window). GroupQueryAttention: float32, separate query, key
+    and value, a past KV cache, no rotary, local window, softcap or smooth softmax (edgelin's static-cache export)."""
     if node.domain != "com.microsoft" or not node.input or node.input[0] not in float_inputs:
         return None
     if node.op_type == MATMUL.name and attrs.get("bits") == 4 and attrs.get("block_size") == 32 \
@@ -60,6 +67,10 @@ def _takes(node, attrs: dict, float_inputs: set[str]) -> RoutedOp | None:
     if node.op_type == RECURRENCE.name and attrs.get("scale") and not {"chunk_size", "state_window"} & set(attrs) \
             and len(node.input) > 3 and node.input[3]:
         return RECURRENCE
+    if node.op_type == ATTENTION.name and len(node.input) == len(ATTENTION.inputs) and all(node.input) \
+            and not attrs.get("do_rotary") and attrs.get("local_window_size", -1) == -1 and not attrs.get("softcap") \
+            and not attrs.get("smooth_softmax"):
+        return ATTENTION
     return None
 
 

@@ -232,7 +232,7 @@ class OnnxOptions:
     # --step-ops: the step graph's recurrence and short conv as ONNX Runtime's com.microsoft LinearAttention and
     # CausalConvWithState (one node each per linear layer; ONNX Runtime >= 1.32), or standard ONNX ops (any
     # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops. "edgelin" (the default): contrib, and
-    # the step's convs, recurrences and 4-bit products as ai.edgelin ops for edgelin's operator library, ONNX
+    # the step's convs, recurrences, 4-bit products and static-cache attention as ai.edgelin ops for edgelin's operator library, ONNX
     # Runtime's own op as each one's function body, so the file runs without the library too
     # (edgelin.export.onnx_kernels; edgelin.ortops).
     step_ops: str = "edgelin"
@@ -294,7 +294,8 @@ def mark_static_cache(path: Path, outputs: list[TensorIO], layers: int, capacity
     proto = onnx.load(str(path), load_external_data=False)  # weights stay where they are (weights.bin)
     graph_inputs = {v.name for v in proto.graph.input}
     feeds = {t.name: t.feeds for t in outputs if t.feeds is not None}
-    nodes = [n for n in proto.graph.node if n.domain == "com.microsoft" and n.op_type == "GroupQueryAttention"]
+    nodes = [n for n in proto.graph.node if n.domain in ("com.microsoft", ORT_OPS_DOMAIN)
+             and n.op_type == "GroupQueryAttention"]
     in_place = [n for n in nodes if all(n.input[3 + i] in graph_inputs and feeds.get(n.output[1 + i]) == n.input[3 + i]
                                         for i in (0, 1))]
     if len(nodes) != layers or len(in_place) != layers:

@@ -9,6 +9,11 @@ with `SessionOptions.register_custom_ops_library`.
   the SiLU over a whole row of channels at once; the state may be updated in place.
 - `ai.edgelin::LinearAttention` (linear_attention.c): the recurrence's step for every update rule (linear, gated,
   delta, gated_delta; decay per head or per key; grouped query heads), each state row read and written once.
+- `ai.edgelin::GroupQueryAttention` (ops_attention.c, attention.c): the step's attention over the static KV cache
+  (`--kv-cache static`; no rotary, window or softcap inside the op): the new keys and values written at their
+  rows (in place), then each cached row read once for all the query heads that share it, the softmax online over
+  chunks that stay in L2 and over pieces of rows spread across ONNX Runtime's threads. ONNX Runtime's own kernel
+  reads the cache once per query head.
 
 Each kernel also has a portable C path, their tested reference; the library registers its ops only on CPUs with
 AVX2 + FMA (elsewhere, e.g. an ARM board, ONNX Runtime's own kernels run: kernel_path() says "none").
@@ -20,7 +25,7 @@ manifest lists these ops (`EDGELIN_ORT_OPS`: unset = build it here once with the
 `0` = never, a path = that prebuilt library, e.g. cross-compiled for a board without a compiler).
 
 The C sources need no ONNX Runtime headers (ort_abi.h declares the few C API slots they call) and nothing but a
-C11 compiler: `cc -O3 -std=gnu11 -shared -fPIC ops.c q4_gemv.c conv.c linear_attention.c cpu.c -lm`. Runtime-side module: no torch, no onnx.
+C11 compiler: `cc -O3 -std=gnu11 -shared -fPIC *.c -lm`. Runtime-side module: no torch, no onnx.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from pathlib import Path
 
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
-SOURCES = ("ops.c", "q4_gemv.c", "conv.c", "linear_attention.c", "cpu.c")
-HEADERS = ("ort_abi.h", "q4_gemv.h", "conv.h", "linear_attention.h", "cpu.h")
+SOURCES = ("ops.c", "ops_attention.c", "glue.c", "q4_gemv.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
+HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "conv.h", "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h")
 LIBRARY = "libedgelin_ortops.so"
 _HERE = Path(__file__).resolve().parent
 _CFLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden")

@@ -2,14 +2,17 @@
    the com.microsoft op of the same name:
    - ai.edgelin::MatMulNBits: the 4-bit weight products (q4_gemv.c; MatMulNBits' packed weights as stored);
    - ai.edgelin::CausalConvWithState: the short conv with its carried state, SiLU fused (conv.c);
-   - ai.edgelin::LinearAttention: the recurrence's step, every update rule (linear_attention.c).
+   - ai.edgelin::LinearAttention: the recurrence's step, every update rule (linear_attention.c);
+   - ai.edgelin::GroupQueryAttention: attention over a KV cache, each cached row read once per kv head
+     (ops_attention.c, attention.c).
    An export that uses them also carries, for each, an ONNX function of the same name whose body is the
    com.microsoft op, so a runtime without this library runs the same file through ONNX Runtime's own kernels.
    Load: SessionOptions.register_custom_ops_library(path); ONNX Runtime calls RegisterCustomOps. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "ort_abi.h"
+#include "glue.h"
+#include "attention.h"
 #include "conv.h"
 #include "cpu.h"
 #include "linear_attention.h"
@@ -18,39 +21,10 @@
 #define DOMAIN "ai.edgelin"
 #define ROWS_PER_TASK 128
 
-static const OrtApi* g_api;
-static int g_parallel_for;
-
 typedef struct {
   int64_t K, N;
   float* offsets;        /* [N, nb]: -scale * zero point, made once when the weights are initializers */
 } Kernel;
-
-static OrtStatus* fail(const char* message) { return ORT_CALL(g_api, CreateStatus)(ORT_INVALID_ARGUMENT, message); }
-
-static OrtStatus* attribute(const OrtKernelInfo* info, const char* name, int64_t* out) {
-  return ORT_CALL(g_api, KernelInfoGetAttribute_int64)(info, name, out);
-}
-
-static OrtStatus* shape_of(const OrtValue* value, int64_t* dims, size_t* rank) {
-  OrtTensorTypeAndShapeInfo* info = NULL;
-  OrtStatus* status = ORT_CALL(g_api, GetTensorTypeAndShape)(value, &info);
-  if (!status) status = ORT_CALL(g_api, GetDimensionsCount)(info, rank);
-  if (!status && *rank > 8) status = fail("edgelin ops: an input has more than 8 dimensions");
-  if (!status) status = ORT_CALL(g_api, GetDimensions)(info, dims, *rank);
-  if (info) ORT_CALL(g_api, ReleaseTensorTypeAndShapeInfo)(info);
-  return status;
-}
-
-static void* data_of(const OrtValue* value) {
-  void* data = NULL;
-  OrtStatus* status = ORT_CALL(g_api, GetTensorMutableData)((OrtValue*)value, &data);
-  if (status) {
-    ORT_CALL(g_api, ReleaseStatus)(status);
-    return NULL;
-  }
-  return data;
-}
 
 static float* make_offsets(const Kernel* k, const OrtValue* scales, const OrtValue* zero_points) {
   int64_t nb = (k->K + 31) / 32;
@@ -167,12 +141,8 @@ static OrtStatus* create_conv(const OrtCustomOp* op, const OrtApi* api, const Or
   (void)api;
   char activation[16] = {0};
   size_t size = sizeof activation;
-  int64_t ndim = 1;
   OrtStatus* status = ORT_CALL(g_api, KernelInfoGetAttribute_string)(info, "activation", activation, &size);
-  if (!status) {
-    OrtStatus* missing = attribute(info, "ndim", &ndim);  /* absent: 1 */
-    if (missing) ORT_CALL(g_api, ReleaseStatus)(missing);
-  }
+  int64_t ndim = status ? 1 : attribute_or(info, "ndim", 1);
   if (!status && (strcmp(activation, "silu") != 0 || ndim != 1))
     status = fail("edgelin CausalConvWithState: only ndim 1 with activation silu (or use com.microsoft's)");
   if (status) return status;
@@ -316,6 +286,12 @@ static const char* name_la(const OrtCustomOp* op) { (void)op; return "LinearAtte
 static int input_kind_la(const OrtCustomOp* op, size_t i) { (void)op; return i >= 3 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
 static size_t inputs_la(const OrtCustomOp* op) { (void)op; return 6; }
 
+static const char* name_attention(const OrtCustomOp* op) { (void)op; return "GroupQueryAttention"; }
+static int input_type_attention(const OrtCustomOp* op, size_t i) { (void)op; return i >= 5 ? ORT_TYPE_INT32 : ORT_TYPE_FLOAT; }
+static size_t inputs_attention(const OrtCustomOp* op) { (void)op; return 7; }
+static int all_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
+static size_t three_outputs(const OrtCustomOp* op) { (void)op; return 3; }
+
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t four_inputs(const OrtCustomOp* op) { (void)op; return 4; }
 static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT; }
@@ -350,7 +326,7 @@ static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input
   return op;
 }
 
-static OrtCustomOp g_ops[3];
+static OrtCustomOp g_ops[4];
 
 /* ONNX Runtime's entry point (register_custom_ops_library), once per session that loads the library. */
 EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -365,6 +341,8 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
                         destroy_la);
     g_ops[2] = describe(name_matmul, input_type_matmul, four_inputs, input_kind_matmul, outputs_matmul, create_kernel,
                         compute, destroy_kernel);
+    g_ops[3] = describe(name_attention, input_type_attention, inputs_attention, all_required, three_outputs,
+                        edgelin_create_attention, edgelin_compute_attention, edgelin_destroy_attention);
   }
   /* Only where the AVX2 kernels run (measured faster there: docs/benchmarks.md, issue 13). Elsewhere (ARM boards)
      nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):

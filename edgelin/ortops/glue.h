@@ -1,0 +1,24 @@
+/* What the ops' ONNX Runtime glue shares: the API table, one-line failures, shapes and data of values. */
+#ifndef EDGELIN_GLUE_H
+#define EDGELIN_GLUE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ort_abi.h"
+
+extern const OrtApi* g_api;  /* set by RegisterCustomOps */
+extern int g_parallel_for;   /* 1: the runtime has KernelContext_ParallelFor */
+
+OrtStatus* fail(const char* message);
+OrtStatus* attribute(const OrtKernelInfo* info, const char* name, int64_t* out);
+/* An optional attribute: `fallback` when the node does not set it. */
+int64_t attribute_or(const OrtKernelInfo* info, const char* name, int64_t fallback);
+float float_attribute_or(const OrtKernelInfo* info, const char* name, float fallback);
+OrtStatus* shape_of(const OrtValue* value, int64_t* dims, size_t* rank);
+void* data_of(const OrtValue* value);
+
+/* ai.edgelin::GroupQueryAttention (ops_attention.c) */
+OrtStatus* edgelin_create_attention(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
+OrtStatus* edgelin_compute_attention(void* kernel, OrtKernelContext* context);
+void edgelin_destroy_attention(void* kernel);
+#endif
