@@ -175,9 +175,13 @@ def test_termination_signal_removes_the_partial_output_and_the_lock(tmp_path, si
     signum = signals[0]
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "edgelin.cli", "train", REPO / "recipes/tiny-gdn-hybrid/recipe.toml",
-                             "--steps", "100000", "--out", out], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # under nohup the run would inherit SIGHUP ignored
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "edgelin.cli", "train",
+                                 REPO / "recipes/tiny-gdn-hybrid/recipe.toml", "--steps", "100000", "--out", out],
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
     try:
         deadline = time.monotonic() + 240
         while not [p for p in tmp_path.iterdir() if p.name.startswith(".run.edgelin-tmp-")]:

@@ -193,10 +193,14 @@ def test_a_file_at_the_lock_name_is_never_written_or_removed(ckpt, fast_graphs, 
     assert not (tmp_path / "out").exists()
 
 
-def test_ctrl_c_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch):
+def test_ctrl_c_during_the_swap_waits_until_it_is_done(tmp_path, monkeypatch, request):
     """An interrupt between moving the old output aside and moving the new one in would leave --out
     missing and the old folder (with anything the user kept in it) to the next run's cleanup."""
     from edgelin import outputs
+
+    # Ctrl-C as an interactive run has it (a suite started as a background job inherits SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
 
     out = tmp_path / "out"
     for content in ("old", "new"):

@@ -39,11 +39,7 @@ OrtStatus* edgelin_create_attention(const OrtCustomOp* op, const OrtApi* api, co
   return NULL;
 }
 
-typedef struct {
-  const EdgelinAttention* a;
-} Tasks;
-
-static void run_task(void* data, size_t index) { edgelin_attention_task(((const Tasks*)data)->a, (int64_t)index); }
+static void run_task(void* data, size_t index) { edgelin_attention_task(data, (int64_t)index); }
 
 OrtStatus* edgelin_compute_attention(void* kernel, OrtKernelContext* context) {
   const Attention* at = kernel;
@@ -110,9 +106,8 @@ OrtStatus* edgelin_compute_attention(void* kernel, OrtKernelContext* context) {
     free(a.scratch);
     return fail("edgelin GroupQueryAttention: out of memory");
   }
-  Tasks data = {&a};
   if (g_parallel_for && tasks > 1) {
-    status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_task, (size_t)tasks, 0, &data);
+    status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_task, (size_t)tasks, 0, &a);
   } else {
     for (int64_t t = 0; t < tasks; ++t) edgelin_attention_task(&a, t);
   }
