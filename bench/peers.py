@@ -49,6 +49,7 @@ RUNTIMES = ["edgelin-fp32", "edgelin-fp32-prepack", "edgelin-fp16", "edgelin-int
 # Also on request (--runtimes): edgelin-int4b64, 4-bit weights in blocks of 64 (4.56 bits per weight with their fp32
 # scale and 4-bit zero point, against Q4_0's 4.5; edgelin's default blocks of 32 are 5.13); any edgelin kind with
 # "-std" (e.g. edgelin-int4-std): the export with --step-ops standard (no contrib ops in the step), side by side;
+# "-kv16" (e.g. edgelin-int4-kv16): a static KV cache in float16 (--kv-dtype fp16; llama.cpp's cache is f16 too);
 # "-contrib" (edgelin-int4-contrib, in the default list): --step-ops contrib (ONNX Runtime's kernels only); "-ops":
 # --step-ops edgelin, which is also the default export since 2026-12-03 (the step's convs, recurrences and 4-bit
 # products through edgelin's own kernel library, edgelin.ortops, built here at first use).
@@ -355,6 +356,7 @@ def prepare(kind: str, ckpt: Path, work: Path, context: int | None = None) -> tu
                     "int4b64": ["--quantize", "int4", "--block-size", "64"]}[kind.split("-")[1]]
             flag += {"std": ["--step-ops", "standard"], "ops": ["--step-ops", "edgelin"],
                      "contrib": ["--step-ops", "contrib"]}.get(kind.split("-")[-1], [])
+            flag += ["--kv-dtype", "fp16"] if static and kind.endswith("-kv16") else []
             flag += ["--kv-cache", "static", "--context", str(context)] if static else []
             ok, err = _run([str(Path(sys.executable).parent / "edgelin"), "export", str(ckpt), "--target", "onnx",
                             "--out", str(out), *flag], log)

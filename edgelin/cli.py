@@ -161,10 +161,12 @@ def export(
                                  "static (one buffer of --context tokens updated in place: GroupQueryAttention)."),
     context: Optional[int] = typer.Option(None, "--context", help="onnx, with --kv-cache static: the cache's "
                                                                  "capacity in tokens (a longer sequence is refused)."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="onnx, with --kv-cache static: the cache's "
+                                           "dtype, fp32 (default) or fp16 (half the bytes read per token)."),
     step_ops: Optional[str] = typer.Option(
         None, "--step-ops", help="onnx: edgelin (default): the step's short convs, recurrences, 4-bit products "
-                                 "and static-KV-cache attention through edgelin's CPU kernel library where the runner loads it, ONNX Runtime's own "
-                                 "ops elsewhere (same file); contrib: ONNX Runtime's contrib ops LinearAttention and "
+                                 "and static-KV-cache attention through edgelin's CPU kernel library where the "
+                                 "runner loads it, ONNX Runtime's own ops elsewhere (same file); contrib: ONNX Runtime's contrib ops LinearAttention and "
                                  "CausalConvWithState (ONNX Runtime >= 1.32); standard: standard ONNX ops only (any "
                                  "ONNX runtime, slower)."),
     as_json: bool = JSON,
@@ -196,11 +198,11 @@ def export(
     onnx_options: dict[str, Any] = {}  # OnnxOptions fields the flags set
     if keep_embeddings_float:  # --quantize is onnx-only (export_settings refused it for other targets)
         onnx_options["quantize_embeddings"] = False
-    if kv_cache is not None or context is not None:
+    if kv_cache is not None or context is not None or kv_dtype is not None:
         if target != "onnx":
-            raise EdgelinError(f"--kv-cache/--context apply to --target onnx only, not {target}",
+            raise EdgelinError(f"--kv-cache/--context/--kv-dtype apply to --target onnx only, not {target}",
                                "the fixed-capacity cache is ONNX Runtime's GroupQueryAttention", "drop them")
-        onnx_options.update(kv_cache=kv_cache or "growing", context=context)
+        onnx_options.update(kv_cache=kv_cache or "growing", context=context, kv_dtype=kv_dtype or "fp32")
     if step_ops is not None:
         if target != "onnx":
             raise EdgelinError(f"--step-ops applies to --target onnx only, not {target}",

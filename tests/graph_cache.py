@@ -7,8 +7,8 @@ the second request for an identical graph copies the file the first one wrote, a
 workers (a file lock per graph: a worker asking for a graph being traced waits for it).
 
 "Identical" is decided by a key over everything the traced file depends on: the model config, the
-traced module's classes, plain attributes and every parameter and buffer byte, the I/O contract,
-the opset and file name, the engine the lowering installed (its plain fields too), and a fingerprint of the code of every
+traced module's classes, plain attributes and every parameter and buffer byte, the I/O contract (names,
+dims, dtypes), the opset and file name, the engine the lowering installed (its plain fields too), and a fingerprint of the code of every
 edgelin function and method and of torch.onnx.export (so a test that monkeypatches any of them
 traces afresh). A test that replaces export_onnx_graph itself bypasses the cache. Set
 EDGELIN_TEST_GRAPH_CACHE=0 to trace every graph.
@@ -102,7 +102,7 @@ def graph_key(module, model, inputs, outputs, path: Path, opset: int) -> str:
     loop = getattr(engine, "loop", None)
     options = sorted((k, v) for k, v in vars(engine).items() if _plain(v))  # e.g. OnnxEngine.contrib_ops
     h.update(repr((type(engine).__qualname__, options, getattr(loop, "__qualname__", None),
-                   repr(model.config), [(t.name, t.dims) for t in [*inputs, *outputs]], opset, path.name)).encode())
+                   repr(model.config), [(t.name, t.dims, t.dtype) for t in [*inputs, *outputs]], opset, path.name)).encode())
     for name, sub in module.named_modules():
         attrs = sorted((k, v) for k, v in vars(sub).items() if not k.startswith("_") and _plain(v))
         h.update(repr((name, type(sub).__module__, type(sub).__qualname__, attrs)).encode())

@@ -4,10 +4,14 @@ The chain of trust: the C kernel inside an ONNX Runtime session == ONNX Runtime'
 com.microsoft::GroupQueryAttention (an independent implementation) on the same cache, at grouped and ungrouped
 heads, head sizes of one and more 64-column blocks, sequences of different lengths in one batch, more than one new
 token, lengths past one piece of rows, both kernel paths and thread counts; written in place == two buffers; the
-routed node's function fallback == ONNX Runtime's op bit for bit; a --kv-cache static export routes its step's
-attention and its rollout with the library == without it."""
+routed node's function fallback == ONNX Runtime's op bit for bit; the float16 kernel (--kv-dtype fp16) == ONNX
+Runtime's float16 op to one fp16 rounding; a --kv-cache static export (float32 and float16 cache) routes its
+step's attention and its rollout with the library == without it, and the float16 cache follows the float32 one."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -16,6 +20,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgelin import ortops
+from edgelin.errors import EdgelinError
 from edgelin.export.onnx_kernels import ATTENTION, fallback_function
 from edgelin.export.onnx_target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
@@ -117,6 +122,39 @@ def test_attention_matches_onnxruntimes_group_query_attention(library, heads, kv
             assert np.array_equal(a, b)
 
 
+def _half(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same node on float16 tensors (the step graph of --kv-cache static --kv-dtype fp16)."""
+    for value in [*model.graph.input[:5], *model.graph.output]:
+        value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    return model
+
+
+# One fp16 rounding of the output (2^-11 relative) on top of the float32 arithmetic both do: measured <= 2.9e-4
+# max-relative against ONNX Runtime's float16 kernel (one ulp of a few outputs).
+HALF_RTOL = 1e-3
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", HEADS, ids=[f"q{h}-kv{k}-d{d}" for h, k, d in HEADS])
+@pytest.mark.parametrize("batch,new,lengths", CALLS[:3], ids=["B1-S1", "B3-S1-unequal", "B1-S3"])
+def test_the_float16_kernel_matches_onnxruntimes_float16_op(library, heads, kv_heads, dim, batch, new, lengths,
+                                                           kernel_path):
+    feeds = _feeds(batch, new, lengths, max(lengths) + 3, kv_heads, heads, dim, seed=heads * dim + batch + new)
+    feeds = {name: (value.astype(np.float16) if value.dtype == np.float32 else value) for name, value in feeds.items()}
+    want = session(_half(_attention_model("com.microsoft", heads, kv_heads, dim))).run(None, feeds)
+    mine = session(_half(_attention_model(ortops.DOMAIN, heads, kv_heads, dim)), library)
+    got = mine.run(None, feeds)
+    assert got[0].dtype == np.float16
+    what = f"float16, {heads}/{kv_heads} heads of {dim}, lengths {lengths}, {new} new"
+    assert_close(got[0], want[0], HALF_RTOL, what)
+    assert np.abs(got[0] - want[0].astype(np.float32)).max() <= HALF_RTOL * np.abs(want[0].astype(np.float32)).max()
+    for mine_cache, their_cache in zip(got[1:], want[1:]):
+        for a, b in zip(_valid_rows(mine_cache, lengths), _valid_rows(their_cache, lengths)):
+            assert np.array_equal(a, b)
+    out, keys, _ = _in_place(mine, feeds)
+    assert np.array_equal(out, got[0]) and all(np.array_equal(a, b) for a, b in zip(
+        _valid_rows(keys, lengths), _valid_rows(got[1], lengths)))
+
+
 def test_the_function_fallback_is_onnxruntimes_op_bit_for_bit():
     feeds = _feeds(2, 1, [300, 41], 310, 2, 4, 64, seed=5)
     want = session(_attention_model("com.microsoft", 4, 2, 64)).run(None, feeds)
@@ -139,30 +177,62 @@ def test_a_position_outside_the_cache_is_refused(library):
 
 # ---- a --kv-cache static export -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def static_export(tmp_path_factory):
-    """Qwen3.5's attention layer (grouped kv heads, q/k norm, partial rotary, output gate) in a tiny hybrid."""
+def static_exports(tmp_path_factory) -> dict[str, Path]:
+    """Qwen3.5's attention layer (grouped kv heads, q/k norm, partial rotary, output gate) in a tiny hybrid, on a
+    float32 and on a float16 static cache (--kv-dtype fp16)."""
     root = tmp_path_factory.mktemp("ortops-static")
     ckpt = qwen_attention_checkpoint(root / "ckpt", seed=1)
-    return export_checkpoint(ckpt, root / "static", options=OnnxOptions(kv_cache="static", context=600)).folder
+    return {dtype: export_checkpoint(ckpt, root / dtype, options=OnnxOptions(kv_cache="static", context=600,
+                                                                              kv_dtype=dtype)).folder
+            for dtype in ("fp32", "fp16")}
 
 
-def test_the_static_export_routes_the_steps_attention_only(static_export):
-    step = onnx.load(str(static_export / "step.onnx"), load_external_data=False)
-    prefill = onnx.load(str(static_export / "prefill.onnx"), load_external_data=False)
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_the_static_export_routes_the_steps_attention_only(static_exports, dtype):
+    step = onnx.load(str(static_exports[dtype] / "step.onnx"), load_external_data=False)
+    prefill = onnx.load(str(static_exports[dtype] / "prefill.onnx"), load_external_data=False)
     assert [n.domain for n in step.graph.node if n.op_type == "GroupQueryAttention"] == [ortops.DOMAIN]
     assert [n.domain for n in prefill.graph.node if n.op_type == "GroupQueryAttention"] == ["com.microsoft"]
+    cache = {TensorProto.FLOAT: "fp32", TensorProto.FLOAT16: "fp16"}
+    kinds = {cache[i.type.tensor_type.elem_type] for i in step.graph.input if i.name.endswith((".key", ".value"))}
+    assert kinds == {dtype}
+    manifest = json.loads((static_exports[dtype] / "manifest.json").read_text())
+    assert manifest["extra"]["kv_cache"]["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_the_static_rollout_with_the_library_matches_onnxruntimes_kernels(static_export, library, batch,
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_the_static_rollout_with_the_library_matches_onnxruntimes_kernels(static_exports, library, batch, dtype,
                                                                          monkeypatch):
     """An 8-token prefill, then 60 teacher-forced steps on the in-place cache: library vs function fallback."""
     ids = np.random.default_rng(batch).integers(0, 97, (batch, 68))
     logits = {}
     for setting in (str(library), "0"):
         monkeypatch.setenv(ortops.ENV, setting)
-        runner = open_runner(static_export, threads=1)
+        runner = open_runner(static_exports[dtype], threads=1)
         state = runner.new_state(batch)
         runner.prefill(ids[:, :8], state, np.zeros(batch, np.int64))
         logits[setting] = np.stack([runner.step(ids[:, t], state, np.full(batch, t)) for t in range(8, 68)])
-    assert_close(logits[str(library)], logits["0"], ATTENTION_RTOL, f"batch {batch}")
+    assert_close(logits[str(library)], logits["0"], ATTENTION_RTOL if dtype == "fp32" else HALF_RTOL, f"batch {batch}")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_float16_cache_follows_the_float32_one(static_exports, batch):
+    """--kv-dtype fp16 against the float32 cache, same checkpoint: 40 steps after a 9-token prefill (measured
+    6.8e-5 max-relative on the logits); the export's own reference check passed with the fp16 threshold."""
+    half, exact = (open_runner(static_exports[d], threads=1) for d in ("fp16", "fp32"))
+    ids = np.random.default_rng(7 + batch).integers(0, 97, (batch, 49))
+    states = [r.new_state(batch) for r in (half, exact)]
+    got = [[r.prefill(ids[:, :9], s, np.zeros(batch, np.int64))] for r, s in zip((half, exact), states)]
+    for t in range(9, 49):
+        for out, r, s in zip(got, (half, exact), states):
+            out.append(r.step(ids[:, t], s, np.full(batch, t)))
+    assert_close(np.stack(got[0]), np.stack(got[1]), 1e-3, f"fp16 vs fp32 KV cache, batch {batch}")
+    assert half.read_state(states[0])["past_key_values.1.key"].dtype == np.float16
+
+
+def test_kv_dtype_needs_the_static_cache():
+    with pytest.raises(EdgelinError, match="--kv-dtype fp16 without --kv-cache static"):
+        OnnxOptions(kv_dtype="fp16")
+    with pytest.raises(EdgelinError, match="--kv-dtype bf16"):
+        OnnxOptions(kv_cache="static", context=600, kv_dtype="bf16")

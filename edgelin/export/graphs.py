@@ -13,6 +13,8 @@ choice (edgelin.export.lowering); the modules only pick the form: recurrent (ste
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -23,7 +25,10 @@ from edgelin.model.lm import CausalLM
 Tensor = torch.Tensor
 
 
-def graph_io(model: CausalLM, kind: str, state_dtype: str = "float32") -> tuple[list[TensorIO], list[TensorIO]]:
+def graph_io(model: CausalLM, kind: str, state_dtype: str = "float32",
+             kv_dtype: str | None = None) -> tuple[list[TensorIO], list[TensorIO]]:
+    """The graph's inputs and outputs; `kv_dtype` (ONNX --kv-cache static --kv-dtype) replaces the dtype of the
+    growing KV caches' tensors (dims with past_sequence)."""
     ids_dims = ("batch",) if kind == "step" else ("batch", "sequence")
     inputs = [TensorIO("input_ids", ids_dims, "int64", "input_ids")]
     if model.needs_position:
@@ -32,6 +37,8 @@ def graph_io(model: CausalLM, kind: str, state_dtype: str = "float32") -> tuple[
     new_tokens = "1" if kind == "step" else "sequence"
     for layer, tensors in enumerate(state_tensors(model, state_dtype)):
         for t in tensors:
+            if kv_dtype is not None and "past_sequence" in t.dims:
+                t = dataclasses.replace(t, dtype=kv_dtype)
             past = state_input_name(layer, t.name)
             meta = {"layer": layer, "state_name": t.name, "state_role": t.role}
             inputs.append(TensorIO(past, t.dims, t.dtype, "state", **meta))

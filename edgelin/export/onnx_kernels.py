@@ -23,7 +23,7 @@ from pathlib import Path
 
 from edgelin.ortops import DOMAIN
 
-_FLOAT = 1  # onnx.TensorProto.FLOAT
+_FLOAT, _FLOAT16 = 1, 10  # onnx.TensorProto.FLOAT, FLOAT16
 _ATTR_FLOAT, _INT, _STRING = 1, 2, 3  # onnx.AttributeProto.FLOAT, INT, STRING
 
 
@@ -50,13 +50,15 @@ ATTENTION = RoutedOp("GroupQueryAttention", ("query", "key", "value", "past_key"
                       ("local_window_size", _INT), ("softcap", _ATTR_FLOAT), ("smooth_softmax", _INT)))
 
 
-def _takes(node, attrs: dict, float_inputs: set[str]) -> RoutedOp | None:
+def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str] = frozenset()) -> RoutedOp | None:
     """The op edgelin's kernels compute this node as, else None. MatMulNBits: 4 bits, blocks of 32, float32
     activations, no group index or bias (inputs past the zero points). CausalConvWithState: float32, SiLU,
     one spatial dimension, a past state. LinearAttention: float32, a past state, an explicit non-zero scale and
-    none of the prefill attributes (chunk_size, state_window). GroupQueryAttention: float32, separate query, key
+    none of the prefill attributes (chunk_size, state_window). GroupQueryAttention: float32 or float16, separate query, key
     and value, a past KV cache, no rotary, local window, softcap or smooth softmax (edgelin's static-cache export)."""
-    if node.domain != "com.microsoft" or not node.input or node.input[0] not in float_inputs:
+    if node.domain == "com.microsoft" and node.op_type == ATTENTION.name and node.input and node.input[0] in half_inputs:
+        float_inputs = half_inputs  # an fp16 KV cache (--kv-dtype fp16): the library's float16 kernel of the op
+    elif node.domain != "com.microsoft" or not node.input or node.input[0] not in float_inputs:
         return None
     if node.op_type == MATMUL.name and attrs.get("bits") == 4 and attrs.get("block_size") == 32 \
             and len(node.input) <= len(MATMUL.inputs):
@@ -74,13 +76,14 @@ def _takes(node, attrs: dict, float_inputs: set[str]) -> RoutedOp | None:
     return None
 
 
-def _float_tensors(proto) -> set[str]:
-    """Names of the float32 tensors the graph's shape inference knows (inputs, outputs, value_info)."""
+def _float_tensors(proto, elem_type: int = _FLOAT) -> set[str]:
+    """Names of the float32 (or `elem_type`) tensors the graph's shape inference knows (inputs, outputs,
+    value_info)."""
     import onnx
 
     inferred = onnx.shape_inference.infer_shapes(proto, data_prop=False)
     infos = [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]
-    return {v.name for v in infos if v.type.tensor_type.elem_type == _FLOAT}
+    return {v.name for v in infos if v.type.tensor_type.elem_type == elem_type}
 
 
 def fallback_function(op: RoutedOp, opsets: dict[str, int]):
@@ -101,11 +104,11 @@ def route_to_edgelin_kernels(path: Path) -> int:
     from onnx import helper
 
     proto = onnx.load(str(path), load_external_data=False)
-    floats = _float_tensors(proto)
+    floats, halves = _float_tensors(proto), frozenset(_float_tensors(proto, _FLOAT16))
     routed: dict[str, RoutedOp] = {}
     count = 0
     for node in proto.graph.node:
-        op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats)
+        op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats, halves)
         if op is not None:
             node.domain = DOMAIN
             routed[op.name] = op

@@ -47,7 +47,8 @@ def example_inputs(model: "CausalLM", inputs: list[TensorIO], sizes: dict[str, i
         elif t.role == "position_ids":
             out.append(torch.arange(3, 3 + shape[0]) * 7)
         else:
-            out.append(torch.randn(shape, generator=gen) * 0.1)
+            dtype = torch.float16 if t.dtype == "float16" else torch.float32
+            out.append((torch.randn(shape, generator=gen) * 0.1).to(dtype))
     return tuple(out)
 
 
@@ -148,7 +149,8 @@ def strip_trace_metadata(graph) -> None:
                 strip_trace_metadata(sub)
 
 
-def graph_modules(model: "CausalLM", precision: str, static: bool = False) -> dict[str, "torch.nn.Module"]:
+def graph_modules(model: "CausalLM", precision: str, static: bool = False,
+                  kv_dtype: str | None = None) -> dict[str, "torch.nn.Module"]:
     """The modules traced for each graph at `precision`. fp32: the graphs as they are. fp16: the graphs
     of a float16 copy of the model (edgelin.model.lm.with_compute_dtype: weights and matmuls fp16; the
     recurrence, its state, decay and gates float32, cast inside LinearMixer) behind a float32 I/O
@@ -156,7 +158,8 @@ def graph_modules(model: "CausalLM", precision: str, static: bool = False) -> di
     and KV caches fp16, which hold fp16 projections anyway, so the cast loses nothing) and every
     output back to float32, so the state I/O and logits stay float32 whatever the precision. With `static`
     (--kv-cache static) the growing KV caches stay float32 inside too: GroupQueryAttention updates the bound
-    buffer in place, which a cast of the cache (a copy of all of it per call) would defeat."""
+    buffer in place, which a cast of the cache (a copy of all of it per call) would defeat; with `kv_dtype`
+    float16 (--kv-dtype fp16) that cache is float16 at the I/O and inside."""
     import torch
 
     from edgelin.export.graphs import GRAPHS
@@ -166,8 +169,12 @@ def graph_modules(model: "CausalLM", precision: str, static: bool = False) -> di
         return {kind: graph(model).eval() for kind, graph in GRAPHS.items()}
     dtype = {"fp16": torch.float16}[precision]
     low = with_compute_dtype(model, dtype).eval()
-    kept = [torch.float32 if t.accumulates or (static and "past_sequence" in t.dims) else dtype
+    half_kv = kv_dtype == "float16"
+    kept = [torch.float32 if t.accumulates or (static and not half_kv and "past_sequence" in t.dims) else dtype
             for layer in model.state_tensors() for t in layer]
+    # the I/O dtype of each state output: float32, but a float16 static cache stays float16
+    io = [torch.float16 if static and half_kv and "past_sequence" in t.dims else torch.float32
+          for layer in model.state_tensors() for t in layer]
 
     class Float32IO(torch.nn.Module):
         def __init__(self, graph: torch.nn.Module):
@@ -177,7 +184,8 @@ def graph_modules(model: "CausalLM", precision: str, static: bool = False) -> di
         def forward(self, input_ids: torch.Tensor, *args: torch.Tensor):
             lead = 1 if model.needs_position else 0  # position_ids come before the state
             states = [s.to(d) for s, d in zip(args[lead:], kept)]
-            return tuple(t.float() for t in self.inner(input_ids, *args[:lead], *states))
+            logits, *presents = self.inner(input_ids, *args[:lead], *states)
+            return (logits.float(), *[t.to(d) for t, d in zip(presents, io)])
 
     return {kind: Float32IO(graph(low)).eval() for kind, graph in GRAPHS.items()}
 
@@ -229,6 +237,9 @@ class OnnxOptions:
     # runner keeps their KV cache in one buffer of N positions per tensor, updated in place (KV_CACHES).
     kv_cache: str = "growing"
     context: int | None = None  # the static cache's capacity in tokens (required with kv_cache="static")
+    # --kv-dtype: the static cache's dtype; fp16 halves the bytes its attention reads per token (edgelin's kernel
+    # reads float16 rows with F16C; the node's q/k/v are cast to fp16 and its output back)
+    kv_dtype: str = "fp32"
     # --step-ops: the step graph's recurrence and short conv as ONNX Runtime's com.microsoft LinearAttention and
     # CausalConvWithState (one node each per linear layer; ONNX Runtime >= 1.32), or standard ONNX ops (any
     # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops. "edgelin" (the default): contrib, and
@@ -251,6 +262,13 @@ class OnnxOptions:
             raise EdgelinError(f"--kv-cache static {given}",
                                f"a fixed-capacity cache needs its capacity in tokens, 1..{MAX_CONTEXT}",
                                "pass --context N (the longest sequence the export will hold, e.g. 32768)")
+        if self.kv_dtype not in KV_DTYPES:
+            raise EdgelinError(f"--kv-dtype {self.kv_dtype}", f"the static KV cache is one of {', '.join(KV_DTYPES)}",
+                               "pass --kv-dtype fp32 or fp16")
+        if self.kv_dtype != "fp32" and self.kv_cache != "static":
+            raise EdgelinError(f"--kv-dtype {self.kv_dtype} without --kv-cache static", "the dtype is the "
+                               "fixed-capacity cache's (the growing cache follows the graphs' precision)",
+                               "add --kv-cache static --context N, or drop --kv-dtype")
         if self.kv_cache == "growing" and self.context is not None:
             raise EdgelinError(f"--context {self.context} without --kv-cache static",
                                "a growing KV cache has no capacity", "add --kv-cache static, or drop --context")
@@ -259,6 +277,7 @@ class OnnxOptions:
 # growing: past/present are graph inputs/outputs, concatenated each call (the default); static: an in-place
 # fixed-capacity cache (GroupQueryAttention, one bound buffer; README "Fixed-capacity KV cache").
 KV_CACHES = ("growing", "static")
+KV_DTYPES = {"fp32": "float32", "fp16": "float16"}  # --kv-dtype: the static cache's I/O dtype
 STEP_OPS = ("contrib", "standard", "edgelin")  # OnnxOptions.step_ops: OnnxEngine.contrib_ops on or off (edgelin: on)
 ORT_OPS_KEY = "ort_ops"  # the manifest's entry for a step graph that names edgelin.ortops' ops
 MAX_CONTEXT = (1 << 31) - 1  # GroupQueryAttention's sequence lengths are int32
@@ -348,9 +367,18 @@ def static_capacity(path: Path) -> int | None:
     return int(value) if value is not None else None
 
 
-def kv_cache_entry(capacity: int) -> dict:
+def _kv_retyped(tensors: tuple[TensorIO, ...], dtype: str) -> tuple[TensorIO, ...]:
+    """The growing KV caches' state tensors (dims with past_sequence) as `dtype`."""
+    import dataclasses
+
+    return tuple(dataclasses.replace(t, dtype=dtype) if t.role == "state" and any("past_sequence" in str(d)
+                                                                                    for d in t.dims) else t
+                 for t in tensors)
+
+
+def kv_cache_entry(capacity: int, dtype: str = "float32") -> dict:
     """manifest extra["kv_cache"] of a static-cache export (edgelin.export.manifest reads it)."""
-    return {"layout": "static", "capacity": capacity, "op": "com.microsoft.GroupQueryAttention"}
+    return {"layout": "static", "capacity": capacity, "op": "com.microsoft.GroupQueryAttention", "dtype": dtype}
 
 
 class OnnxTarget(Target):
@@ -396,7 +424,8 @@ class OnnxTarget(Target):
         if static:
             check_static_cache(model, self.name, settings)
         files, written = {}, {}
-        modules = graph_modules(model, settings.precision, static)
+        kv_dtype = KV_DTYPES[options.kv_dtype] if static else None
+        modules = graph_modules(model, settings.precision, static, kv_dtype)
         # the traced modules' layers (an fp16 graph traces a float16 copy of the model)
         traced = torch.nn.ModuleList(modules.values())
         attention = grouped_query_attention(traced) if static else contextlib.nullcontext(0)
@@ -404,7 +433,7 @@ class OnnxTarget(Target):
         forms = lowering(self.name, **({"contrib_ops": False} if options.step_ops == "standard" else {}))
         with forms, attention as layers:  # the ONNX forms of the recurrences (chunk loop -> one Scan)
             for kind, module in modules.items():
-                inputs, outputs = graph_io(model, kind, settings.state_dtype)
+                inputs, outputs = graph_io(model, kind, settings.state_dtype, kv_dtype)
                 files[kind], written[kind] = f"{kind}.onnx", outputs
                 export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)
         shared = finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS,
@@ -427,12 +456,18 @@ class OnnxTarget(Target):
         if options.kv_cache == "static":
             capacity = static_capacity(Path(folder) / manifest.graphs["step"].file)
             if capacity is not None:
-                extra["kv_cache"] = kv_cache_entry(capacity)
+                extra["kv_cache"] = kv_cache_entry(capacity, KV_DTYPES[options.kv_dtype])
+            if options.kv_dtype != "fp32":  # the graphs' KV inputs and outputs are float16 (graph_io's kv_dtype)
+                manifest = dataclasses.replace(manifest, graphs={
+                    kind: dataclasses.replace(entry, inputs=_kv_retyped(entry.inputs, KV_DTYPES[options.kv_dtype]),
+                                              outputs=_kv_retyped(entry.outputs, KV_DTYPES[options.kv_dtype]))
+                    for kind, entry in manifest.graphs.items()})
         if options.step_ops == "edgelin":
             routed = edgelin_op_count(Path(folder) / manifest.graphs["step"].file)
             if routed:  # the runner loads edgelin's operator library for this step graph
                 extra[ORT_OPS_KEY] = {"library": "edgelin.ortops", "domain": ORT_OPS_DOMAIN, "step_nodes": routed}
-        return dataclasses.replace(manifest, extra=extra) if extra != manifest.extra else None
+        retyped = options.kv_cache == "static" and options.kv_dtype != "fp32"
+        return dataclasses.replace(manifest, extra=extra) if extra != manifest.extra or retyped else None
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
                threads: int | None = None) -> "OnnxRunner":

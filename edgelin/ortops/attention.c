@@ -6,7 +6,42 @@
 #include "attention.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* IEEE binary16 <-> float, round to nearest even (the fp16 cache's query, new rows and output; the AVX2 path
+   converts the cached rows 8 at a time with F16C). */
+float edgelin_half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+  if (exponent == 0) {  /* zero or subnormal: mantissa * 2^-24 */
+    float f = ldexpf((float)mantissa, -24);
+    return sign ? -f : f;
+  }
+  bits = exponent == 31 ? sign | 0x7f800000u | (mantissa << 13) : sign | ((exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t edgelin_float_to_half(float value) {
+  uint32_t x;
+  memcpy(&x, &value, sizeof x);
+  uint32_t sign = (x >> 16) & 0x8000u, magnitude = x & 0x7fffffffu;
+  if (magnitude >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (magnitude > 0x7f800000u ? 0x200u : 0u));
+  if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  /* >= 65520 rounds to infinity */
+  if (magnitude < 0x38800000u) {  /* below 2^-14: a subnormal half, round(|x| * 2^24) (exact scaling) */
+    float scaled;
+    memcpy(&scaled, &magnitude, sizeof scaled);
+    return (uint16_t)(sign | (uint32_t)lrintf(scaled * 16777216.0f));
+  }
+  uint32_t half = ((magnitude >> 23) - 112) << 10 | (magnitude & 0x7fffffu) >> 13, rest = magnitude & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) half += 1;  /* a carry into the exponent is right */
+  return (uint16_t)(sign | half);
+}
+
+static float element(const void* base, int64_t index, int half) {
+  return half ? edgelin_half_to_float(((const uint16_t*)base)[index]) : ((const float*)base)[index];
+}
 
 /* Rows per chunk: ~64 KiB of keys, at least 16. */
 static int64_t chunk_rows(int64_t D) { return D >= 1024 ? 16 : 16384 / D; }
@@ -25,8 +60,8 @@ static float rescale(float* m, float* l, float chunk_max) {
   return keep;
 }
 
-static void part_portable(const float* qs, const float* K, const float* V, int64_t n_rows, int64_t G, int64_t D,
-                          float* s, float* part) {
+static void part_portable(const float* qs, const void* K, const void* V, int half, int64_t n_rows, int64_t G,
+                          int64_t D, float* s, float* part) {
   int64_t chunk = chunk_rows(D);
   for (int64_t c0 = 0; c0 < n_rows; c0 += chunk) {
     int64_t n = n_rows - c0 < chunk ? n_rows - c0 : chunk;
@@ -34,7 +69,7 @@ static void part_portable(const float* qs, const float* K, const float* V, int64
       float *m = part + h * (D + 2), *l = m + 1, *acc = m + 2, top = -INFINITY;
       for (int64_t j = 0; j < n; ++j) {
         float dot = 0.0f;
-        for (int64_t c = 0; c < D; ++c) dot += qs[h * D + c] * K[(c0 + j) * D + c];
+        for (int64_t c = 0; c < D; ++c) dot += qs[h * D + c] * element(K, (c0 + j) * D + c, half);
         s[j] = dot;
         top = dot > top ? dot : top;
       }
@@ -43,7 +78,7 @@ static void part_portable(const float* qs, const float* K, const float* V, int64
       for (int64_t j = 0; j < n; ++j) {
         float p = expf(s[j] - *m);
         *l += p;
-        for (int64_t c = 0; c < D; ++c) acc[c] += p * V[(c0 + j) * D + c];
+        for (int64_t c = 0; c < D; ++c) acc[c] += p * element(V, (c0 + j) * D + c, half);
       }
     }
   }
@@ -52,8 +87,14 @@ static void part_portable(const float* qs, const float* K, const float* V, int64
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #include "simd_exp.h"
-#define AVX2 __attribute__((target("avx2,fma")))
-#define INLINE_AVX2 __attribute__((target("avx2,fma"), always_inline)) static inline
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
+
+/* 8 cached values from element `index` on: float32, or float16 widened by F16C. */
+INLINE_AVX2 __m256 load8(const void* base, int64_t index, int half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)base + index)))
+              : _mm256_loadu_ps((const float*)base + index);
+}
 
 /* The eight lane sums of v0 .. v7, in order, in one register. */
 INLINE_AVX2 __m256 sum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
@@ -68,23 +109,23 @@ INLINE_AVX2 float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* s[j] = q . K[j] for n rows; returns their max. D a multiple of 8. */
-AVX2 static float scores(const float* q, const float* K, int64_t n, int64_t D, float* s) {
+/* s[j] = q . K[j] for the n rows from element `base` on; returns their max. D a multiple of 8. */
+INLINE_AVX2 float scores(const float* q, const void* K, int half, int64_t base, int64_t n, int64_t D, float* s) {
   __m256 top = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    const float* r = K + j * D;
+    int64_t r = base + j * D;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t c = 0; c < D; c += 8) {
       __m256 x = _mm256_loadu_ps(q + c);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r + c), x, a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r + D + c), x, a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 2 * D + c), x, a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 3 * D + c), x, a3);
-      a4 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 4 * D + c), x, a4);
-      a5 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 5 * D + c), x, a5);
-      a6 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 6 * D + c), x, a6);
-      a7 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 7 * D + c), x, a7);
+      a0 = _mm256_fmadd_ps(load8(K, r + c, half), x, a0);
+      a1 = _mm256_fmadd_ps(load8(K, r + D + c, half), x, a1);
+      a2 = _mm256_fmadd_ps(load8(K, r + 2 * D + c, half), x, a2);
+      a3 = _mm256_fmadd_ps(load8(K, r + 3 * D + c, half), x, a3);
+      a4 = _mm256_fmadd_ps(load8(K, r + 4 * D + c, half), x, a4);
+      a5 = _mm256_fmadd_ps(load8(K, r + 5 * D + c, half), x, a5);
+      a6 = _mm256_fmadd_ps(load8(K, r + 6 * D + c, half), x, a6);
+      a7 = _mm256_fmadd_ps(load8(K, r + 7 * D + c, half), x, a7);
     }
     __m256 sums = sum8(a0, a1, a2, a3, a4, a5, a6, a7);
     _mm256_storeu_ps(s + j, sums);
@@ -95,7 +136,7 @@ AVX2 static float scores(const float* q, const float* K, int64_t n, int64_t D, f
   float best = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
   for (; j < n; ++j) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(K + j * D + c), _mm256_loadu_ps(q + c), a);
+    for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(load8(K, base + j * D + c, half), _mm256_loadu_ps(q + c), a);
     s[j] = hsum(a);
     best = s[j] > best ? s[j] : best;
   }
@@ -116,46 +157,57 @@ AVX2 static float exp_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
-/* acc[0 .. 8 groups) = keep * acc + sum_j p[j] V[j]: the groups' accumulators stay in registers over the rows. */
-INLINE_AVX2 void weighted_rows(const float* p, const float* V, int64_t n, int64_t D, float keep, float* acc,
-                               int groups) {
+/* acc[0 .. 8 groups) = keep * acc + sum_j p[j] V[j, col ..]: the groups' accumulators stay in registers over the rows. */
+INLINE_AVX2 void weighted_rows(const float* p, const void* V, int half, int64_t col, int64_t n, int64_t D,
+                               float keep, float* acc, int groups) {
   __m256 a[8], k = _mm256_set1_ps(keep);
   for (int c = 0; c < groups; ++c) a[c] = _mm256_mul_ps(k, _mm256_loadu_ps(acc + 8 * c));
   for (int64_t j = 0; j < n; ++j) {
     __m256 w = _mm256_broadcast_ss(p + j);
-    for (int c = 0; c < groups; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(V + j * D + 8 * c), a[c]);
+    for (int c = 0; c < groups; ++c) a[c] = _mm256_fmadd_ps(w, load8(V, j * D + col + 8 * c, half), a[c]);
   }
   for (int c = 0; c < groups; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
 
-AVX2 static void weighted(const float* p, const float* V, int64_t n, int64_t D, float keep, float* acc) {
+INLINE_AVX2 void weighted(const float* p, const void* V, int half, int64_t base, int64_t n, int64_t D, float keep,
+                          float* acc) {
   for (int64_t c0 = 0; c0 < D; c0 += 64) {  /* 64 columns at a time: 8 registers of accumulators */
     int64_t groups = (D - c0) / 8 < 8 ? (D - c0) / 8 : 8;
     switch (groups) {  /* constant group counts, so the accumulators stay in registers */
-      case 8: weighted_rows(p, V + c0, n, D, keep, acc + c0, 8); break;
-      case 7: weighted_rows(p, V + c0, n, D, keep, acc + c0, 7); break;
-      case 6: weighted_rows(p, V + c0, n, D, keep, acc + c0, 6); break;
-      case 5: weighted_rows(p, V + c0, n, D, keep, acc + c0, 5); break;
-      case 4: weighted_rows(p, V + c0, n, D, keep, acc + c0, 4); break;
-      case 3: weighted_rows(p, V + c0, n, D, keep, acc + c0, 3); break;
-      case 2: weighted_rows(p, V + c0, n, D, keep, acc + c0, 2); break;
-      default: weighted_rows(p, V + c0, n, D, keep, acc + c0, 1); break;
+      case 8: weighted_rows(p, V, half, base + c0, n, D, keep, acc + c0, 8); break;
+      case 7: weighted_rows(p, V, half, base + c0, n, D, keep, acc + c0, 7); break;
+      case 6: weighted_rows(p, V, half, base + c0, n, D, keep, acc + c0, 6); break;
+      case 5: weighted_rows(p, V, half, base + c0, n, D, keep, acc + c0, 5); break;
+      case 4: weighted_rows(p, V, half, base + c0, n, D, keep, acc + c0, 4); break;
+      case 3: weighted_rows(p, V, half, base + c0, n, D, keep, acc + c0, 3); break;
+      case 2: weighted_rows(p, V, half, base + c0, n, D, keep, acc + c0, 2); break;
+      default: weighted_rows(p, V, half, base + c0, n, D, keep, acc + c0, 1); break;
     }
   }
 }
 
-AVX2 static void part_avx2(const float* qs, const float* K, const float* V, int64_t n_rows, int64_t G, int64_t D,
-                           float* s, float* part) {
+INLINE_AVX2 void part_avx2(const float* qs, const void* K, const void* V, int half, int64_t n_rows, int64_t G,
+                           int64_t D, float* s, float* part) {
   int64_t chunk = chunk_rows(D);
   for (int64_t c0 = 0; c0 < n_rows; c0 += chunk) {
     int64_t n = n_rows - c0 < chunk ? n_rows - c0 : chunk;
     for (int64_t h = 0; h < G; ++h) {  /* the chunk's keys and values stay in L2 for the group's next heads */
       float *m = part + h * (D + 2), *l = m + 1;
-      float keep = rescale(m, l, scores(qs + h * D, K + c0 * D, n, D, s));
+      float keep = rescale(m, l, scores(qs + h * D, K, half, c0 * D, n, D, s));
       *l += exp_sum(s, n, *m);
-      weighted(s, V + c0 * D, n, D, keep, m + 2);
+      weighted(s, V, half, c0 * D, n, D, keep, m + 2);
     }
   }
+}
+
+AVX2 static void part_avx2_float(const float* qs, const void* K, const void* V, int64_t n_rows, int64_t G, int64_t D,
+                                 float* s, float* part) {
+  part_avx2(qs, K, V, 0, n_rows, G, D, s, part);
+}
+
+AVX2 static void part_avx2_half(const float* qs, const void* K, const void* V, int64_t n_rows, int64_t G, int64_t D,
+                                float* s, float* part) {
+  part_avx2(qs, K, V, 1, n_rows, G, D, s, part);
 }
 #endif
 
@@ -173,29 +225,31 @@ void edgelin_attention_task(const EdgelinAttention* a, int64_t task) {
     float* head = part + h * (D + 2);
     head[0] = -INFINITY;
     memset(head + 1, 0, sizeof(float) * (size_t)(D + 1));
-    const float* q = a->q + (token * a->Hq + g * G + h) * D;
-    for (int64_t c = 0; c < D; ++c) qs[h * D + c] = a->scale * q[c];
+    int64_t q = (token * a->Hq + g * G + h) * D;
+    for (int64_t c = 0; c < D; ++c) qs[h * D + c] = a->scale * element(a->q, q + c, a->half);
   }
   if (r1 <= r0) return;  /* an empty piece: max -inf, sum 0 */
-  int64_t base = ((b * a->Hkv + g) * a->capacity + r0) * D;
+  size_t size = a->half ? 2 : 4, base = (size_t)(((b * a->Hkv + g) * a->capacity + r0) * D) * size;
+  const char *keys = (const char*)a->keys + base, *values = (const char*)a->values + base;
 #if defined(__x86_64__) || defined(_M_X64)
   if (edgelin_avx2() && D % 8 == 0) {
-    part_avx2(qs, a->keys + base, a->values + base, r1 - r0, G, D, qs + G * D, part);
+    (a->half ? part_avx2_half : part_avx2_float)(qs, keys, values, r1 - r0, G, D, qs + G * D, part);
     return;
   }
 #endif
-  part_portable(qs, a->keys + base, a->values + base, r1 - r0, G, D, qs + G * D, part);
+  part_portable(qs, keys, values, a->half, r1 - r0, G, D, qs + G * D, part);
 }
 
-void edgelin_attention_merge(const EdgelinAttention* a) {
+int edgelin_attention_merge(const EdgelinAttention* a) {
   int64_t G = a->Hq / a->Hkv, D = a->D, stride = G * (D + 2);
+  float* out = malloc(sizeof(float) * (size_t)D);
+  if (!out) return -1;
   for (int64_t token = 0; token < a->B * a->S; ++token) {
     for (int64_t qh = 0; qh < a->Hq; ++qh) {
       int64_t g = qh / G, h = qh % G;
       const float* first = a->partial + ((token * a->Hkv + g) * a->splits) * stride + h * (D + 2);
       float top = -INFINITY, sum = 0.0f;
       for (int64_t s = 0; s < a->splits; ++s) top = first[s * stride] > top ? first[s * stride] : top;
-      float* out = a->out + (token * a->Hq + qh) * D;
       memset(out, 0, sizeof(float) * (size_t)D);
       for (int64_t s = 0; s < a->splits; ++s) {
         const float* p = first + s * stride;
@@ -205,7 +259,15 @@ void edgelin_attention_merge(const EdgelinAttention* a) {
         for (int64_t c = 0; c < D; ++c) out[c] += w * p[2 + c];
       }
       float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      for (int64_t c = 0; c < D; ++c) out[c] *= inv;
+      int64_t row = (token * a->Hq + qh) * D;
+      for (int64_t c = 0; c < D; ++c) {
+        if (a->half)
+          ((uint16_t*)a->out)[row + c] = edgelin_float_to_half(out[c] * inv);
+        else
+          ((float*)a->out)[row + c] = out[c] * inv;
+      }
     }
   }
+  free(out);
+  return 0;
 }

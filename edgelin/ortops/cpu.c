@@ -6,7 +6,7 @@ static int g_avx2 = -1;  /* -1: not asked yet (or back to the hardware's answer)
 int edgelin_cpu_avx2(void) {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
   return 0;
 #endif

@@ -4,7 +4,7 @@
 
 #define EDGELIN_API __attribute__((visibility("default")))  /* the library builds with -fvisibility=hidden */
 
-int edgelin_cpu_avx2(void);  /* 1: this CPU has AVX2 and FMA */
+int edgelin_cpu_avx2(void);  /* 1: this CPU has AVX2, FMA and F16C (every AVX2 x86 CPU in practice) */
 int edgelin_avx2(void);      /* 1: take the AVX2 paths (the CPU's answer unless the tests forced the portable ones) */
 
 /* "avx2"; "portable" (forced by the tests on an AVX2 CPU); "none" (a CPU without AVX2: ops.c registers nothing

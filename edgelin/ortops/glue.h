@@ -19,6 +19,8 @@ void* data_of(const OrtValue* value);
 
 /* ai.edgelin::GroupQueryAttention (ops_attention.c) */
 OrtStatus* edgelin_create_attention(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
+OrtStatus* edgelin_create_attention_half(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                                         void** out);
 OrtStatus* edgelin_compute_attention(void* kernel, OrtKernelContext* context);
 void edgelin_destroy_attention(void* kernel);
 #endif

@@ -289,6 +289,11 @@ static size_t inputs_la(const OrtCustomOp* op) { (void)op; return 6; }
 static const char* name_attention(const OrtCustomOp* op) { (void)op; return "GroupQueryAttention"; }
 static int input_type_attention(const OrtCustomOp* op, size_t i) { (void)op; return i >= 5 ? ORT_TYPE_INT32 : ORT_TYPE_FLOAT; }
 static size_t inputs_attention(const OrtCustomOp* op) { (void)op; return 7; }
+static int input_type_attention_half(const OrtCustomOp* op, size_t i) {
+  (void)op;
+  return i >= 5 ? ORT_TYPE_INT32 : ORT_TYPE_FLOAT16;
+}
+static int output_type_half(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT16; }
 static int all_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
 static size_t three_outputs(const OrtCustomOp* op) { (void)op; return 3; }
 
@@ -326,7 +331,7 @@ static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input
   return op;
 }
 
-static OrtCustomOp g_ops[4];
+static OrtCustomOp g_ops[5];
 
 /* ONNX Runtime's entry point (register_custom_ops_library), once per session that loads the library. */
 EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -343,6 +348,9 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
                         compute, destroy_kernel);
     g_ops[3] = describe(name_attention, input_type_attention, inputs_attention, all_required, three_outputs,
                         edgelin_create_attention, edgelin_compute_attention, edgelin_destroy_attention);
+    g_ops[4] = describe(name_attention, input_type_attention_half, inputs_attention, all_required, three_outputs,
+                        edgelin_create_attention_half, edgelin_compute_attention, edgelin_destroy_attention);
+    g_ops[4].GetOutputType = output_type_half;  /* the float16 kernel of the same op (an fp16 KV cache) */
   }
   /* Only where the AVX2 kernels run (measured faster there: docs/benchmarks.md, issue 13). Elsewhere (ARM boards)
      nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):

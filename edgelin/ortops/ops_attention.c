@@ -16,13 +16,13 @@
 typedef struct {
   int64_t heads, kv_heads;
   float scale;  /* 0: 1 / sqrt(head size), as com.microsoft's */
+  int half;     /* the float16 op (an fp16 KV cache), else the float32 one */
 } Attention;
 
-OrtStatus* edgelin_create_attention(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
-  (void)op;
-  (void)api;
+static OrtStatus* create(const OrtKernelInfo* info, int half, void** out) {
   Attention* a = calloc(1, sizeof(Attention));
   if (!a) return fail("edgelin GroupQueryAttention: out of memory");
+  a->half = half;
   OrtStatus* status = attribute(info, "num_heads", &a->heads);
   if (!status) status = attribute(info, "kv_num_heads", &a->kv_heads);
   a->scale = float_attribute_or(info, "scale", 0.0f);
@@ -37,6 +37,19 @@ OrtStatus* edgelin_create_attention(const OrtCustomOp* op, const OrtApi* api, co
   }
   *out = a;
   return NULL;
+}
+
+OrtStatus* edgelin_create_attention(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+  (void)op;
+  (void)api;
+  return create(info, 0, out);
+}
+
+OrtStatus* edgelin_create_attention_half(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                                         void** out) {
+  (void)op;
+  (void)api;
+  return create(info, 1, out);
 }
 
 static void run_task(void* data, size_t index) { edgelin_attention_task(data, (int64_t)index); }
@@ -81,23 +94,25 @@ OrtStatus* edgelin_compute_attention(void* kernel, OrtKernelContext* context) {
   if (!status) status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 1, kvd, 4, &present_k);
   if (!status) status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 2, kvd, 4, &present_v);
   if (status) return status;
-  const float *past[2] = {data_of(in[3]), data_of(in[4])}, *fresh[2] = {data_of(in[1]), data_of(in[2])};
-  float* present[2] = {data_of(present_k), data_of(present_v)};
+  size_t size = at->half ? 2 : 4;  /* bytes per element */
+  const char *past[2] = {data_of(in[3]), data_of(in[4])}, *fresh[2] = {data_of(in[1]), data_of(in[2])};
+  char* present[2] = {data_of(present_k), data_of(present_v)};
   for (int t = 0; t < 2; ++t)  /* the new keys and values at their rows (after the past's, unless it is the same buffer) */
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < Hkv; ++g) {
         int64_t held = seqlens[b] + 1 - S;
-        float* head = present[t] + (b * Hkv + g) * rows * D;
+        char* head = present[t] + (size_t)((b * Hkv + g) * rows * D) * size;
         if (present[t] != past[t]) {
-          memcpy(head, past[t] + (b * Hkv + g) * P * D, sizeof(float) * (size_t)(held * D));
-          memset(head + (held + S) * D, 0, sizeof(float) * (size_t)((rows - held - S) * D));
+          memcpy(head, past[t] + (size_t)((b * Hkv + g) * P * D) * size, size * (size_t)(held * D));
+          memset(head + (size_t)((held + S) * D) * size, 0, size * (size_t)((rows - held - S) * D));
         }
         for (int64_t i = 0; i < S; ++i)
-          memcpy(head + (held + i) * D, fresh[t] + ((b * S + i) * Hkv + g) * D, sizeof(float) * (size_t)D);
+          memcpy(head + (size_t)((held + i) * D) * size, fresh[t] + (size_t)(((b * S + i) * Hkv + g) * D) * size,
+                 size * (size_t)D);
       }
   EdgelinAttention a = {data_of(in[0]), present[0], present[1], seqlens, B, S, Hq, Hkv, D, rows,
-                        longest > ROWS_PER_TASK ? (longest + ROWS_PER_TASK - 1) / ROWS_PER_TASK : 1, at->scale ? at->scale : 1.0f / sqrtf((float)D),
-                        NULL, NULL, data_of(out)};
+                        longest > ROWS_PER_TASK ? (longest + ROWS_PER_TASK - 1) / ROWS_PER_TASK : 1,
+                        at->scale ? at->scale : 1.0f / sqrtf((float)D), at->half, NULL, NULL, data_of(out)};
   int64_t tasks = edgelin_attention_tasks(&a), G = Hq / Hkv;
   a.partial = malloc(sizeof(float) * (size_t)(tasks * G * (D + 2)));
   a.scratch = malloc(sizeof(float) * (size_t)(tasks * edgelin_attention_scratch_floats(G, D)));
@@ -111,7 +126,7 @@ OrtStatus* edgelin_compute_attention(void* kernel, OrtKernelContext* context) {
   } else {
     for (int64_t t = 0; t < tasks; ++t) edgelin_attention_task(&a, t);
   }
-  if (!status) edgelin_attention_merge(&a);
+  if (!status && edgelin_attention_merge(&a) != 0) status = fail("edgelin GroupQueryAttention: out of memory");
   free(a.partial);
   free(a.scratch);
   return status;

@@ -28,7 +28,7 @@ typedef struct OrtApiBase {
 } OrtApiBase;
 
 enum { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum { ORT_TYPE_UNDEFINED = 0, ORT_TYPE_FLOAT = 1, ORT_TYPE_UINT8 = 2, ORT_TYPE_INT32 = 6 };       /* ONNXTensorElementDataType */
+enum { ORT_TYPE_UNDEFINED = 0, ORT_TYPE_FLOAT = 1, ORT_TYPE_UINT8 = 2, ORT_TYPE_INT32 = 6, ORT_TYPE_FLOAT16 = 10 };       /* ONNXTensorElementDataType */
 enum { ORT_IO_REQUIRED = 0, ORT_IO_OPTIONAL = 1 };                            /* input/output characteristic */
 
 /* OrtCustomOp through version 16; ORT reads no field newer than the version the op states */
