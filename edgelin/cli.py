@@ -166,9 +166,9 @@ def export(
     step_ops: Optional[str] = typer.Option(
         None, "--step-ops", help="onnx: edgelin (default): the step's short convs, recurrences, 4-bit products "
                                  "and static-KV-cache attention through edgelin's CPU kernel library where the "
-                                 "runner loads it, ONNX Runtime's own ops elsewhere (same file); contrib: ONNX Runtime's contrib ops LinearAttention and "
-                                 "CausalConvWithState (ONNX Runtime >= 1.32); standard: standard ONNX ops only (any "
-                                 "ONNX runtime, slower)."),
+                                 "runner loads it, ONNX Runtime's own ops elsewhere (same file); contrib: ONNX "
+                                 "Runtime's contrib ops LinearAttention and CausalConvWithState (ONNX Runtime >= "
+                                 "1.32); standard: standard ONNX ops only (any ONNX runtime, slower)."),
     as_json: bool = JSON,
 ) -> None:
     """Export step + prefill graphs, reference vectors and manifest.json for a target."""

@@ -54,11 +54,12 @@ def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str
     """The op edgelin's kernels compute this node as, else None. MatMulNBits: 4 bits, blocks of 32, float32
     activations, no group index or bias (inputs past the zero points). CausalConvWithState: float32, SiLU,
     one spatial dimension, a past state. LinearAttention: float32, a past state, an explicit non-zero scale and
-    none of the prefill attributes (chunk_size, state_window). GroupQueryAttention: float32 or float16, separate query, key
-    and value, a past KV cache, no rotary, local window, softcap or smooth softmax (edgelin's static-cache export)."""
-    if node.domain == "com.microsoft" and node.op_type == ATTENTION.name and node.input and node.input[0] in half_inputs:
-        float_inputs = half_inputs  # an fp16 KV cache (--kv-dtype fp16): the library's float16 kernel of the op
-    elif node.domain != "com.microsoft" or not node.input or node.input[0] not in float_inputs:
+    none of the prefill attributes (chunk_size, state_window). GroupQueryAttention: float32, or float16 (an fp16
+    KV cache: the library's float16 kernel of the op), separate query, key and value, a past KV cache, no rotary,
+    local window, softcap or smooth softmax (edgelin's static-cache export)."""
+    typed = node.input and (node.input[0] in float_inputs
+                            or (node.op_type == ATTENTION.name and node.input[0] in half_inputs))
+    if node.domain != "com.microsoft" or not typed:
         return None
     if node.op_type == MATMUL.name and attrs.get("bits") == 4 and attrs.get("block_size") == 32 \
             and len(node.input) <= len(MATMUL.inputs):

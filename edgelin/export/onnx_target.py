@@ -243,8 +243,8 @@ class OnnxOptions:
     # --step-ops: the step graph's recurrence and short conv as ONNX Runtime's com.microsoft LinearAttention and
     # CausalConvWithState (one node each per linear layer; ONNX Runtime >= 1.32), or standard ONNX ops (any
     # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops. "edgelin" (the default): contrib, and
-    # the step's convs, recurrences, 4-bit products and static-cache attention as ai.edgelin ops for edgelin's operator library, ONNX
-    # Runtime's own op as each one's function body, so the file runs without the library too
+    # the step's convs, recurrences, 4-bit products and static-cache attention as ai.edgelin ops for edgelin's
+    # operator library, ONNX Runtime's own op as each one's function body, so the file runs without the library too
     # (edgelin.export.onnx_kernels; edgelin.ortops).
     step_ops: str = "edgelin"
 
