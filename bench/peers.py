@@ -463,16 +463,18 @@ def main() -> None:
         return
     meta["uptime_before"] = os.getloadavg()
     meta["rounds"] = args.rounds
-    for round_index in range(args.rounds):  # whole rounds, the order reversed every other one (drift cancels)
-        for row in rows if round_index % 2 == 0 else rows[::-1]:
-            kind, artifact = row["runtime"], artifacts[row["runtime"]]
-            if artifact is None:
-                continue
-            row["bytes_on_disk"] = _artifact_size(kind, artifact)
-            for threads in [int(x) for x in args.threads.split(",")]:
+    # Whole rounds, the runtimes' order reversed every other one (drift cancels); within a round the thread count
+    # is the outer loop, so the cells compared with each other (same thread count) run next to each other in time.
+    for round_index in range(args.rounds):
+        for threads in [int(x) for x in args.threads.split(",")]:
+            for row in rows if round_index % 2 == 0 else rows[::-1]:
+                kind, artifact = row["runtime"], artifacts[row["runtime"]]
+                if artifact is None:
+                    continue
+                row["bytes_on_disk"] = _artifact_size(kind, artifact)
                 result = timed_run(kind, artifact, threads, prompt, vocab, args)
                 row.setdefault("rounds", {}).setdefault(str(threads), []).append(result)
-                print(f"{kind} x{threads} (round {round_index + 1}): {json.dumps(result)[:400]}", flush=True)
+                print(f"{kind} x{threads} (round {round_index + 1}): {_brief(result)}", flush=True)
     for row in rows:
         row["runs"] = {threads: merged(results) for threads, results in row.get("rounds", {}).items()}
         if args.rounds == 1:
@@ -505,6 +507,15 @@ def timed_run(kind: str, artifact: Path, threads: int, prompt: list[int], vocab:
         result = run_worker(py, {**spec, "extra_bufts": False}, env, args.timeout)
         result["note"] = f"default run: {crashed}; this row with use_extra_bufts=False (no AMX/repack)"
     return result
+
+
+def _brief(result: dict) -> str:
+    """One progress line for a worker's result: p50/p99 per position, prefill and peak RSS (or its error)."""
+    if "error" in result:
+        return f"error: {result['error']}"
+    cells = " ".join(f"@{pos} {c['p50']:.2f}/{c['p99']:.2f}" if "p50" in c else f"@{pos} {c.get('error')}"
+                     for pos, c in result["latency"].items())
+    return f"{cells} ms; prefill {result['prefill_tok_s']:,.0f} tok/s; peak RSS {result['peak_rss_mib']} MiB"
 
 
 def merged(results: list[dict]) -> dict:

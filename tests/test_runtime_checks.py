@@ -542,3 +542,16 @@ def test_growing_cache_prefill_shrinks_its_pieces_and_keeps_the_logits(growing, 
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for name, value in runner.read_state(handle).items():
         np.testing.assert_allclose(value, runner.read_state(whole)[name], rtol=1e-5, atol=1e-5)
+
+
+def test_only_the_prefill_pool_stops_spinning_when_its_run_returns(exported):
+    # Two sessions, two intra-op pools: the prefill's workers spinning after Run() took the cores the steps
+    # right after it needed (2 threads: step p99 4-5 ms instead of ~1). The step's pool keeps spinning.
+    runner = open_runner(exported, threads=2)
+    entry = "session.force_spinning_stop"
+    prefill_options = runner.sessions["prefill"].get_session_options()
+    step_options = runner.sessions["step"].get_session_options()
+    assert prefill_options.get_session_config_entry(entry) == "1"
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # unset: ONNX Runtime's default
+        step_options.get_session_config_entry(entry)
+    assert prefill_options.intra_op_num_threads == step_options.intra_op_num_threads == 2

@@ -56,6 +56,13 @@ def prepack_choice(manifest: Manifest, prepack: bool | None = None) -> bool:
     return not manifest.extra.get("weights") or bool(manifest.extra.get("quantization"))
 
 
+# Prefill pieces on a float16 static KV cache (--kv-dtype fp16). ONNX Runtime's CPU GroupQueryAttention has no
+# flash path for float16: per call it fills a float32 [heads, piece, capacity] score buffer and float32 copies of
+# each head's cached keys and values, and its arena keeps growing with the position. Qwen3.5 peer, int4, 34,944
+# rows: peak RSS after a 32k prompt 442 MiB in pieces of 256, 257 in 128, 191 in 64 (the float32 cache: 193),
+# prefill at 8k-12k 1,152 -> 1,006 tok/s (the float32 cache's 1,083); docs/benchmarks.md, issue 13.
+HALF_CACHE_PREFILL_PIECE = 64
+
 # "0" turns off the one shared mapping of weights.bin (each session then maps the file itself; for A/B runs).
 SHARED_ENV = "EDGELIN_ORT_SHARED_WEIGHTS"
 
@@ -69,6 +76,11 @@ def _options(ort: Any, threads: int | None, prepack: bool, kind: str = "step") -
         # layer by layer); the priority-based order frees them as it goes: Mamba2 12 M, 2,048-token prefill,
         # peak RSS 160.4 -> 152.7 MiB at the same speed (docs/benchmarks.md, issue 13).
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+        # Each session has its own intra-op pool, and an idle pool's workers keep spinning for a while after
+        # Run(): the prefill's spun on the cores the decode steps right after it need (Mamba2 int4, 2 threads:
+        # steps after a prefill p50 1.0-1.16 -> 0.84 ms, p99 4.3-5.2 -> 1.0-1.1 ms). Its workers stop as
+        # Run() returns; the step session keeps spinning between steps (its next call comes right away).
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     if threads:
         options.intra_op_num_threads = threads
     if not prepack:
@@ -204,6 +216,8 @@ class OnnxRunner(Runner):
         self.capacity = manifest.kv_capacity  # a static KV cache: its buffers' length (None: none)
         if self.capacity is not None:
             _check_capacity(self.sessions, self.capacity)
+            if manifest.extra["kv_cache"].get("dtype") == "float16":
+                self.prefill_piece = HALF_CACHE_PREFILL_PIECE
         # The growing tensors' past_sequence axis (a static cache keeps them at the capacity), else None.
         self._kv_axis = [t.dims.index("past_sequence") if "past_sequence" in t.dims else None
                          for t in manifest.state_inputs]
