@@ -90,8 +90,7 @@ def precision_key(manifest: "Manifest") -> str:
     """fp32 / fp16 / int8 / int4: what the thresholds and quality bounds are chosen by (float32 graphs on an fp16
     static KV cache, --kv-dtype fp16, count as fp16)."""
     key = quantization_of(manifest.extra) or manifest.precision
-    half_kv = (manifest.extra.get("kv_cache") or {}).get("dtype") == "float16"
-    return "fp16" if key == "fp32" and half_kv else key
+    return "fp16" if key == "fp32" and manifest.kv_dtype == "float16" else key
 
 
 def resolve_bounds(key: str, min_top1: float | None = None, max_ppl_change: float | None = None) -> Bounds:

@@ -76,6 +76,13 @@ class Manifest:
         entry = self.extra.get("kv_cache")
         return entry["capacity"] if entry else None
 
+    @property
+    def kv_dtype(self) -> str | None:
+        """A static KV cache's element type ("float32", or "float16" with `--kv-dtype fp16`; entries written
+        before the option say none: float32); None without a static cache."""
+        entry = self.extra.get("kv_cache")
+        return entry.get("dtype", "float32") if entry else None
+
     # ---- file ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {

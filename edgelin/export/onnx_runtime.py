@@ -216,7 +216,7 @@ class OnnxRunner(Runner):
         self.capacity = manifest.kv_capacity  # a static KV cache: its buffers' length (None: none)
         if self.capacity is not None:
             _check_capacity(self.sessions, self.capacity)
-            if manifest.extra["kv_cache"].get("dtype") == "float16":
+            if manifest.kv_dtype == "float16":
                 self.prefill_piece = HALF_CACHE_PREFILL_PIECE
         # The growing tensors' past_sequence axis (a static cache keeps them at the capacity), else None.
         self._kv_axis = [t.dims.index("past_sequence") if "past_sequence" in t.dims else None
