@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
@@ -46,3 +47,21 @@ def kernel_path(request, library):
     lib.edgelin_use_portable(int(request.param == "portable"))
     yield request.param
     lib.edgelin_use_portable(0)
+
+
+def rollouts(exports: dict[str, Path], library: Path, batch: int, threads: int, monkeypatch) -> dict[str, np.ndarray]:
+    """Logits of 30 teacher-forced steps after an 11-token prefill (random ids < 97), per way of running the step:
+    "library" (exports["edgelin"] with the library), "fallback" (the same export without it: the function bodies)
+    and "contrib" (exports["contrib"], ONNX Runtime's ops)."""
+    from edgelin.runtime import open_runner
+
+    ids = np.random.default_rng(batch).integers(0, 97, (batch, 41))
+    logits = {}
+    for name, folder, setting in (("library", "edgelin", str(library)), ("fallback", "edgelin", "0"),
+                                  ("contrib", "contrib", "0")):
+        monkeypatch.setenv(ortops.ENV, setting)
+        runner = open_runner(exports[folder], threads=threads)
+        state = runner.new_state(batch)
+        runner.prefill(ids[:, :11], state, np.zeros(batch, np.int64))
+        logits[name] = np.stack([runner.step(ids[:, t], state, np.full(batch, t)) for t in range(11, 41)])
+    return logits

@@ -27,7 +27,7 @@ from edgelin.families import SOFTMAX
 from edgelin.runtime import open_runner, runner_label
 from edgelin.replay import replay
 from helpers import assert_close, make_checkpoint, run_state_in_place
-from ortops_fixtures import c_kernel as _c_kernel, kernel_path, library, session as _session  # noqa: F401 (fixtures)
+from ortops_fixtures import c_kernel as _c_kernel, kernel_path, library, rollouts, session as _session  # noqa: F401
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
 
@@ -333,15 +333,7 @@ def test_a_step_ops_edgelin_export_validates_with_and_without_the_library(export
 @pytest.mark.parametrize("batch", [1, 3])
 def test_the_step_rollout_with_the_library_matches_onnxruntimes_kernels(exports, library, batch, monkeypatch):
     """30 teacher-forced steps after an 11-token prefill, library vs function fallback vs a contrib export."""
-    ids = np.random.default_rng(batch).integers(0, 97, (batch, 41))
-    logits = {}
-    for name, folder, setting in (("library", "edgelin", str(library)), ("fallback", "edgelin", "0"),
-                                  ("contrib", "contrib", "0")):
-        monkeypatch.setenv(ortops.ENV, setting)
-        runner = open_runner(exports[folder], threads=1)
-        state = runner.new_state(batch)
-        runner.prefill(ids[:, :11], state, np.zeros(batch, np.int64))
-        logits[name] = np.stack([runner.step(ids[:, t], state, np.full(batch, t)) for t in range(11, 41)])
+    logits = rollouts(exports, library, batch, 1, monkeypatch)
     assert np.array_equal(logits["fallback"], logits["contrib"])
     assert_close(logits["library"], logits["contrib"], KERNEL_RTOL, f"batch {batch}")
 

@@ -1,17 +1,18 @@
-"""--step-ops edgelin: the step graph's 4-bit weight products, short convs, recurrences and KV-cache attention
-routed to edgelin's ONNX Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the fallback
-inside the same file.
+"""--step-ops edgelin: the step graph's weight products (4-bit and float32), short convs, recurrences and KV-cache
+attention routed to edgelin's ONNX Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the
+fallback inside the same file.
 
-Each step-graph node the library's kernels take moves from the `com.microsoft` domain to `ai.edgelin`, inputs,
-attributes and weights unchanged: `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
+Each step-graph node the library's kernels take moves from the `com.microsoft` domain (ONNX's, for `MatMul`) to
+`ai.edgelin`, inputs, attributes and weights unchanged: `MatMul` of float32 activations by a float32 [K, N] weight
+(a float export's products), `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
 int4 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU),
 `LinearAttention` (the recurrence; float32 graphs, every update rule) and `GroupQueryAttention` (full-context
 attention over the float32 static KV cache of --kv-cache static). The graph gains, per routed op type, one ONNX
-function `ai.edgelin::<op>` whose body is the `com.microsoft` node with the caller's attributes (attribute
+function `ai.edgelin::<op>` whose body is the original node with the caller's attributes (attribute
 references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a
 session with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own
-kernels, bit for bit what a `--step-ops contrib` export computes (tests/test_ortops.py). The prefill graph keeps
-ONNX Runtime's kernels.
+kernels, bit for bit what a `--step-ops contrib` export computes (tests/test_ortops.py, test_ortops_matmul.py).
+The prefill graph keeps ONNX Runtime's kernels.
 
 Export-side module: imports onnx inside its functions.
 """
@@ -29,12 +30,14 @@ _ATTR_FLOAT, _INT, _STRING = 1, 2, 3  # onnx.AttributeProto.FLOAT, INT, STRING
 
 @dataclass(frozen=True)
 class RoutedOp:
-    """A com.microsoft op edgelin's library also implements: its inputs, outputs and attributes (name, type)."""
+    """An op edgelin's library also implements: its inputs, outputs and attributes (name, type), and the domain of
+    the op it stands in for (its function body)."""
 
     name: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     attributes: tuple[tuple[str, int], ...]
+    domain: str = "com.microsoft"
 
 
 MATMUL = RoutedOp("MatMulNBits", ("A", "B", "scales", "zero_points"), ("Y",),
@@ -48,15 +51,26 @@ ATTENTION = RoutedOp("GroupQueryAttention", ("query", "key", "value", "past_key"
                                              "total_sequence_length"), ("output", "present_key", "present_value"),
                      (("num_heads", _INT), ("kv_num_heads", _INT), ("scale", _ATTR_FLOAT), ("do_rotary", _INT),
                       ("local_window_size", _INT), ("softcap", _ATTR_FLOAT), ("smooth_softmax", _INT)))
+FLOAT_MATMUL = RoutedOp("MatMul", ("A", "B"), ("Y",), (), domain="")
 
 
-def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str] = frozenset()) -> RoutedOp | None:
-    """The op edgelin's kernels compute this node as, else None. MatMulNBits: 4 bits, blocks of 32, float32
+def _float_weight_product(node, float_inputs: set[str], matrices: frozenset[str]) -> bool:
+    """ONNX MatMul of float32 activations by a float32 [K, N] initializer (a --quantize none export's products)."""
+    return node.domain == "" and node.op_type == FLOAT_MATMUL.name and len(node.input) == 2 \
+        and node.input[0] in float_inputs and node.input[1] in matrices
+
+
+def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str] = frozenset(),
+           matrices: frozenset[str] = frozenset()) -> RoutedOp | None:
+    """The op edgelin's kernels compute this node as, else None. MatMul: float32 activations by one of `matrices`
+    (the graph's float32 rank-2 initializers). MatMulNBits: 4 bits, blocks of 32, float32
     activations, no group index or bias (inputs past the zero points). CausalConvWithState: float32, SiLU,
     one spatial dimension, a past state. LinearAttention: float32, a past state, an explicit non-zero scale and
     none of the prefill attributes (chunk_size, state_window). GroupQueryAttention: float32, or float16 (an fp16
     KV cache: the library's float16 kernel of the op), separate query, key and value, a past KV cache, no rotary,
     local window, softcap or smooth softmax (edgelin's static-cache export)."""
+    if _float_weight_product(node, float_inputs, matrices):
+        return FLOAT_MATMUL
     typed = node.input and (node.input[0] in float_inputs
                             or (node.op_type == ATTENTION.name and node.input[0] in half_inputs))
     if node.domain != "com.microsoft" or not typed:
@@ -88,12 +102,15 @@ def _float_tensors(proto, elem_type: int = _FLOAT) -> set[str]:
 
 
 def fallback_function(op: RoutedOp, opsets: dict[str, int]):
-    """ai.edgelin::<op> as a function of com.microsoft::<op> (same inputs, outputs and attributes)."""
+    """ai.edgelin::<op> as a function of <op>'s own (com.microsoft's or ONNX's; same inputs, outputs and
+    attributes)."""
     from onnx import helper
 
-    body = helper.make_node(op.name, list(op.inputs), list(op.outputs), domain="com.microsoft")
+    body = helper.make_node(op.name, list(op.inputs), list(op.outputs), domain=op.domain)
     body.attribute.extend(helper.make_attribute_ref(name, kind) for name, kind in op.attributes)
-    imports = [helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("", opsets.get("", 18))]
+    imports = [helper.make_opsetid("", opsets.get("", 18))]
+    if op.domain:
+        imports.insert(0, helper.make_opsetid(op.domain, 1))
     return helper.make_function(DOMAIN, op.name, list(op.inputs), list(op.outputs), [body], imports,
                                 attributes=[name for name, _ in op.attributes])
 
@@ -106,10 +123,11 @@ def route_to_edgelin_kernels(path: Path) -> int:
 
     proto = onnx.load(str(path), load_external_data=False)
     floats, halves = _float_tensors(proto), frozenset(_float_tensors(proto, _FLOAT16))
+    matrices = frozenset(t.name for t in proto.graph.initializer if t.data_type == _FLOAT and len(t.dims) == 2)
     routed: dict[str, RoutedOp] = {}
     count = 0
     for node in proto.graph.node:
-        op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats, halves)
+        op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats, halves, matrices)
         if op is not None:
             node.domain = DOMAIN
             routed[op.name] = op

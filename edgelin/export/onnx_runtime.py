@@ -40,8 +40,10 @@ if TYPE_CHECKING:
 
 # ONNX Runtime's weight prepacking for exports whose graphs share a weights file: None (default) leaves
 # it off for float exports (one mapped copy of the weights; docs/benchmarks.md "Precision and size" has
-# the cost, ~9% on fp32 steps) and on for quantised ones (MatMulNBits needs it). The runner's `prepack`
-# argument, or this environment variable ("1" on, "0" off; `edgelin bench --prepack` sets it), overrides.
+# the cost, ~9% on fp32 steps with ONNX Runtime's MatMul; a --step-ops edgelin step's products are edgelin's
+# kernel, which reads the mapped weights and never prepacks) and on for quantised ones (MatMulNBits needs it).
+# The runner's `prepack` argument, or this environment variable ("1" on, "0" off; `edgelin bench --prepack` sets
+# it), overrides.
 PREPACK_ENV = "EDGELIN_ORT_PREPACK"
 
 

@@ -23,4 +23,9 @@ OrtStatus* edgelin_create_attention_half(const OrtCustomOp* op, const OrtApi* ap
                                          void** out);
 OrtStatus* edgelin_compute_attention(void* kernel, OrtKernelContext* context);
 void edgelin_destroy_attention(void* kernel);
+
+/* ai.edgelin::MatMul (ops_matmul.c) */
+OrtStatus* edgelin_create_matmul(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
+OrtStatus* edgelin_compute_matmul(void* kernel, OrtKernelContext* context);
+void edgelin_destroy_matmul(void* kernel);
 #endif

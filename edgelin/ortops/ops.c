@@ -4,9 +4,12 @@
    - ai.edgelin::CausalConvWithState: the short conv with its carried state, SiLU fused (conv.c);
    - ai.edgelin::LinearAttention: the recurrence's step, every update rule (linear_attention.c);
    - ai.edgelin::GroupQueryAttention: attention over a KV cache, each cached row read once per kv head
-     (ops_attention.c, attention.c).
+     (ops_attention.c, attention.c);
+   - ai.edgelin::MatMul: ONNX MatMul's float32 weight products, slices of the weights' rows per thread
+     (ops_matmul.c, f32_gemv.c).
    An export that uses them also carries, for each, an ONNX function of the same name whose body is the
-   com.microsoft op, so a runtime without this library runs the same file through ONNX Runtime's own kernels.
+   com.microsoft op (ONNX's, for MatMul), so a runtime without this library runs the same file through ONNX Runtime's
+   own kernels.
    Load: SessionOptions.register_custom_ops_library(path); ONNX Runtime calls RegisterCustomOps. */
 #include <stdlib.h>
 #include <string.h>
@@ -297,6 +300,9 @@ static int output_type_half(const OrtCustomOp* op, size_t i) { (void)op; (void)i
 static int all_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
 static size_t three_outputs(const OrtCustomOp* op) { (void)op; return 3; }
 
+static const char* name_f32_matmul(const OrtCustomOp* op) { (void)op; return "MatMul"; }
+static size_t two_inputs(const OrtCustomOp* op) { (void)op; return 2; }
+
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t four_inputs(const OrtCustomOp* op) { (void)op; return 4; }
 static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT; }
@@ -331,7 +337,7 @@ static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input
   return op;
 }
 
-static OrtCustomOp g_ops[5];
+static OrtCustomOp g_ops[6];
 
 /* ONNX Runtime's entry point (register_custom_ops_library), once per session that loads the library. */
 EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -351,6 +357,8 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
     g_ops[4] = describe(name_attention, input_type_attention_half, inputs_attention, all_required, three_outputs,
                         edgelin_create_attention_half, edgelin_compute_attention, edgelin_destroy_attention);
     g_ops[4].GetOutputType = output_type_half;  /* the float16 kernel of the same op (an fp16 KV cache) */
+    g_ops[5] = describe(name_f32_matmul, all_float, two_inputs, all_required, outputs_matmul, edgelin_create_matmul,
+                        edgelin_compute_matmul, edgelin_destroy_matmul);
   }
   /* Only where the AVX2 kernels run (measured faster there: docs/benchmarks.md, issue 13). Elsewhere (ARM boards)
      nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):
