@@ -8,6 +8,10 @@ with `SessionOptions.register_custom_ops_library`.
 - `ai.edgelin::MatMul` (ops_matmul.c, f32_gemv.c): the float32 weight products of one-token decoding (ONNX MatMul
   by a [K, N] initializer, read where it is mapped): each of ONNX Runtime's threads takes slices of the weight's
   rows, contiguous memory, instead of MLAS's column split (Mamba2 12 M, 2 threads: its 24 products 2.24 -> 1.48 ms).
+- `ai.edgelin::SsdRecurrence` (ops_ssd.c): Mamba2's step around its recurrence (the dt path, the key groups
+  broadcast to the heads, the value x softplus(dt), the skip D x) in one node, where the graph had ~20 small ones;
+  an edgelin op, whose function body is those ONNX ops around `com.microsoft::LinearAttention`
+  (edgelin.export.onnx_ssd).
 - `ai.edgelin::CausalConvWithState` (conv.c): the short conv's step with its carried state, SiLU fused (ndim 1),
   the SiLU over a whole row of channels at once; the state may be updated in place.
 - `ai.edgelin::LinearAttention` (linear_attention.c): the recurrence's step for every update rule (linear, gated,
@@ -45,7 +49,7 @@ from pathlib import Path
 
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
-SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "glue.c", "q4_gemv.c", "f32_gemv.c", "conv.c",
+SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "glue.c", "q4_gemv.c", "f32_gemv.c", "conv.c",
            "linear_attention.c", "attention.c", "cpu.c")
 HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "f32_gemv.h", "conv.h", "linear_attention.h", "attention.h",
            "simd_exp.h", "cpu.h")

@@ -28,4 +28,9 @@ void edgelin_destroy_attention(void* kernel);
 OrtStatus* edgelin_create_matmul(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
 OrtStatus* edgelin_compute_matmul(void* kernel, OrtKernelContext* context);
 void edgelin_destroy_matmul(void* kernel);
+
+/* ai.edgelin::SsdRecurrence (ops_ssd.c) */
+OrtStatus* edgelin_create_ssd(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
+OrtStatus* edgelin_compute_ssd(void* kernel, OrtKernelContext* context);
+void edgelin_destroy_ssd(void* kernel);
 #endif
