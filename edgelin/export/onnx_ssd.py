@@ -99,9 +99,6 @@ class _Graph:
         node = self.producer.get(name)
         return node if node is not None and node.op_type == op and node.domain in ("", "ai.onnx") else None
 
-    def only_reader(self, name: str, node) -> bool:
-        return name not in self.outputs and all(r is node for r in self.readers[name])
-
 
 def _count(dims) -> int:
     total = 1
@@ -179,7 +176,8 @@ def _match(graph: _Graph, la, groups: int, heads: int):
     replaced = [reshape_q, reshape_k, reshape_v, reshape_decay, mul_decay, mul_v, softplus, add_bias, *keys[1],
                 reshape_dt, reshape_x, la, reshape_o, add_skip, mul_skip, reshape_y]
     inside = {out for n in replaced for out in n.output} - {la.output[1], reshape_y.output[0]}
-    if any(not all(r in replaced for r in graph.readers[t]) or t in graph.outputs for t in inside):
+    ids = {id(n) for n in replaced}
+    if any(t in graph.outputs or not all(id(r) in ids for r in graph.readers[t]) for t in inside):
         return None  # an intermediate tensor has a reader outside the pattern
     inputs = [reshape_q.input[0], keys[0], reshape_x.input[0], reshape_dt.input[0], la.input[3],
               dt_bias, a, pair[0]]
