@@ -17,9 +17,12 @@ Export-side module: imports onnx inside its functions.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from edgelin.ortops import DOMAIN
+
+_INT64 = 7  # onnx.TensorProto.INT64
 
 NAME = "SsdRecurrence"
 INPUTS = ("q", "k", "x", "dt", "past_state", "dt_bias", "A", "D")
@@ -48,23 +51,23 @@ def ssd_function(opsets: dict[str, int]):
         ("q_num_heads", onnx.AttributeProto.INT), ("kv_num_heads", onnx.AttributeProto.INT),
         ("scale", onnx.AttributeProto.FLOAT)))
     body = [
-        const("flat", [0, 0, -1]), const("per_head", [0, 0, -1, 1]), const("first3", [0]), const("end3", [3]),
+        const("flat", [0, 0, -1]), const("per_head", [0, 0, -1, 1]), const("zero", [0]), const("three", [3]),
         const("minus1", [-1]), const("axis3", [3]), const("ones3", [1, 1, 1]), const("one", [1]),
         attr_int("groups", "q_num_heads"), attr_int("heads", "kv_num_heads"),
-        node("Unsqueeze", ["groups", "first3"], ["groups1"]), node("Div", ["heads", "groups"], ["per_group"]),
-        node("Unsqueeze", ["per_group", "first3"], ["per_group1"]),
+        node("Unsqueeze", ["groups", "zero"], ["groups1"]), node("Div", ["heads", "groups"], ["per_group"]),
+        node("Unsqueeze", ["per_group", "zero"], ["per_group1"]),
         node("Reshape", ["dt", "per_head"], ["dt4"]),                          # [B, T, H, 1]
         node("Add", ["dt4", "dt_bias"], ["dt_biased"]),
         node("Softplus", ["dt_biased"], ["sp"]),
         node("Mul", ["A", "sp"], ["log_decay"]),
         node("Reshape", ["log_decay", "flat"], ["decay"]),                     # [B, T, H]
         node("Shape", ["dt4"], ["dt4_shape"]),
-        node("Slice", ["dt4_shape", "first3", "end3"], ["bth"]),
+        node("Slice", ["dt4_shape", "zero", "three"], ["bth"]),
         node("Concat", ["bth", "minus1"], ["heads_shape"], axis=0),            # [B, T, H, -1]
         node("Reshape", ["x", "heads_shape"], ["x4"]),
         node("Mul", ["x4", "sp"], ["v4"]),
         node("Reshape", ["v4", "flat"], ["v"]),
-        node("Concat", ["first3", "first3", "groups1", "minus1"], ["group_shape"], axis=0),
+        node("Concat", ["zero", "zero", "groups1", "minus1"], ["group_shape"], axis=0),
         node("Reshape", ["k", "group_shape"], ["k_groups"]),                   # [B, T, G, dk]
         node("Unsqueeze", ["k_groups", "axis3"], ["k5"]),                      # [B, T, G, 1, dk]
         node("Concat", ["ones3", "per_group1", "one"], ["expand_shape"], axis=0),
@@ -91,20 +94,13 @@ class _Graph:
             for name in n.input:
                 self.readers[name].append(n)
         self.outputs = {o.name for o in graph.output}
-        self.constants = {t.name: int(_count(t.dims)) for t in graph.initializer}
+        self.constants = {t.name: math.prod(t.dims) for t in graph.initializer}
         self.shapes = {t.name: t for t in graph.initializer  # int64 vectors stored in the graph (Reshape shapes)
-                       if t.data_type == 7 and len(t.dims) == 1 and (t.raw_data or t.int64_data)}
+                       if t.data_type == _INT64 and len(t.dims) == 1 and (t.raw_data or t.int64_data)}
 
     def made_by(self, name: str, op: str):
         node = self.producer.get(name)
         return node if node is not None and node.op_type == op and node.domain in ("", "ai.onnx") else None
-
-
-def _count(dims) -> int:
-    total = 1
-    for d in dims:
-        total *= d
-    return total
 
 
 def _pair(graph: _Graph, node, constant_count: int):
@@ -120,7 +116,6 @@ def _pair(graph: _Graph, node, constant_count: int):
 def _key_groups(graph: _Graph, reshape_k, groups: int, heads: int):
     """(the key groups' tensor, the nodes that broadcast it to every head) feeding the recurrence's key: Reshape
     <- Expand <- Unsqueeze <- Reshape [.., groups, dk] <- key groups, or (one group per head) Reshape <- keys."""
-    import numpy as np
     from onnx import numpy_helper
 
     expand = graph.made_by(reshape_k.input[0], "Expand")
@@ -129,7 +124,7 @@ def _key_groups(graph: _Graph, reshape_k, groups: int, heads: int):
     unsqueeze = graph.made_by(expand.input[0], "Unsqueeze")
     reshape_groups = unsqueeze and graph.made_by(unsqueeze.input[0], "Reshape")
     shape = reshape_groups and graph.shapes.get(reshape_groups.input[1])
-    if shape is None or np.asarray(numpy_helper.to_array(shape)).tolist()[2:3] != [groups]:
+    if shape is None or numpy_helper.to_array(shape).tolist()[2:3] != [groups]:
         return None
     return reshape_groups.input[0], [expand, unsqueeze, reshape_groups]
 
@@ -193,7 +188,7 @@ def fuse_ssd_steps(proto, float_tensors: set[str]) -> int:
     graph = _Graph(proto.graph)
     fused: dict[int, object] = {}  # id(the recurrence node) -> the fused node that takes its place
     dropped: set[int] = set()
-    for la in list(proto.graph.node):
+    for la in proto.graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in la.attribute}
         if la.op_type != "LinearAttention" or la.domain != "com.microsoft" or attrs.get("update_rule") not in (
                 "gated", b"gated") or len(la.input) != 5 or la.input[0] not in float_tensors:
