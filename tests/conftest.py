@@ -55,6 +55,9 @@ FILE_SECONDS = {
     "test_upstream_fla_smoke.py": 34, "test_outputs.py": 33, "test_onnx_nodes.py": 18, "test_cli.py": 18,
     "test_fused_decode.py": 18, "test_trained_upstream.py": 14, "test_train.py": 13, "test_report.py": 11,
     "test_fuse_matmuls.py": 10, "test_torch_target.py": 10, "test_torchless.py": 8, "test_shared_weights.py": 7,
+    # edgelin's ONNX Runtime ops (one process here, 2026-12-03)
+    "test_ortops_attention.py": 80, "test_ortops.py": 66, "test_ortops_matmul.py": 59, "test_ortops_gdn.py": 50,
+    "test_ortops_ssd.py": 48,
     # the slow tier's heavy files (make test-all)
     "test_kv_static.py": 130, "test_validate_stream.py": 111, "test_hostile.py": 71, "test_tensorrt_build.py": 65,
     "test_gdn2_clvr.py": 60, "test_trt_plugin.py": 55, "test_optimum_cli.py": 41, "test_kernel_compile.py": 39,

@@ -65,3 +65,53 @@ def rollouts(exports: dict[str, Path], library: Path, batch: int, threads: int, 
         runner.prefill(ids[:, :11], state, np.zeros(batch, np.int64))
         logits[name] = np.stack([runner.step(ids[:, t], state, np.full(batch, t)) for t in range(11, 41)])
     return logits
+
+
+def assert_matches_float64_and_function(model: onnx.ModelProto, feeds: dict, want: tuple, library: Path,
+                                        threads: int, rtol: float, what: str) -> None:
+    """A fused op's outputs with the library (its kernel) and without (its ONNX function): each against `want` (a
+    float64 computation from the formulas) and against each other."""
+    from helpers import assert_close
+
+    got, fallback = session(model, library, threads).run(None, feeds), session(model).run(None, feeds)
+    for name, kernel, function, expected in zip((o.name for o in model.graph.output), got, fallback, want):
+        assert_close(kernel, expected, rtol, f"{what} {name} vs float64")
+        assert_close(function, expected, rtol, f"{what} the function's {name} vs float64")
+        assert_close(kernel, function, rtol, f"{what} {name} vs the function")
+
+
+def assert_state_in_place(model: onnx.ModelProto, feeds: dict, library: Path, output: str) -> None:
+    """The op run with its past_state and present bound to one buffer gives what it gives with two."""
+    from helpers import run_state_in_place
+
+    want_out, want_state = session(model, library).run(None, feeds)
+    out, state = run_state_in_place(session(model, library), feeds, output, past="past_state")
+    assert np.array_equal(out, want_out) and np.array_equal(state, want_state)
+
+
+def gdn_checkpoint(root: Path) -> Path:
+    """A tiny Gated DeltaNet + attention + Gated DeltaNet model (hidden 96: three 32-blocks per row; 4 value heads
+    over 2 key heads, as Qwen3.5's). One config for every ortops file that exports such a model, so the test run's
+    graph cache (tests/graph_cache.py) traces its graphs once (the 4- and 8-bit exports trace the float graph)."""
+    from edgelin.families import SOFTMAX
+    from helpers import make_checkpoint
+
+    return make_checkpoint(root / "ckpt", tokenizer=False, layers=("gated_deltanet", SOFTMAX, "gated_deltanet"),
+                           hidden_size=96, intermediate_size=160, num_heads=4, num_k_heads=2)
+
+
+def gdn_exports(root: Path, kinds: dict[str, tuple[str, str | None]]) -> dict[str, Path]:
+    """`gdn_checkpoint` exported per kind: name -> (--step-ops, --quantize or None), block 32."""
+    from edgelin.devices import export_settings
+    from edgelin.export.onnx_target import OnnxOptions
+    from edgelin.export.pipeline import export_checkpoint
+
+    ckpt = gdn_checkpoint(root)
+    return {name: export_checkpoint(ckpt, root / name, settings=export_settings(None, "onnx", "fp32", quantize, 32),
+                                    options=OnnxOptions(step_ops=ops)).folder
+            for name, (ops, quantize) in kinds.items()}
+
+
+def float_gdn_exports(root: Path) -> dict[str, Path]:
+    """`gdn_checkpoint` in float32, --step-ops edgelin and contrib."""
+    return gdn_exports(root, {"edgelin": ("edgelin", None), "contrib": ("contrib", None)})

@@ -122,6 +122,15 @@ def test_manifest_contract(exports):
     assert data["source"]["sha256"] and data["model"]["state_bytes_per_sequence"] == (272 + 256 + 128) * 4
 
 
+def test_the_hybrids_step_fuses_its_gated_delta_layer_and_both_gated_norms(exports):
+    """--step-ops edgelin (the default): the Gated DeltaNet layer's step into its recurrence is one node, and its
+    output norm and GLA's (the same RMSNorm(o) w silu(g) in the graph) one each; the rollout test above checks
+    these exports against the reference (tests/test_ortops_gdn.py checks the ops themselves)."""
+    ops = [n.op_type for n in onnx.load(str(exports["hybrid"] / "step.onnx"), load_external_data=False).graph.node]
+    assert ops.count("GatedDeltaRecurrence") == 1 and ops.count("GatedRmsNorm") == 2
+    assert ops.count("LinearAttention") == 1  # GLA's recurrence (per-key decay) stays the routed op
+
+
 def test_onnx_runtime_fuses_every_rmsnorm_of_the_step(exports, tmp_path):
     """The model writes RMSNorm as x / sqrt(mean(x^2) + eps) * w, the form ONNX Runtime's optimiser
     fuses into one SimplifiedLayerNormalization node (x * rsqrt(...) stays six nodes): the block norms

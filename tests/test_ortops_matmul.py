@@ -18,14 +18,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.devices import export_settings
 from edgelin.export.onnx_kernels import FLOAT_MATMUL, fallback_function
-from edgelin.export.onnx_target import OnnxOptions
-from edgelin.export.pipeline import export_checkpoint
-from edgelin.families import SOFTMAX
 from edgelin.replay import replay
-from helpers import assert_close, make_checkpoint
-from ortops_fixtures import kernel_path, library, rollouts, session  # noqa: F401 (fixtures)
+from helpers import assert_close
+from ortops_fixtures import float_gdn_exports, kernel_path, library, rollouts, session  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
 
@@ -91,13 +87,7 @@ def test_a_weight_of_the_wrong_shape_is_refused_in_one_line(library):
 # ---- a float32 --step-ops edgelin export --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def float_exports(tmp_path_factory) -> dict[str, Path]:
-    """A tiny Gated DeltaNet + attention model, float32, --step-ops edgelin and contrib."""
-    root = tmp_path_factory.mktemp("step-ops-edgelin-fp32")
-    ckpt = make_checkpoint(root / "ckpt", tokenizer=False, layers=("gated_deltanet", SOFTMAX), hidden_size=96,
-                           intermediate_size=160)
-    settings = export_settings(None, "onnx", "fp32", None, 32)
-    return {ops: export_checkpoint(ckpt, root / ops, settings=settings, options=OnnxOptions(step_ops=ops)).folder
-            for ops in ("edgelin", "contrib")}
+    return float_gdn_exports(tmp_path_factory.mktemp("step-ops-edgelin-fp32"))
 
 
 def test_the_export_routes_every_float_step_product(float_exports):

@@ -24,8 +24,9 @@ from edgelin.export.onnx_ssd import INPUTS, NAME, fuse_ssd_steps, ssd_function
 from edgelin.export.onnx_target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.replay import replay
-from helpers import assert_close, make_checkpoint, run_state_in_place
-from ortops_fixtures import kernel_path, library, rollouts, session  # noqa: F401 (fixtures)
+from helpers import assert_close, make_checkpoint
+from ortops_fixtures import (assert_matches_float64_and_function, assert_state_in_place, kernel_path,  # noqa: F401
+                             library, rollouts, session)
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
 
@@ -88,23 +89,13 @@ CASES = [(1, 1, 1), (3, 1, 1), (2, 3, 1), (3, 1, 2), (2, 3, 2)]
 def test_the_fused_step_matches_float64_and_its_onnx_function(library, batch, tokens, groups, threads, kernel_path):
     model = _ssd_model(groups)
     feeds = _feeds(model, batch, tokens, groups)
-    got_y, got_state = session(model, library, threads).run(None, feeds)
-    fallback_y, fallback_state = session(model).run(None, feeds)
-    want_y, want_state = _reference(model, feeds, groups)
-    what = f"B={batch} T={tokens} G={groups}"
-    assert_close(got_y, want_y, SSD_RTOL, f"{what} y vs float64")
-    assert_close(got_state, want_state, SSD_RTOL, f"{what} state vs float64")
-    assert_close(fallback_y, want_y, SSD_RTOL, f"{what} the function's y vs float64")
-    assert_close(got_y, fallback_y, SSD_RTOL, f"{what} y vs the function")
-    assert_close(got_state, fallback_state, SSD_RTOL, f"{what} state vs the function")
+    assert_matches_float64_and_function(model, feeds, _reference(model, feeds, groups), library, threads, SSD_RTOL,
+                                        f"B={batch} T={tokens} G={groups}")
 
 
 def test_the_fused_step_updates_its_state_in_place(library, kernel_path):
     model = _ssd_model(2)
-    feeds = _feeds(model, 3, 1, 2)
-    want_y, want_state = session(model, library).run(None, feeds)
-    y, state = run_state_in_place(session(model, library), feeds, "y", past="past_state")
-    assert np.array_equal(y, want_y) and np.array_equal(state, want_state)
+    assert_state_in_place(model, _feeds(model, 3, 1, 2), library, "y")
 
 
 def test_a_shape_the_kernel_does_not_take_is_refused_in_one_line(library):

@@ -8,11 +8,13 @@ Each step-graph node the library's kernels take moves from the `com.microsoft` d
 int4 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU),
 `LinearAttention` (the recurrence; float32 graphs, every update rule) and `GroupQueryAttention` (full-context
 attention over the float32 static KV cache of --kv-cache static); before that, each Mamba2 layer's step around
-its recurrence becomes one `ai.edgelin::SsdRecurrence` node (edgelin.export.onnx_ssd). The graph gains, per routed
-op type, one ONNX function `ai.edgelin::<op>` whose body is the original node with the caller's attributes
-(attribute references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a
-session with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own
-kernels, bit for bit what a `--step-ops contrib` export computes (tests/test_ortops.py, test_ortops_matmul.py).
+its recurrence becomes one `ai.edgelin::SsdRecurrence` node (edgelin.export.onnx_ssd), each Gated DeltaNet
+layer's step into its recurrence one `ai.edgelin::GatedDeltaRecurrence` node (edgelin.export.onnx_gdn) and its
+gated output norm one `ai.edgelin::GatedRmsNorm` (edgelin.export.onnx_gated_norm). The graph gains, per routed op
+type, one ONNX function `ai.edgelin::<op>` whose body is the original node with the caller's attributes (attribute
+references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a session
+with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own kernels, bit
+for bit what a `--step-ops contrib` export computes (tests/test_ortops.py, test_ortops_matmul.py).
 The prefill graph keeps ONNX Runtime's kernels.
 
 Export-side module: imports onnx inside its functions.
@@ -23,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgelin.export.onnx_gated_norm import fuse_gated_norms
+from edgelin.export.onnx_gdn import fuse_gated_delta_steps
 from edgelin.export.onnx_ssd import fuse_ssd_steps
 from edgelin.ortops import DOMAIN
 
@@ -127,7 +131,9 @@ def route_to_edgelin_kernels(path: Path) -> int:
     floats, halves = _float_tensors(proto), frozenset(_float_tensors(proto, _FLOAT16))
     matrices = frozenset(t.name for t in proto.graph.initializer if t.data_type == _FLOAT and len(t.dims) == 2)
     routed: dict[str, RoutedOp] = {}
-    count = fuse_ssd_steps(proto, floats)  # Mamba2's step around its recurrence first (edgelin.export.onnx_ssd)
+    # each Mamba2 and Gated DeltaNet step around its recurrence first, and the gated output norms
+    # (edgelin.export.onnx_ssd, onnx_gdn, onnx_gated_norm)
+    count = fuse_ssd_steps(proto, floats) + fuse_gated_delta_steps(proto, floats) + fuse_gated_norms(proto, floats)
     for node in proto.graph.node:
         op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats, halves, matrices)
         if op is not None:

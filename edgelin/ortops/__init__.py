@@ -12,6 +12,9 @@ with `SessionOptions.register_custom_ops_library`.
   broadcast to the heads, the value x softplus(dt), the skip D x) in one node, where the graph had ~20 small ones;
   an edgelin op, whose function body is those ONNX ops around `com.microsoft::LinearAttention`
   (edgelin.export.onnx_ssd).
+- `ai.edgelin::GatedDeltaRecurrence` (ops_gdn.c): a Gated DeltaNet layer's step into its recurrence (q and k
+  L2-normalised per head, the key heads broadcast to the value heads, the softplus decay, beta's sigmoid) in one
+  node, where the graph had ~26 small ones; an edgelin op like SsdRecurrence (edgelin.export.onnx_gdn).
 - `ai.edgelin::CausalConvWithState` (conv.c): the short conv's step with its carried state, SiLU fused (ndim 1),
   the SiLU over a whole row of channels at once; the state may be updated in place.
 - `ai.edgelin::LinearAttention` (linear_attention.c): the recurrence's step for every update rule (linear, gated,
@@ -49,8 +52,8 @@ from pathlib import Path
 
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
-SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "glue.c", "q4_gemv.c", "f32_gemv.c", "conv.c",
-           "linear_attention.c", "attention.c", "cpu.c")
+SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "glue.c", "q4_gemv.c", "f32_gemv.c",
+           "conv.c", "linear_attention.c", "attention.c", "cpu.c")
 HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "f32_gemv.h", "conv.h", "linear_attention.h", "attention.h",
            "simd_exp.h", "cpu.h")
 LIBRARY = "libedgelin_ortops.so"

@@ -1,6 +1,8 @@
 /* See glue.h. */
 #include "glue.h"
 
+#include <stdlib.h>
+
 const OrtApi* g_api;
 int g_parallel_for;
 
@@ -49,3 +51,38 @@ void* data_of(const OrtValue* value) {
   }
   return data;
 }
+
+OrtStatus* inputs_of(OrtKernelContext* context, size_t n, const OrtValue** in, int64_t (*dims)[8], size_t* ranks) {
+  OrtStatus* status = NULL;
+  for (size_t i = 0; !status && i < n; ++i) {
+    status = ORT_CALL(g_api, KernelContext_GetInput)(context, i, &in[i]);
+    if (!status) status = shape_of(in[i], dims[i], &ranks[i]);
+  }
+  return status;
+}
+
+int64_t count_of(const int64_t* dims, size_t rank) {
+  int64_t n = 1;
+  for (size_t i = 0; i < rank; ++i) n *= dims[i];
+  return n;
+}
+
+OrtStatus* fused_heads_create(const OrtKernelInfo* info, const char* failure, int with_epsilon, void** out) {
+  FusedHeads* s = calloc(1, sizeof(FusedHeads));
+  if (!s) return fail("edgelin: out of memory");
+  OrtStatus* status = attribute(info, "q_num_heads", &s->q_heads);
+  if (!status) status = attribute(info, "kv_num_heads", &s->heads);
+  if (!status) status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "scale", &s->scale);
+  if (!status && with_epsilon) status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "epsilon", &s->epsilon);
+  if (!status && (s->q_heads <= 0 || s->heads <= 0 || s->heads % s->q_heads || s->scale == 0.0f
+                  || s->epsilon < 0.0f))
+    status = fail(failure);
+  if (status) {
+    free(s);
+    return status;
+  }
+  *out = s;
+  return NULL;
+}
+
+void edgelin_destroy_fused(void* kernel) { free(kernel); }

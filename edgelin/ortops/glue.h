@@ -16,6 +16,17 @@ int64_t attribute_or(const OrtKernelInfo* info, const char* name, int64_t fallba
 float float_attribute_or(const OrtKernelInfo* info, const char* name, float fallback);
 OrtStatus* shape_of(const OrtValue* value, int64_t* dims, size_t* rank);
 void* data_of(const OrtValue* value);
+/* Inputs 0..n-1 (n <= 10) of a node and their shapes (rank <= 8 each). */
+OrtStatus* inputs_of(OrtKernelContext* context, size_t n, const OrtValue** in, int64_t (*dims)[8], size_t* ranks);
+int64_t count_of(const int64_t* dims, size_t rank);
+
+/* What a fused recurrence op's attributes say (SsdRecurrence, GatedDeltaRecurrence): query (key) heads dividing the
+   value heads, the readout's scale, and (when `epsilon` is not NULL) the q / k norms' epsilon. */
+typedef struct {
+  int64_t q_heads, heads;
+  float scale, epsilon;
+} FusedHeads;
+OrtStatus* fused_heads_create(const OrtKernelInfo* info, const char* failure, int with_epsilon, void** out);
 
 /* ai.edgelin::GroupQueryAttention (ops_attention.c) */
 OrtStatus* edgelin_create_attention(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
@@ -32,5 +43,14 @@ void edgelin_destroy_matmul(void* kernel);
 /* ai.edgelin::SsdRecurrence (ops_ssd.c) */
 OrtStatus* edgelin_create_ssd(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
 OrtStatus* edgelin_compute_ssd(void* kernel, OrtKernelContext* context);
-void edgelin_destroy_ssd(void* kernel);
+
+/* ai.edgelin::GatedDeltaRecurrence (ops_gdn.c) */
+OrtStatus* edgelin_create_gdn(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
+OrtStatus* edgelin_compute_gdn(void* kernel, OrtKernelContext* context);
+/* ai.edgelin::GatedRmsNorm (ops_gdn.c) */
+OrtStatus* edgelin_create_gated_norm(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                                     void** out);
+OrtStatus* edgelin_compute_gated_norm(void* kernel, OrtKernelContext* context);
+
+void edgelin_destroy_fused(void* kernel);  /* the three fused ops' */
 #endif

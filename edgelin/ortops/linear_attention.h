@@ -2,6 +2,7 @@
    rules linear, gated, delta, gated_delta; decay per head or per key; query heads grouped over the value heads). */
 #ifndef EDGELIN_LINEAR_ATTENTION_H
 #define EDGELIN_LINEAR_ATTENTION_H
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -19,4 +20,7 @@ EDGELIN_API void edgelin_linear_attention(int rule, const float* q, const float*
                                           const float* decay, int64_t gw, const float* beta, const float* state,
                                           int64_t B, int64_t T, int64_t Hq, int64_t H, int64_t dk, int64_t dv,
                                           float scale, float* out, float* new_state, int64_t first, int64_t count);
+
+/* ONNX Runtime's Softplus: log1p(exp(-|x|)) + max(x, 0), exact for large x too (the fused ops' decay path). */
+static inline float edgelin_softplus(float x) { return log1pf(expf(-fabsf(x))) + (x > 0.0f ? x : 0.0f); }
 #endif

@@ -8,7 +8,10 @@
    - ai.edgelin::MatMul: ONNX MatMul's float32 weight products, slices of the weights' rows per thread
      (ops_matmul.c, f32_gemv.c);
    - ai.edgelin::SsdRecurrence: Mamba2's step around the recurrence (dt path, shared keys, skip) in one node
-     (ops_ssd.c; an edgelin op: its function body is ONNX ops around com.microsoft::LinearAttention).
+     (ops_ssd.c; an edgelin op: its function body is ONNX ops around com.microsoft::LinearAttention);
+   - ai.edgelin::GatedDeltaRecurrence: a Gated DeltaNet layer's step into its recurrence (q / k norms, key heads,
+     decay, beta) in one node (ops_gdn.c; an edgelin op, like SsdRecurrence);
+   - ai.edgelin::GatedRmsNorm: a recurrence's gated output norm, RMSNorm(o) w silu(z) per head (ops_gdn.c).
    An export that uses them also carries, for each, an ONNX function of the same name whose body is the
    com.microsoft op (ONNX's, for MatMul), so a runtime without this library runs the same file through ONNX Runtime's
    own kernels.
@@ -306,6 +309,10 @@ static const char* name_f32_matmul(const OrtCustomOp* op) { (void)op; return "Ma
 static size_t two_inputs(const OrtCustomOp* op) { (void)op; return 2; }
 static const char* name_ssd(const OrtCustomOp* op) { (void)op; return "SsdRecurrence"; }
 static size_t eight_inputs(const OrtCustomOp* op) { (void)op; return 8; }
+static const char* name_gdn(const OrtCustomOp* op) { (void)op; return "GatedDeltaRecurrence"; }
+static size_t ten_inputs(const OrtCustomOp* op) { (void)op; return 10; }
+static const char* name_gated_norm(const OrtCustomOp* op) { (void)op; return "GatedRmsNorm"; }
+static size_t three_inputs(const OrtCustomOp* op) { (void)op; return 3; }
 
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t four_inputs(const OrtCustomOp* op) { (void)op; return 4; }
@@ -341,7 +348,7 @@ static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input
   return op;
 }
 
-static OrtCustomOp g_ops[7];
+static OrtCustomOp g_ops[9];
 
 /* ONNX Runtime's entry point (register_custom_ops_library), once per session that loads the library. */
 EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -364,7 +371,11 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
     g_ops[5] = describe(name_f32_matmul, all_float, two_inputs, all_required, outputs_matmul, edgelin_create_matmul,
                         edgelin_compute_matmul, edgelin_destroy_matmul);
     g_ops[6] = describe(name_ssd, all_float, eight_inputs, all_required, two_outputs, edgelin_create_ssd,
-                        edgelin_compute_ssd, edgelin_destroy_ssd);
+                        edgelin_compute_ssd, edgelin_destroy_fused);
+    g_ops[7] = describe(name_gdn, all_float, ten_inputs, all_required, two_outputs, edgelin_create_gdn,
+                        edgelin_compute_gdn, edgelin_destroy_fused);
+    g_ops[8] = describe(name_gated_norm, all_float, three_inputs, all_required, outputs_matmul,
+                        edgelin_create_gated_norm, edgelin_compute_gated_norm, edgelin_destroy_fused);
   }
   /* Only where the AVX2 kernels run (measured faster there: docs/benchmarks.md, issue 13). Elsewhere (ARM boards)
      nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):

@@ -15,31 +15,15 @@
 #include "glue.h"
 #include "linear_attention.h"
 
-typedef struct {
-  int64_t q_heads, heads;
-  float scale;
-} Ssd;
-
 OrtStatus* edgelin_create_ssd(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   (void)op;
   (void)api;
-  Ssd* s = calloc(1, sizeof(Ssd));
-  if (!s) return fail("edgelin SsdRecurrence: out of memory");
-  OrtStatus* status = attribute(info, "q_num_heads", &s->q_heads);
-  if (!status) status = attribute(info, "kv_num_heads", &s->heads);
-  if (!status) status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "scale", &s->scale);
-  if (!status && (s->q_heads <= 0 || s->heads <= 0 || s->heads % s->q_heads || s->scale == 0.0f))
-    status = fail("edgelin SsdRecurrence: needs q_num_heads dividing kv_num_heads and a non-zero scale");
-  if (status) {
-    free(s);
-    return status;
-  }
-  *out = s;
-  return NULL;
+  return fused_heads_create(info, "edgelin SsdRecurrence: needs q_num_heads dividing kv_num_heads and a non-zero scale",
+                            0, out);
 }
 
 typedef struct {
-  const Ssd* s;
+  const FusedHeads* s;
   const float *q, *k, *v, *decay, *state;
   int64_t B, T, dk, dv;
   float *out, *present;
@@ -52,25 +36,12 @@ static void run_heads(void* data, size_t index) {
                            (int64_t)index, 1);
 }
 
-static int64_t count_of(const int64_t* dims, size_t rank) {
-  int64_t n = 1;
-  for (size_t i = 0; i < rank; ++i) n *= dims[i];
-  return n;
-}
-
-/* ONNX Runtime's Softplus: log1p(exp(-|x|)) + max(x, 0), exact for large x too. */
-static float softplus(float x) { return log1pf(expf(-fabsf(x))) + (x > 0.0f ? x : 0.0f); }
-
 OrtStatus* edgelin_compute_ssd(void* kernel, OrtKernelContext* context) {
-  const Ssd* s = kernel;
+  const FusedHeads* s = kernel;
   const OrtValue* in[8] = {NULL};
   int64_t d[8][8];
   size_t r[8] = {0};
-  OrtStatus* status = NULL;
-  for (size_t i = 0; !status && i < 8; ++i) {
-    status = ORT_CALL(g_api, KernelContext_GetInput)(context, i, &in[i]);
-    if (!status) status = shape_of(in[i], d[i], &r[i]);
-  }
+  OrtStatus* status = inputs_of(context, 8, in, d, r);
   if (status) return status;
   int64_t H = s->heads, Hq = s->q_heads, B = d[0][0], T = r[0] == 3 ? d[0][1] : 0, dk = d[4][2], dv = d[4][3];
   if (r[0] != 3 || r[1] != 3 || r[2] != 3 || r[3] != 3 || r[4] != 4 || d[0][2] != Hq * dk || d[1][2] != Hq * dk
@@ -94,7 +65,7 @@ OrtStatus* edgelin_compute_ssd(void* kernel, OrtKernelContext* context) {
   float *keys = scratch, *values = keys + tokens * H * dk, *decay = values + tokens * H * dv;
   for (int64_t n = 0; n < tokens; ++n)  /* the dt path, each head's key and value */
     for (int64_t h = 0; h < H; ++h) {
-      float sp = softplus(dt[n * H + h] + bias[h]);
+      float sp = edgelin_softplus(dt[n * H + h] + bias[h]);
       decay[n * H + h] = A[h] * sp;
       memcpy(keys + (n * H + h) * dk, k + (n * Hq + h / group) * dk, sizeof(float) * (size_t)dk);
       const float* xs = x + (n * H + h) * dv;
@@ -117,5 +88,3 @@ OrtStatus* edgelin_compute_ssd(void* kernel, OrtKernelContext* context) {
   free(scratch);
   return status;
 }
-
-void edgelin_destroy_ssd(void* kernel) { free(kernel); }

@@ -1,0 +1,91 @@
+"""--step-ops edgelin: a recurrence's gated output norm, RMSNorm(o) * w * silu(z) per head, as one
+`ai.edgelin::GatedRmsNorm` node (the family spec's `output_gate=AFTER_NORM` with SiLU: Gated DeltaNet's and GLA's
+output).
+
+The step graph writes it as ~12 small nodes: o and the gate z each reshaped to [B, T, H, dv], the norm's six (Pow,
+ReduceMean, Add, Sqrt, Div, Mul w), SiLU as Sigmoid and Mul, the gate's Mul and the reshape back; ONNX Runtime
+fuses the norm and the SiLU and still runs six per layer. edgelin's library computes it in one
+(edgelin/ortops/ops_gdn.c). Its ONNX function is those nodes, so without the library the step is the unfused
+graph's. Matched only when the pattern is exact and no inner tensor has another reader.
+
+Export-side module: imports onnx inside its functions.
+"""
+
+from __future__ import annotations
+
+from edgelin.export.onnx_patterns import GraphIndex, add_fused, rms_constants, rms_nodes, rms_norm
+from edgelin.ortops import DOMAIN
+
+NAME = "GatedRmsNorm"
+INPUTS = ("x", "z", "weight")
+OUTPUTS = ("y",)
+
+
+def gated_norm_function(opsets: dict[str, int]):
+    """ai.edgelin::GatedRmsNorm as ONNX ops (ops_gdn.c says what it computes), in the unfused graph's order."""
+    from onnx import helper
+
+    node = helper.make_node
+    body = [
+        *rms_constants(),
+        node("Constant", [], ["zero"], value_ints=[0]), node("Constant", [], ["minus1"], value_ints=[-1]),
+        node("Constant", [], ["flat"], value_ints=[0, 0, -1]),
+        node("Shape", ["weight"], ["width"]),
+        node("Concat", ["zero", "zero", "minus1", "width"], ["head_shape"], axis=0),   # [B, T, H, dv]
+        node("Reshape", ["x", "head_shape"], ["x4"]),
+        *rms_nodes("x4", "weight", "normed"),
+        node("Reshape", ["z", "head_shape"], ["z4"]),
+        node("Sigmoid", ["z4"], ["z_sigmoid"]),
+        node("Mul", ["z4", "z_sigmoid"], ["silu"]),
+        node("Mul", ["normed", "silu"], ["gated"]),
+        node("Reshape", ["gated", "flat"], ["y"]),
+    ]
+    imports = [helper.make_opsetid("", opsets.get("", 18))]
+    return helper.make_function(DOMAIN, NAME, list(INPUTS), list(OUTPUTS), body, imports, attributes=["epsilon"])
+
+
+def _match(graph: GraphIndex, gate):
+    """For the gate's Mul(RMSNorm(Reshape(x)), Mul(z4, Sigmoid(z4))), z4 = Reshape(z), read by one Reshape: the
+    fused node's inputs, its epsilon, its output and the nodes it replaces, or None."""
+    if len(gate.input) != 2:
+        return None
+    for normed, silu in (gate.input, gate.input[::-1]):
+        norm, mul_silu = rms_norm(graph, normed), graph.made_by(silu, "Mul")
+        if norm and mul_silu:
+            break
+    else:
+        return None
+    x4, weight, epsilon, width, norm_nodes = norm
+    reshape_x = graph.made_by(x4, "Reshape")
+    sigmoid = next((s for s in map(lambda i: graph.made_by(i, "Sigmoid"), mul_silu.input) if s), None)
+    z4 = sigmoid and sigmoid.input[0]
+    reshape_z = z4 and sorted(mul_silu.input) == sorted([z4, sigmoid.output[0]]) and graph.made_by(z4, "Reshape")
+    reshape_y = graph.only_reader(gate.output[0], "Reshape")
+    if not (reshape_x and reshape_z and reshape_y) or (graph.values(reshape_x.input[1]) or [])[-1:] != [width]:
+        return None
+    replaced = [reshape_x, *norm_nodes, reshape_z, sigmoid, mul_silu, gate, reshape_y]
+    if not graph.closed(replaced, {reshape_y.output[0]}):
+        return None
+    return [reshape_x.input[0], reshape_z.input[0], weight], epsilon, reshape_y.output[0], replaced
+
+
+def fuse_gated_norms(proto, float_tensors: set[str]) -> int:
+    """Replace, in the step graph `proto` (in place), every float32 gated output norm (the module docstring's
+    pattern) with one ai.edgelin::GatedRmsNorm node, and add its function once. Returns how many it fused."""
+    from onnx import helper
+
+    graph = GraphIndex(proto.graph)
+    fused: dict[int, object] = {}  # id(the gate's Mul) -> the fused node that takes its place
+    dropped: set[int] = set()
+    for gate in proto.graph.node:
+        if gate.op_type != "Mul" or gate.domain not in ("", "ai.onnx") or gate.output[0] not in float_tensors \
+                or id(gate) in dropped:
+            continue
+        found = _match(graph, gate)
+        if found is None:
+            continue
+        inputs, epsilon, output, replaced = found
+        fused[id(gate)] = helper.make_node(NAME, inputs, [output], name=f"{gate.name}.gated_norm", domain=DOMAIN,
+                                           epsilon=float(epsilon))
+        dropped |= {id(n) for n in replaced}
+    return add_fused(proto, fused, dropped, gated_norm_function)
