@@ -26,6 +26,8 @@ typedef struct {
   int64_t q_heads, heads;
   float scale, epsilon;
 } FusedHeads;
+/* floats of per-call scratch a fused op keeps on its stack (16 KiB) before it takes the heap */
+enum { SMALL_SCRATCH = 4096 };
 OrtStatus* fused_heads_create(const OrtKernelInfo* info, const char* failure, int with_epsilon, void** out);
 
 /* ai.edgelin::GroupQueryAttention (ops_attention.c) */

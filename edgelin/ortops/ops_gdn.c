@@ -72,7 +72,10 @@ OrtStatus* edgelin_compute_gdn(void* kernel, OrtKernelContext* context) {
   const float *q = data_of(in[0]), *k = data_of(in[1]), *dt = data_of(in[3]), *b = data_of(in[4]),
               *bias = data_of(in[6]), *A = data_of(in[7]), *q_scale = data_of(in[8]), *k_scale = data_of(in[9]);
   int64_t tokens = B * T, group = H / Hq;
-  float* scratch = malloc(sizeof(float) * (size_t)(tokens * (Hq * dk + H * dk + 2 * H)));
+  /* one token of a few heads fits on the stack: no heap allocation per decoded token */
+  float stack[SMALL_SCRATCH];
+  size_t need = (size_t)(tokens * (Hq * dk + H * dk + 2 * H));
+  float* scratch = need <= SMALL_SCRATCH ? stack : malloc(sizeof(float) * need);
   if (!scratch) return fail("edgelin GatedDeltaRecurrence: out of memory");
   float *queries = scratch, *keys = queries + tokens * Hq * dk, *decay = keys + tokens * H * dk,
         *beta = decay + tokens * H;
@@ -95,7 +98,7 @@ OrtStatus* edgelin_compute_gdn(void* kernel, OrtKernelContext* context) {
   else
     edgelin_linear_attention(EDGELIN_RULE_GATED_DELTA, queries, keys, task.v, decay, 1, beta, task.state, B, T, Hq,
                              H, dk, dv, s->scale, task.out, task.present, 0, B * H);
-  free(scratch);
+  if (scratch != stack) free(scratch);
   return status;
 }
 

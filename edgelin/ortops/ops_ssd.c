@@ -60,7 +60,10 @@ OrtStatus* edgelin_compute_ssd(void* kernel, OrtKernelContext* context) {
   const float *k = data_of(in[1]), *x = data_of(in[2]), *dt = data_of(in[3]), *bias = data_of(in[5]),
               *A = data_of(in[6]), *D = data_of(in[7]);
   int64_t tokens = B * T, group = H / Hq;
-  float* scratch = malloc(sizeof(float) * (size_t)(tokens * H * (dk + dv + 1)));
+  /* one token of a few heads fits on the stack: no heap allocation per decoded token */
+  float stack[SMALL_SCRATCH];
+  size_t need = (size_t)(tokens * H * (dk + dv + 1));
+  float* scratch = need <= SMALL_SCRATCH ? stack : malloc(sizeof(float) * need);
   if (!scratch) return fail("edgelin SsdRecurrence: out of memory");
   float *keys = scratch, *values = keys + tokens * H * dk, *decay = values + tokens * H * dv;
   for (int64_t n = 0; n < tokens; ++n)  /* the dt path, each head's key and value */
@@ -85,6 +88,6 @@ OrtStatus* edgelin_compute_ssd(void* kernel, OrtKernelContext* context) {
         const float* xs = x + (n * H + h) * dv;
         for (int64_t j = 0; j < dv; ++j) ys[j] += D[h] * xs[j];
       }
-  free(scratch);
+  if (scratch != stack) free(scratch);
   return status;
 }
