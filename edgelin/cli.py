@@ -472,6 +472,8 @@ def generate(
         1.0, callback=POSITIVE, help="Divide the positive logits (multiply the negative ones) of every token "
                                      "already in the context by P; 1: off, 1.1-1.3: typical."),
     greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding (takes no --temperature, --top-k, --top-p)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Go on past the end-of-text token: exactly -n tokens "
+                                                                "(for timing and memory runs, as llama.cpp's)."),
     seed: int = typer.Option(0, min=0, help="Sampling seed."),
     threads: Optional[int] = typer.Option(None, min=0, max=MAX_THREADS, help="Runtime threads (0 or unset: the device's, "
                                                             "else the runtime's default)."),
@@ -498,7 +500,8 @@ def generate(
     # The prompt is echoed only once the folder, tokenizer and prefill have worked: a failure prints
     # one error line, not the prompt followed by an error.
     result = run_generate(folder, prompt, max_new_tokens, sampling, on_text=out.stream, keep_ids=as_json,
-                          threads=threads, on_start=lambda: out.stream(prompt), device=profile)
+                          stop_at_eos=not ignore_eos, threads=threads, on_start=lambda: out.stream(prompt),
+                          device=profile)
     out.stream("\n")
     out.result(result.to_dict())
     out.note(f"{result.new_tokens} tokens, {result.tokens_per_second:,.0f} tok/s, prefill "

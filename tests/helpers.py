@@ -65,13 +65,18 @@ def make_tokenizer(path: Path, vocab_size: int = 97) -> Path:
     return path
 
 
+# A checkpoint with a tokenizer has its vocabulary (a byte-level BPE needs 256); one without, 97 unless told. The
+# tokenizer-less hybrids that export ONNX ask for 256: their graphs are then the tokenized hybrid's, traced once a run.
+TOKENIZER_VOCAB = 256
+
+
 def make_checkpoint(folder: Path, family: str = "hybrid", tokenizer: bool = True, seed: int = 0,
                     layers: tuple[str, ...] | None = None, **changes) -> Path:
     """`layers`: the layer types (default: two of `family`, or the hybrid's three)."""
     torch.manual_seed(seed)
     vocab = changes.pop("vocab_size", 97)
-    model = CausalLM(tiny_config(layers or family_layers(family), vocab_size=max(vocab, 256 if tokenizer else vocab),
-                                 **changes))
+    vocab = max(vocab, TOKENIZER_VOCAB) if tokenizer else vocab
+    model = CausalLM(tiny_config(layers or family_layers(family), vocab_size=vocab, **changes))
     tok = make_tokenizer(folder.parent / f"{folder.name}-tokenizer.json", model.config.vocab_size) if tokenizer else None
     return save_checkpoint(model, folder, tok)
 

@@ -1,4 +1,4 @@
-"""What the edgelin.ortops tests share: the library built once per module, its kernel paths, a session."""
+"""What the edgelin.ortops tests share: the library (built once a run), its kernel paths, a session."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from edgelin import ortops
 
 
 @pytest.fixture(scope="module")
-def library(tmp_path_factory) -> Path:
-    return ortops.build(tmp_path_factory.mktemp("ortops") / ortops.LIBRARY)
+def library() -> Path:
+    """The build the runner loads (the per-user cache, keyed by the sources and the compiler): compiled once a run,
+    not once per test file (~5 s of CI's cores each); test_ortops.py builds it afresh where that is the point."""
+    return ortops.build()
 
 
 def session(model: onnx.ModelProto, library: Path | None = None, threads: int = 1) -> ort.InferenceSession:

@@ -21,7 +21,7 @@ from edgelin.checkpoint import load_model
 from edgelin.errors import EdgelinError
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.export.reference_vectors import sha256_of
-from helpers import make_checkpoint
+from helpers import TOKENIZER_VOCAB, make_checkpoint
 from test_cli import assert_clean_failure, run
 
 ROOT = Path(__file__).parent.parent
@@ -32,7 +32,7 @@ PROMPT, STEPS = 15, 24  # what export records (edgelin/export/reference_vectors.
 def export(tmp_path_factory) -> tuple[Path, Path]:
     """One export, with the KV baseline, shared by every test here: (checkpoint, folder)."""
     root = tmp_path_factory.mktemp("artifact")
-    ckpt = make_checkpoint(root / "ckpt", "hybrid", tokenizer=False)
+    ckpt = make_checkpoint(root / "ckpt", "hybrid", tokenizer=False, vocab_size=TOKENIZER_VOCAB)
     return ckpt, export_checkpoint(ckpt, root / "out", baselines=("kv",)).folder
 
 
@@ -69,7 +69,7 @@ def test_reference_vectors_are_recorded_small_and_listed(export):
         assert meta["threshold"] == 1e-4 and meta["seed"] == 0
         for batch in (1, 3):
             assert npz[f"b{batch}/ids"].shape == (batch, PROMPT + STEPS)
-            assert npz[f"b{batch}/step_logits"].shape == (STEPS, batch, 97)
+            assert npz[f"b{batch}/step_logits"].shape == (STEPS, batch, 256)
         assert npz["b3/state/step24/past_key_values.0.recurrent_state"].shape == (3, 2, 8, 8)
         ids, recorded = npz["b3/ids"], npz["b3/prefill_logits"]
     # the recorded values are the checkpoint's: its forward over the recorded prompt, run here
@@ -143,7 +143,7 @@ def _wrong_shape(folder: Path) -> None:
     (lambda f: (f / "reference.npz").unlink(), ("reference.npz are missing",)),
     (_truncated, ("reference.npz differ from the ones exported", "sha256")),
     (_truncated_and_rehashed, ("reference.npz are corrupt",)),
-    (_wrong_shape, ("reference.npz are corrupt", "b3/step_logits has shape [24, 2, 97], expected [24, 3, 97]")),
+    (_wrong_shape, ("reference.npz are corrupt", "b3/step_logits has shape [24, 2, 256], expected [24, 3, 256]")),
     (_no_manifest_entry, ("manifest.json records no reference vectors",)),
 ], ids=["missing", "truncated", "truncated-rehashed", "wrong-shape", "no-manifest-entry"])
 def test_missing_or_corrupt_reference_vectors_are_one_line(export, tmp_path, damage, needles):
@@ -215,7 +215,7 @@ def test_the_kv_baseline_is_an_export_of_its_own(export):
     assert manifest["extra"]["baselines"] == {"kv": "baseline-kv"} and "baseline-kv" in manifest["files"]
     inner = json.loads((folder / "baseline-kv" / "manifest.json").read_text())
     assert [layer["type"] for layer in inner["model"]["layers"]] == ["softmax"] * 3
-    assert inner["model"]["constant_memory"] is False and inner["model"]["vocab_size"] == 97
+    assert inner["model"]["constant_memory"] is False and inner["model"]["vocab_size"] == 256
     assert sorted(os.listdir(folder / "baseline-kv")) == inner["files"]
 
 

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from edgelin.cli import app
 from edgelin.errors import EdgelinError
 from edgelin.runtime import open_runner, prefill
-from helpers import make_checkpoint
+from helpers import TOKENIZER_VOCAB, make_checkpoint
 
 cli = CliRunner()
 
@@ -184,7 +184,7 @@ def test_device_without_the_target(tmp_path, ckpt):
 
 def test_existing_output_needs_force(tmp_path):
     # the tiny hybrid without a tokenizer: test_cli_polish.py exports the same one (its graphs traced once a run)
-    ckpt = make_checkpoint(tmp_path / "ckpt", "hybrid", tokenizer=False)
+    ckpt = make_checkpoint(tmp_path / "ckpt", "hybrid", tokenizer=False, vocab_size=TOKENIZER_VOCAB)
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")

@@ -20,7 +20,7 @@ import graph_cache
 from edgelin import __version__
 from edgelin.cli import app
 from edgelin.output import LogProgress
-from helpers import make_checkpoint
+from helpers import TOKENIZER_VOCAB, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "recipes" / "tiny-gdn-hybrid"
@@ -57,7 +57,8 @@ def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("polish")
     (root / "a[").mkdir()  # "[/y]" holds a slash: the folder is "a[" / "y] [red]b"
     ckpt = make_checkpoint(root / "a[/y] [red]b", "hybrid")
-    bare = make_checkpoint(root / "bare", "hybrid", tokenizer=False)  # (other files trace the same graphs)
+    # (other files trace the same graphs)
+    bare = make_checkpoint(root / "bare", "hybrid", tokenizer=False, vocab_size=TOKENIZER_VOCAB)
     out, bare_out = root / "out [bold]x[/y]", root / "bare-out"
     proc = edgelin("export", ckpt, "--out", out)
     as_json = run("export", bare, "--out", bare_out, "--json")

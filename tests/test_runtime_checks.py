@@ -48,7 +48,8 @@ def assert_one_line_error(result, *needles: str, code: int = 2) -> None:
 def exported(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("checks")
     ckpt = make_checkpoint(root / "ckpt", "hybrid")  # with a tokenizer: generate runs too
-    return export_checkpoint(ckpt, root / "out").folder
+    # With the KV baseline (`growing` below): test_artifact.py exports the same one, so its graphs are traced once
+    return export_checkpoint(ckpt, root / "out", baselines=("kv",)).folder
 
 
 def edited_copy(src: Path, dst: Path, edit) -> Path:
@@ -277,12 +278,10 @@ def plain_rollout(folder: Path, ids: np.ndarray, prompt: int, fork_at: int) -> t
 
 
 @pytest.fixture(scope="module")
-def growing(tmp_path_factory) -> Path:
-    """Softmax layers with a growing KV cache: the runner's other state path (outputs ONNX Runtime allocates)."""
-    root = tmp_path_factory.mktemp("growing")
-    ckpt = make_checkpoint(root / "ckpt", "softmax", tokenizer=False,
-                           attention=AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, window=None))
-    return export_checkpoint(ckpt, root / "out").folder
+def growing(exported) -> Path:
+    """Softmax layers with a growing KV cache, the runner's other state path (outputs ONNX Runtime allocates): the
+    export's KV baseline, an export folder of its own."""
+    return exported / "baseline-kv"
 
 
 @pytest.mark.parametrize("which", ["ring buffer", "growing cache"])
@@ -555,3 +554,15 @@ def test_only_the_prefill_pool_stops_spinning_when_its_run_returns(exported):
     with pytest.raises(RuntimeError, match="does not have configuration"):  # unset: ONNX Runtime's default
         step_options.get_session_config_entry(entry)
     assert prefill_options.intra_op_num_threads == step_options.intra_op_num_threads == 2
+
+
+def test_generate_stops_at_the_end_of_text_unless_told_to_ignore_it(exported, tmp_path):
+    """The model's first greedy token made its end-of-text token: generation stops after it, and
+    --ignore-eos (llama.cpp's flag, for timing and memory runs) goes on to exactly -n tokens."""
+    first = json.loads(run("generate", exported, "--prompt", "x", "-n", "5", "--greedy", "--json").stdout)
+    token = first["token_ids"][0]
+    folder = edited_copy(exported, tmp_path / "eos", lambda data: data.update(eos_token_id=token))
+    stopped = json.loads(run("generate", folder, "--prompt", "x", "-n", "5", "--greedy", "--json").stdout)
+    going = json.loads(run("generate", folder, "--prompt", "x", "-n", "5", "--greedy", "--ignore-eos", "--json").stdout)
+    assert stopped["token_ids"] == [token] and going["token_ids"] == first["token_ids"]
+    assert going["new_tokens"] == 5

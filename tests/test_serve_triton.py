@@ -11,7 +11,7 @@ import pytest
 from edgelin.errors import EdgelinError
 from edgelin.export.manifest import Manifest
 from edgelin.export.pipeline import export_checkpoint
-from helpers import make_checkpoint
+from helpers import TOKENIZER_VOCAB, make_checkpoint
 
 pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] (the dev extra) is not installed")
 
@@ -22,7 +22,8 @@ TYPES = {"float32": "TYPE_FP32", "int64": "TYPE_INT64"}  # Triton's names, writt
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("serve")
-    ckpt = make_checkpoint(root / "tiny-hybrid", "hybrid", tokenizer=False)  # linear + sliding-window softmax
+    # linear + sliding-window softmax
+    ckpt = make_checkpoint(root / "tiny-hybrid", "hybrid", tokenizer=False, vocab_size=TOKENIZER_VOCAB)
     return export_checkpoint(ckpt, root / "out", serve="triton").folder
 
 
