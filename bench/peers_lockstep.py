@@ -7,7 +7,7 @@ them block by block (A B, then B A, ...): each block of --steps decode steps giv
 each round's ratio compares two blocks timed seconds apart. Printed: each runtime's median over blocks and the
 median and range of the rounds' ratios (first / second).
 
-    python bench/peers_lockstep.py --threads 1 --position 1024 --rounds 20 \\
+    python bench/peers_lockstep.py /work/peers/ckpt/qwen3_5 --threads 1 --position 1024 --rounds 20 \\
         edgelin-int4=.venv/bin/python:/work/peers/work/qwen3_5/edgelin-int4-kv34944 \\
         llama-q4_0=/work/peers/venv-llama/bin/python:/work/peers/work/qwen3_5/llama-q4_0.gguf
 """
@@ -26,13 +26,13 @@ import numpy as np
 HERE = Path(__file__).resolve()
 
 
-def serve(kind: str, artifact: str, threads: int, position: int, n_ctx: int) -> None:
-    """Worker: prefill `position` seeded tokens, then answer each stdin line `N` with N greedy steps' times (ms)."""
+def serve(kind: str, artifact: str, threads: int, position: int, n_ctx: int, vocab: int) -> None:
+    """Worker: prefill `position` seeded tokens (ids below `vocab`, the same in every worker), then answer each stdin
+    line `N` with N greedy steps' times (ms)."""
     sys.path.insert(0, str(HERE.parent))
     from peers import EdgelinSession, LlamaSession
 
     session = EdgelinSession(artifact, threads) if kind == "edgelin" else LlamaSession(artifact, threads, n_ctx)
-    vocab = 1000  # the prompt ids only need to be valid tokens of both checkpoints' vocabularies
     logits = session.prefill(np.random.default_rng(0).integers(0, vocab, position).astype(np.int64))
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -46,12 +46,15 @@ def serve(kind: str, artifact: str, threads: int, position: int, n_ctx: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="the checkpoint both artifacts were made from (its "
+                        "config.json's vocab_size bounds the prompt ids, as in bench/peers.py)")
     parser.add_argument("runtimes", nargs=2, help="NAME=PYTHON:ARTIFACT (NAME starting with 'edgelin' or 'llama')")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--position", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=32, help="decode steps per block")
     args = parser.parse_args()
+    vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
     workers = {}
     for spec in args.runtimes:
         name, rest = spec.split("=", 1)
@@ -59,7 +62,8 @@ def main() -> None:
         kind = "edgelin" if name.startswith("edgelin") else "llama"
         n_ctx = args.position + args.rounds * args.steps + 16
         workers[name] = subprocess.Popen(
-            [python, str(HERE), "--serve", kind, artifact, str(args.threads), str(args.position), str(n_ctx)],
+            [python, str(HERE), "--serve", kind, artifact,
+             *(str(n) for n in (args.threads, args.position, n_ctx, vocab))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     for name, proc in workers.items():
         assert json.loads(proc.stdout.readline())["ready"], name
@@ -83,6 +87,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        serve(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+        serve(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
     else:
         main()
