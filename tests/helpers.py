@@ -114,3 +114,12 @@ def qwen_attention_checkpoint(folder: Path, seed: int = 0) -> Path:
     attention = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, window=None, rotary_dim=8, qk_norm=True,
                                 output_gate=True)
     return save_checkpoint(CausalLM(tiny_config(("gla", "softmax"), attention=attention)), folder, None)
+
+
+def assert_not_fused(proto, fuse) -> None:
+    """A step-graph fusion `fuse(proto, float32 tensor names)` refuses `proto`: 0 fused, the same nodes."""
+    from edgelin.export.onnx_kernels import float_tensor_names
+
+    before = [n.op_type for n in proto.graph.node]
+    assert fuse(proto, float_tensor_names(proto)) == 0
+    assert [n.op_type for n in proto.graph.node] == before

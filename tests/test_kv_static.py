@@ -196,3 +196,23 @@ def test_a_model_without_a_growing_cache_is_refused(tmp_path):
     with pytest.raises(EdgelinError, match="without a growing KV cache"):
         export_checkpoint(ckpt, tmp_path / "out", options=OnnxOptions(kv_cache="static", context=64))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_rotary_over_the_whole_head_fuses_and_matches_the_reference(tmp_path):
+    """Rotary over the whole head (edgelin's own attention without rotary_dim), static cache: q and k are one
+    RotaryEmbedding each (edgelin.export.onnx_rotary, its no-partial form), and the export matches the PyTorch
+    reference (batch 2). Slow: its own trace (the partial form runs in CI: test_ortops_attention.py)."""
+    import onnx
+
+    from edgelin.model.config import AttentionConfig
+
+    torch.manual_seed(0)
+    attention = AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, window=None)
+    ckpt = save_checkpoint(CausalLM(tiny_config(("gla", "softmax"), attention=attention)), tmp_path / "ckpt", None)
+    folder = export_checkpoint(ckpt, tmp_path / "out", options=OnnxOptions(kv_cache="static", context=CAPACITY)).folder
+    ops = [n.op_type for n in onnx.load(str(folder / "step.onnx"), load_external_data=False).graph.node]
+    assert ops.count("RotaryEmbedding") == 2 and not {"Sin", "Cos", "Neg"} & set(ops), sorted(ops)
+    report = validate(folder, steps=24, prompt_len=13, batch=2)
+    assert report.passed, [m.to_dict() for m in report.failures]
+    assert max(m.max_rel for m in report.metrics) < 1e-5

@@ -136,7 +136,9 @@ def test_the_hybrids_step_fuses_its_gated_delta_layer_and_both_gated_norms(expor
 def test_onnx_runtime_fuses_every_rmsnorm_of_the_step(exports, tmp_path):
     """The model writes RMSNorm as x / sqrt(mean(x^2) + eps) * w, the form ONNX Runtime's optimiser
     fuses into one SimplifiedLayerNormalization node (x * rsqrt(...) stays six nodes): the block norms
-    (2 per layer), the final norm and the mixers' output norms of the hybrid's step graph."""
+    (2 per layer), the final norm and the mixers' output norms of the hybrid's step graph. The export has already
+    made each block norm that reads a residual Add one SkipSimplifiedLayerNormalization with that Add (all but the
+    first, which reads the embedding; edgelin.export.onnx_skip_norm)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -144,4 +146,21 @@ def test_onnx_runtime_fuses_every_rmsnorm_of_the_step(exports, tmp_path):
     ort.InferenceSession(str(exports["hybrid"] / "step.onnx"), options, providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(str(tmp_path / "step-optimized.onnx"), load_external_data=False).graph.node]
     layers = len(Manifest.load(exports["hybrid"]).layers)
-    assert ops.count("SimplifiedLayerNormalization") >= 2 * layers + 1, sorted(set(ops))
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * layers - 1, sorted(ops)
+    assert ops.count("SimplifiedLayerNormalization") + ops.count("SkipSimplifiedLayerNormalization") >= 2 * layers + 1, \
+        sorted(set(ops))
+
+
+
+def test_rotary_feeding_a_transpose_is_left_alone(exports):
+    """edgelin.export.onnx_rotary fuses rotary where a --kv-cache static step reshapes q and k to [B, T, H x D] for
+    GroupQueryAttention (tests/test_ortops_attention.py, test_kv_static.py); this growing export's attention
+    transposes them to [B, H, T, D] instead, and its positions have no bound for the tables: nothing fuses."""
+    from edgelin.export.onnx_kernels import float_tensor_names
+    from edgelin.export.onnx_rotary import fuse_rotary
+
+    proto = onnx.load(str(exports["hybrid"] / "step.onnx"), load_external_data=False)
+    before = [n.op_type for n in proto.graph.node]
+    assert before.count("Neg") == 2  # q and k of the softmax layer
+    assert fuse_rotary(proto, 64, float_tensor_names(proto)) == 0
+    assert [n.op_type for n in proto.graph.node] == before

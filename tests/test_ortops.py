@@ -125,18 +125,33 @@ def _activations(scratch: np.ndarray, K: int) -> np.ndarray:
     return acts * scales[:, None]
 
 
-@pytest.mark.parametrize("K", [384, 352, 100], ids=["K384", "K352-odd-blocks", "K100-padded"])
-def test_avx2_and_portable_paths_agree(library, K):
-    """The two paths quantise the activations to the same bytes and give the same products (to float sum
-    order); and both equal the products of the dequantised weights with those int8 activations in float64."""
+# K: quads of blocks (the AVX-512 path's 4-block steps), a pair left after the quads, an odd block count, K not a
+# multiple of 32 (padded)
+# K: quads of blocks (the AVX-512 path's 4-block steps), a pair left after the quads, an odd block count, K not a
+# multiple of 32 (padded)
+@pytest.mark.parametrize("K", [384, 448, 352, 100], ids=["K384", "K448-quad-and-pair", "K352-odd-blocks",
+                                                         "K100-padded"])
+@pytest.mark.parametrize("zero_points", [True, False], ids=["zero-points", "default-8"])
+@pytest.mark.parametrize("path", ["avx512-vnni", "avx2"])
+def test_the_4bit_paths_agree(library, K, zero_points, path):
+    """The AVX2 and AVX-512 VNNI paths each quantise the activations to the portable path's bytes and give its
+    products (to float sum order); and the portable products equal those of the dequantised weights, (q - zero
+    point) x scale with the zero points packed two per byte (or 8 when there are none), with those int8 activations
+    in float64."""
     lib = _c_kernel(library)
+    lib.edgelin_q4_path.restype = ctypes.c_char_p
     if lib.edgelin_kernel_path() != b"avx2":
         pytest.skip("this CPU has no AVX2: only the portable path runs here")
+    lib.edgelin_use_avx512(int(path == "avx512-vnni"))
+    if lib.edgelin_q4_path().decode() != path:
+        lib.edgelin_use_avx512(1)
+        pytest.skip("this CPU has no AVX-512 VNNI (test ...-avx2 covers its path)")
     rng = np.random.default_rng(K)
     N, nb = 45, (K + 31) // 32
     weights = rng.integers(0, 256, (N, nb, 16), dtype=np.uint8)
     scales = rng.uniform(0.01, 0.1, N * nb).astype(np.float32)
-    offsets = (scales * rng.uniform(-8, 8, N * nb)).astype(np.float32)
+    points = rng.integers(0, 16, (N, nb + nb % 2), dtype=np.uint8) if zero_points else np.full((N, nb + nb % 2), 8, np.uint8)
+    packed = (points[:, 0::2] | points[:, 1::2] << 4).astype(np.uint8)  # [N, ceil(nb / 2)], low nibble first
     x = rng.standard_normal(K).astype(np.float32)
     size = lib.edgelin_q4_scratch_bytes(K)
     results = {}
@@ -144,15 +159,17 @@ def test_avx2_and_portable_paths_agree(library, K):
         lib.edgelin_use_portable(portable)
         scratch, y = np.full(size, 0xAB, np.uint8), np.empty(N, np.float32)  # garbage in the scratch
         lib.edgelin_q4_quantize(x.ctypes.data, K, scratch.ctypes.data)
-        lib.edgelin_q4_rows(scratch.ctypes.data, K, weights.ctypes.data, scales.ctypes.data, offsets.ctypes.data,
-                            0, N, y.ctypes.data)
-        results[portable] = (scratch, y)
+        lib.edgelin_q4_rows(scratch.ctypes.data, K, weights.ctypes.data, scales.ctypes.data,
+                            packed.ctypes.data if zero_points else None, 0, N, y.ctypes.data)
+        results[lib.edgelin_q4_path().decode()] = (scratch, y)
     lib.edgelin_use_portable(0)
-    (s_avx2, y_avx2), (s_portable, y_portable) = results[0], results[1]
-    assert np.array_equal(s_avx2, s_portable)
-    assert_close(y_avx2, y_portable, 1e-6, "avx2 vs portable")
+    lib.edgelin_use_avx512(1)
+    assert sorted(results) == sorted([path, "portable"])
+    (s_path, y_path), (s_portable, y_portable) = results[path], results["portable"]
+    assert np.array_equal(s_path, s_portable)
+    assert_close(y_path, y_portable, 1e-6, f"{path} vs portable")
     q = np.stack([weights & 15, weights >> 4], -1).reshape(N, nb, 32).astype(np.float64)
-    dequantised = q * scales.reshape(N, nb, 1) + offsets.reshape(N, nb, 1)
+    dequantised = (q - points[:, :nb, None]) * scales.reshape(N, nb, 1).astype(np.float64)
     want = np.einsum("nbj,bj->n", dequantised, _activations(s_portable, K))
     assert_close(y_portable, want, 1e-6, "portable vs float64")
 
@@ -290,30 +307,31 @@ def exports(tmp_path_factory) -> dict[str, Path]:
 
 def test_the_export_routes_every_4bit_step_product_and_conv_and_only_those(exports):
     """Each Gated DeltaNet recurrence arrives fused with what feeds it (GatedDeltaRecurrence, test_ortops_gdn.py)
-    and its gated output norm as one GatedRmsNorm."""
+    and its gated output norm as one GatedRmsNorm; each layer's gated MLP as one SiluGate (test_ortops_mlp.py)."""
     routed = onnx.load(str(exports["edgelin"] / "step.onnx"), load_external_data=False)
     plain = onnx.load(str(exports["contrib"] / "step.onnx"), load_external_data=False)
     products = sum(n.op_type == "MatMulNBits" for n in plain.graph.node)
     convs = sum(n.op_type == "CausalConvWithState" for n in plain.graph.node)
     recurrences = sum(n.op_type == "LinearAttention" for n in plain.graph.node)
     assert products > 0 and convs > 0 and recurrences > 0
-    fused = (("GatedDeltaRecurrence", recurrences), ("GatedRmsNorm", recurrences))
+    mlps = 3  # ortops_fixtures.gdn_checkpoint: three layers, each with a gated MLP
+    fused = (("GatedDeltaRecurrence", recurrences), ("GatedRmsNorm", recurrences), ("SiluGate", mlps))
     for op, count in (("MatMulNBits", products), ("CausalConvWithState", convs), *fused):
         assert sum(n.domain == ortops.DOMAIN and n.op_type == op for n in routed.graph.node) == count
     assert not any(n.op_type == "LinearAttention" for n in routed.graph.node)
     assert sorted(f"{f.domain}::{f.name}" for f in routed.functions) == [
         f"{ortops.DOMAIN}::{op}" for op in ("CausalConvWithState", "GatedDeltaRecurrence", "GatedRmsNorm",
-                                            "MatMulNBits")]
+                                            "MatMulNBits", "SiluGate")]
     prefill = onnx.load(str(exports["edgelin"] / "prefill.onnx"), load_external_data=False)
     assert not any(n.domain == ortops.DOMAIN for n in prefill.graph.node)
     import json
 
     manifest = json.loads((exports["edgelin"] / "manifest.json").read_text())
     assert manifest["extra"]["ort_ops"] == {"library": "edgelin.ortops", "domain": ortops.DOMAIN,
-                                            "step_nodes": products + convs + 2 * recurrences}
+                                            "step_nodes": products + convs + 2 * recurrences + mlps}
     int8 = onnx.load(str(exports["edgelin-int8"] / "step.onnx"), load_external_data=False)  # no 8-bit products
     assert sorted(n.op_type for n in int8.graph.node if n.domain == ortops.DOMAIN) == sorted(
-        ["CausalConvWithState"] * convs + ["GatedDeltaRecurrence", "GatedRmsNorm"] * recurrences)
+        ["CausalConvWithState"] * convs + ["GatedDeltaRecurrence", "GatedRmsNorm"] * recurrences + ["SiluGate"] * mlps)
     assert "ort_ops" not in json.loads((exports["contrib"] / "manifest.json").read_text())["extra"]
 
 

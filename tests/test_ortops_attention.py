@@ -200,6 +200,29 @@ def test_the_static_export_routes_the_steps_attention_only(static_exports, dtype
     assert manifest["extra"]["kv_cache"]["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_the_static_steps_partial_rotary_is_two_rotary_embedding_nodes(static_exports, dtype):
+    """q's and k's partial rotary (8 of 16 channels) as com.microsoft::RotaryEmbedding over cos / sin tables of the
+    cache's 600 positions (edgelin.export.onnx_rotary): no Sin, Cos or Neg left in the step."""
+    step = onnx.load(str(static_exports[dtype] / "step.onnx"), load_external_data=False)
+    ops = [n.op_type for n in step.graph.node]
+    assert ops.count("RotaryEmbedding") == 2 and not {"Sin", "Cos", "Neg"} & set(ops), sorted(ops)
+    rotary = [n for n in step.graph.node if n.op_type == "RotaryEmbedding"]
+    assert {helper.get_attribute_value(a) for n in rotary for a in n.attribute if a.name == "rotary_embedding_dim"} \
+        == {8}
+    tables = {t.name: list(t.dims) for t in step.graph.initializer if t.name in rotary[0].input}
+    assert sorted(tables.values()) == [[600, 4], [600, 4]]
+
+
+def test_the_static_export_with_rotary_embedding_matches_the_reference(static_exports):
+    """The float32-cache export against the PyTorch reference (validate: prefill, 24-step rollout, batch 2)."""
+    from edgelin.validate import validate
+
+    report = validate(static_exports["fp32"], steps=24, prompt_len=13, batch=2)
+    assert report.passed, [m.to_dict() for m in report.failures]
+    assert max(m.max_rel for m in report.metrics) < 1e-5
+
+
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_the_static_rollout_with_the_library_matches_onnxruntimes_kernels(static_exports, library, batch, dtype,

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edgelin import ortops
 from edgelin.export import onnx_gated_norm
 from edgelin.export.onnx_gdn import INPUTS, NAME, fuse_gated_delta_steps, gdn_function
-from edgelin.export.onnx_kernels import _float_tensors
+from edgelin.export.onnx_kernels import float_tensor_names
 from edgelin.replay import replay
 from helpers import assert_close
 from ortops_fixtures import (assert_matches_float64_and_function, assert_state_in_place, float_gdn_exports,
@@ -168,8 +168,10 @@ def test_every_gated_deltanet_layer_is_one_fused_step_and_one_fused_norm(gdn_exp
     assert len(norms) == layers and [f.name for f in fused.functions].count(onnx_gated_norm.NAME) == 1
     # 26 nodes per layer fewer: q's and k's reshapes and six-node norms, the key broadcast, the decay path, beta's
     # sigmoid and the reshapes into the recurrence; 11 more for the output norm (the reshapes, the norm, the SiLU, the
-    # gate)
-    assert len(plain.graph.node) - len(fused.graph.node) == (26 + 11) * layers
+    # gate); 3 per gated MLP (every layer's, the attention one's too: one SiluGate for Split, SiLU and Mul)
+    gates = sum(n.op_type == "SiluGate" and n.domain == ortops.DOMAIN for n in fused.graph.node)
+    assert gates == layers + 1
+    assert len(plain.graph.node) - len(fused.graph.node) == (26 + 11) * layers + 3 * gates
     epsilon = [helper.get_attribute_value(a) for n in nodes for a in n.attribute if a.name == "epsilon"]
     assert epsilon == [pytest.approx(1e-6 / 8)] * layers  # edgelin.export.lowering's l2_normalize: eps / head size
 
@@ -179,7 +181,7 @@ def test_a_layer_whose_inner_tensor_has_another_reader_is_left_alone(gdn_exports
     sigmoid = next(n for n in proto.graph.node if n.op_type == "Sigmoid"
                    and any(r.op_type == "Reshape" for r in proto.graph.node if n.output[0] in r.input))
     proto.graph.output.append(helper.make_tensor_value_info(sigmoid.output[0], TensorProto.FLOAT, None))
-    assert fuse_gated_delta_steps(proto, _float_tensors(proto)) == 1
+    assert fuse_gated_delta_steps(proto, float_tensor_names(proto)) == 1
     assert sum(n.op_type == "LinearAttention" for n in proto.graph.node) == 1
 
 
@@ -187,7 +189,7 @@ def test_keys_tiled_across_the_heads_instead_of_repeated_are_left_alone(gdn_expo
     """Unsqueeze before the groups' axis tiles the key heads (head h reads group h % groups), not the kernel's order
     (h // (heads / groups)): not fused."""
     proto = _step(gdn_exports["contrib"])
-    floats = _float_tensors(proto)
+    floats = float_tensor_names(proto)
     for node in proto.graph.node:
         if node.op_type == "Unsqueeze" and any(r.op_type == "Expand" for r in proto.graph.node
                                                if node.output[0] in r.input):
@@ -198,7 +200,7 @@ def test_keys_tiled_across_the_heads_instead_of_repeated_are_left_alone(gdn_expo
 
 def test_a_gated_norm_whose_inner_tensor_has_another_reader_is_left_alone(gdn_exports):
     proto = _step(gdn_exports["contrib"])
-    floats = _float_tensors(proto)
+    floats = float_tensor_names(proto)
     assert onnx_gated_norm.fuse_gated_norms(_step(gdn_exports["contrib"]), floats) == 2
     assert fuse_gated_delta_steps(proto, floats) == 2
     made_by = {out: n for n in proto.graph.node for out in n.output}

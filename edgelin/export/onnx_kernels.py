@@ -9,8 +9,9 @@ int4 with the default block size), `CausalConvWithState` (the short conv; float3
 `LinearAttention` (the recurrence; float32 graphs, every update rule) and `GroupQueryAttention` (full-context
 attention over the float32 static KV cache of --kv-cache static); before that, each Mamba2 layer's step around
 its recurrence becomes one `ai.edgelin::SsdRecurrence` node (edgelin.export.onnx_ssd), each Gated DeltaNet
-layer's step into its recurrence one `ai.edgelin::GatedDeltaRecurrence` node (edgelin.export.onnx_gdn) and its
-gated output norm one `ai.edgelin::GatedRmsNorm` (edgelin.export.onnx_gated_norm). The graph gains, per routed op
+layer's step into its recurrence one `ai.edgelin::GatedDeltaRecurrence` node (edgelin.export.onnx_gdn), its
+gated output norm one `ai.edgelin::GatedRmsNorm` (edgelin.export.onnx_gated_norm) and a gated MLP's silu(gate) * up
+one `ai.edgelin::SiluGate` (edgelin.export.onnx_silu_gate). The graph gains, per routed op
 type, one ONNX function `ai.edgelin::<op>` whose body is the original node with the caller's attributes (attribute
 references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a session
 with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own kernels, bit
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from edgelin.export.onnx_gated_norm import fuse_gated_norms
 from edgelin.export.onnx_gdn import fuse_gated_delta_steps
+from edgelin.export.onnx_silu_gate import fuse_silu_gates
 from edgelin.export.onnx_ssd import fuse_ssd_steps
 from edgelin.ortops import DOMAIN
 
@@ -97,7 +99,7 @@ def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str
     return None
 
 
-def _float_tensors(proto, elem_type: int = _FLOAT) -> set[str]:
+def float_tensor_names(proto, elem_type: int = _FLOAT) -> set[str]:
     """Names of the float32 (or `elem_type`) tensors the graph's shape inference knows (inputs, outputs,
     value_info)."""
     import onnx
@@ -128,12 +130,13 @@ def route_to_edgelin_kernels(path: Path) -> int:
     from onnx import helper
 
     proto = onnx.load(str(path), load_external_data=False)
-    floats, halves = _float_tensors(proto), frozenset(_float_tensors(proto, _FLOAT16))
+    floats, halves = float_tensor_names(proto), frozenset(float_tensor_names(proto, _FLOAT16))
     matrices = frozenset(t.name for t in proto.graph.initializer if t.data_type == _FLOAT and len(t.dims) == 2)
     routed: dict[str, RoutedOp] = {}
-    # each Mamba2 and Gated DeltaNet step around its recurrence first, and the gated output norms
-    # (edgelin.export.onnx_ssd, onnx_gdn, onnx_gated_norm)
+    # each Mamba2 and Gated DeltaNet step around its recurrence first, the gated output norms and the gated MLPs'
+    # activations (edgelin.export.onnx_ssd, onnx_gdn, onnx_gated_norm, onnx_silu_gate)
     count = fuse_ssd_steps(proto, floats) + fuse_gated_delta_steps(proto, floats) + fuse_gated_norms(proto, floats)
+    count += fuse_silu_gates(proto, floats)
     for node in proto.graph.node:
         op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats, halves, matrices)
         if op is not None:

@@ -197,13 +197,17 @@ SHARED_WEIGHTS = ("onnx", "tensorrt")
 
 def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings", share: bool = True,
                   embeddings: bool = True, step_outputs: list[TensorIO] | None = None,
-                  edgelin_ops: bool = False) -> dict[str, str]:
+                  edgelin_ops: bool = False, contrib_ops: bool = False,
+                  rotary_positions: int | None = None) -> dict[str, str]:
     """After tracing: sibling MatMuls fused (edgelin.export.fuse_matmuls), --quantize (both graphs alike, so
     their quantised weights still match; with `embeddings`, the embedding table and LM head too), then (with
     `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data), given the step
     graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the graph as
-    written), and with `edgelin_ops` (--step-ops edgelin) the step's nodes for edgelin's kernels
-    (edgelin.export.onnx_kernels). Returns the files it adds ({"weights": "weights.bin"} or nothing)."""
+    written), with `contrib_ops` (--step-ops contrib or edgelin) the step's residual Adds and RMSNorms as one contrib
+    node each (edgelin.export.onnx_skip_norm) and, given `rotary_positions` (a static KV cache's capacity), its
+    rotary embeddings as RotaryEmbedding nodes (edgelin.export.onnx_rotary), and with `edgelin_ops` (--step-ops edgelin) the step's nodes for
+    edgelin's kernels (edgelin.export.onnx_kernels). Returns the files it adds ({"weights": "weights.bin"} or
+    nothing)."""
     from edgelin.export.fuse_matmuls import fuse_matmuls
     from edgelin.export.weights import WEIGHTS_KEY, share_weights
 
@@ -218,6 +222,14 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     added = {WEIGHTS_KEY: share_weights(folder, graphs)} if share else {}
     if step_outputs is not None:
         mark_in_place_states(folder / files["step"], step_outputs)
+    if contrib_ops:
+        from edgelin.export.onnx_skip_norm import fuse_skip_norms_in
+
+        fuse_skip_norms_in(folder / files["step"])
+        if rotary_positions:
+            from edgelin.export.onnx_rotary import fuse_rotary_in
+
+            fuse_rotary_in(folder / files["step"], rotary_positions)
     if edgelin_ops:
         from edgelin.export.onnx_kernels import route_to_edgelin_kernels
 
@@ -438,6 +450,8 @@ class OnnxTarget(Target):
                 export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)
         shared = finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS,
                                embeddings=options.quantize_embeddings, step_outputs=written["step"],
+                               contrib_ops=options.step_ops != "standard" and self.name == "onnx",
+                               rotary_positions=options.context if static else None,
                                edgelin_ops=options.step_ops == "edgelin" and self.name == "onnx")  # (not TensorRT's)
         if static:  # on the graphs as written (quantised, weights shared)
             for kind, outputs in written.items():

@@ -4,7 +4,8 @@ with `SessionOptions.register_custom_ops_library`.
 - `ai.edgelin::MatMulNBits` (ops.c, q4_gemv.c): the 4-bit weight products of one-token decoding. Same inputs,
   attributes and packed weights as `com.microsoft::MatMulNBits` (bits 4, block 32; the activations rounded to
   int8 per 32-block, as accuracy level 4 does); on AVX2 it multiplies two blocks per 256-bit step and four
-  weight rows at once (docs/benchmarks.md, issue 13).
+  weight rows at once, and on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and later) four blocks per 512-bit step with
+  vpdpbusd (docs/benchmarks.md, issue 13).
 - `ai.edgelin::MatMul` (ops_matmul.c, f32_gemv.c): the float32 weight products of one-token decoding (ONNX MatMul
   by a [K, N] initializer, read where it is mapped): each of ONNX Runtime's threads takes slices of the weight's
   rows, contiguous memory, instead of MLAS's column split (Mamba2 12 M, 2 threads: its 24 products 2.24 -> 1.48 ms).
@@ -15,6 +16,8 @@ with `SessionOptions.register_custom_ops_library`.
 - `ai.edgelin::GatedDeltaRecurrence` (ops_gdn.c): a Gated DeltaNet layer's step into its recurrence (q and k
   L2-normalised per head, the key heads broadcast to the value heads, the softplus decay, beta's sigmoid) in one
   node, where the graph had ~26 small ones; an edgelin op like SsdRecurrence (edgelin.export.onnx_gdn).
+- `ai.edgelin::SiluGate` (ops_mlp.c): a gated MLP's silu(gate) * up from the fused gate/up product, one node where
+  the step had three (the Split, SiLU, the Mul; edgelin.export.onnx_silu_gate).
 - `ai.edgelin::CausalConvWithState` (conv.c): the short conv's step with its carried state, SiLU fused (ndim 1),
   the SiLU over a whole row of channels at once; the state may be updated in place.
 - `ai.edgelin::LinearAttention` (linear_attention.c): the recurrence's step for every update rule (linear, gated,
@@ -52,8 +55,8 @@ from pathlib import Path
 
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
-SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "glue.c", "q4_gemv.c", "f32_gemv.c",
-           "conv.c", "linear_attention.c", "attention.c", "cpu.c")
+SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "ops_mlp.c", "glue.c", "q4_gemv.c",
+           "f32_gemv.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
 HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "f32_gemv.h", "conv.h", "linear_attention.h", "attention.h",
            "simd_exp.h", "cpu.h")
 LIBRARY = "libedgelin_ortops.so"

@@ -26,7 +26,7 @@ AVX2 static void silu_row(float* z, int64_t n) {
 
 #endif
 
-static void silu_all(float* z, int64_t n) {
+void edgelin_silu(float* z, int64_t n) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (edgelin_avx2()) {
     silu_row(z, n);
@@ -72,7 +72,7 @@ void edgelin_conv_silu(const float* x, const float* weight, const float* bias, c
   if (T == 1) {
     for (int64_t b = 0; b < B; ++b) {
       step_one(x + b * C, weight, bias, state + b * C * keep, C, W, y + b * C, new_state + b * C * keep);
-      silu_all(y + b * C, C);
+      edgelin_silu(y + b * C, C);
     }
     return;
   }
@@ -99,6 +99,6 @@ void edgelin_conv_silu(const float* x, const float* weight, const float* bias, c
       }
       memcpy(out_state, carry, sizeof(float) * (size_t)keep);
     }
-    silu_all(y + b * C * T, C * T);
+    edgelin_silu(y + b * C * T, C * T);
   }
 }

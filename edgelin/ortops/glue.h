@@ -54,5 +54,10 @@ OrtStatus* edgelin_create_gated_norm(const OrtCustomOp* op, const OrtApi* api, c
                                      void** out);
 OrtStatus* edgelin_compute_gated_norm(void* kernel, OrtKernelContext* context);
 
-void edgelin_destroy_fused(void* kernel);  /* the three fused ops' */
+/* ai.edgelin::SiluGate (ops_mlp.c) */
+OrtStatus* edgelin_create_silu_gate(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                                    void** out);
+OrtStatus* edgelin_compute_silu_gate(void* kernel, OrtKernelContext* context);
+
+void edgelin_destroy_fused(void* kernel);  /* the fused ops' (and SiluGate's) */
 #endif

@@ -11,7 +11,8 @@
      (ops_ssd.c; an edgelin op: its function body is ONNX ops around com.microsoft::LinearAttention);
    - ai.edgelin::GatedDeltaRecurrence: a Gated DeltaNet layer's step into its recurrence (q / k norms, key heads,
      decay, beta) in one node (ops_gdn.c; an edgelin op, like SsdRecurrence);
-   - ai.edgelin::GatedRmsNorm: a recurrence's gated output norm, RMSNorm(o) w silu(z) per head (ops_gdn.c).
+   - ai.edgelin::GatedRmsNorm: a recurrence's gated output norm, RMSNorm(o) w silu(z) per head (ops_gdn.c);
+   - ai.edgelin::SiluGate: a gated MLP's silu(gate) * up from the fused gate/up product (ops_mlp.c).
    An export that uses them also carries, for each, an ONNX function of the same name whose body is the
    com.microsoft op (ONNX's, for MatMul), so a runtime without this library runs the same file through ONNX Runtime's
    own kernels.
@@ -31,16 +32,7 @@
 
 typedef struct {
   int64_t K, N;
-  float* offsets;        /* [N, nb]: -scale * zero point, made once when the weights are initializers */
 } Kernel;
-
-static float* make_offsets(const Kernel* k, const OrtValue* scales, const OrtValue* zero_points) {
-  int64_t nb = (k->K + 31) / 32;
-  float* offsets = malloc(sizeof(float) * (size_t)(k->N * nb));
-  if (offsets)
-    edgelin_q4_offsets(k->K, k->N, data_of(scales), zero_points ? data_of(zero_points) : NULL, offsets);
-  return offsets;
-}
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   (void)op;
@@ -54,24 +46,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
   if (!status) status = attribute(info, "block_size", &block);
   if (!status && (bits != 4 || block != 32 || k->K <= 0 || k->N <= 0))
     status = fail("edgelin MatMulNBits: only bits 4 with block_size 32 (export with those, or use com.microsoft's)");
-  if (!status) {  /* the offsets once, when scales (and zero points) are initializers */
-    const OrtValue *scales = NULL, *zero_points = NULL;
-    int constant_scales = 0, constant_zero_points = 0;
-    status = ORT_CALL(g_api, KernelInfoGetConstantInput_tensor)(info, 2, &constant_scales, &scales);
-    if (!status) status = ORT_CALL(g_api, KernelInfoGetConstantInput_tensor)(info, 3, &constant_zero_points, &zero_points);
-    if (status) {  /* no fourth input: zero points absent */
-      ORT_CALL(g_api, ReleaseStatus)(status);
-      status = NULL;
-      zero_points = NULL;
-      constant_zero_points = 1;
-    }
-    if (constant_scales && constant_zero_points && scales) {
-      k->offsets = make_offsets(k, scales, zero_points);
-      if (!k->offsets) status = fail("edgelin MatMulNBits: out of memory");
-    }
-  }
   if (status) {
-    free(k->offsets);
     free(k);
     return status;
   }
@@ -83,14 +58,15 @@ typedef struct {
   const void* scratch;
   int64_t K, N;
   const uint8_t* weights;
-  const float *scales, *offsets;
+  const float* scales;
+  const uint8_t* zero_points;  /* NULL: 8 */
   float* y;
 } Task;
 
 static void run_task(void* data, size_t index) {
   const Task* t = data;
   int64_t n0 = (int64_t)index * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < t->N ? n0 + ROWS_PER_TASK : t->N;
-  edgelin_q4_rows(t->scratch, t->K, t->weights, t->scales, t->offsets, n0, n1, t->y);
+  edgelin_q4_rows(t->scratch, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y);
 }
 
 static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
@@ -112,16 +88,10 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   OrtValue* y = NULL;
   status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, dims, rank, &y);
   if (status) return status;
-  float* offsets = k->offsets;
-  if (!offsets) offsets = make_offsets(k, scales, zero_points);  /* scales fed at run time */
   void* scratch = malloc(edgelin_q4_scratch_bytes(k->K));
-  if (!offsets || !scratch) {
-    if (offsets != k->offsets) free(offsets);
-    free(scratch);
-    return fail("edgelin MatMulNBits: out of memory");
-  }
+  if (!scratch) return fail("edgelin MatMulNBits: out of memory");
   const float* x = data_of(a);
-  Task task = {scratch, k->K, k->N, data_of(b), data_of(scales), offsets, NULL};
+  Task task = {scratch, k->K, k->N, data_of(b), data_of(scales), zero_points ? data_of(zero_points) : NULL, NULL};
   size_t tasks = (size_t)((k->N + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
   for (int64_t m = 0; m < rows && !status; ++m) {
     edgelin_q4_quantize(x + m * k->K, k->K, scratch);
@@ -129,19 +99,14 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
     if (g_parallel_for && tasks > 1) {
       status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_task, tasks, 0, &task);
     } else {
-      edgelin_q4_rows(scratch, k->K, task.weights, task.scales, offsets, 0, k->N, task.y);
+      edgelin_q4_rows(scratch, k->K, task.weights, task.scales, task.zero_points, 0, k->N, task.y);
     }
   }
   free(scratch);
-  if (offsets != k->offsets) free(offsets);
   return status;
 }
 
-static void destroy_kernel(void* kernel) {
-  Kernel* k = kernel;
-  if (k) free(k->offsets);
-  free(k);
-}
+static void destroy_kernel(void* kernel) { free(kernel); }
 
 /* ---- ai.edgelin::CausalConvWithState ---------------------------------------------------------------------- */
 static OrtStatus* create_conv(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
@@ -313,6 +278,8 @@ static const char* name_gdn(const OrtCustomOp* op) { (void)op; return "GatedDelt
 static size_t ten_inputs(const OrtCustomOp* op) { (void)op; return 10; }
 static const char* name_gated_norm(const OrtCustomOp* op) { (void)op; return "GatedRmsNorm"; }
 static size_t three_inputs(const OrtCustomOp* op) { (void)op; return 3; }
+static const char* name_silu_gate(const OrtCustomOp* op) { (void)op; return "SiluGate"; }
+static size_t one_input(const OrtCustomOp* op) { (void)op; return 1; }
 
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t four_inputs(const OrtCustomOp* op) { (void)op; return 4; }
@@ -348,7 +315,7 @@ static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input
   return op;
 }
 
-static OrtCustomOp g_ops[9];
+static OrtCustomOp g_ops[10];
 
 /* ONNX Runtime's entry point (register_custom_ops_library), once per session that loads the library. */
 EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -376,6 +343,8 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
                         edgelin_compute_gdn, edgelin_destroy_fused);
     g_ops[8] = describe(name_gated_norm, all_float, three_inputs, all_required, outputs_matmul,
                         edgelin_create_gated_norm, edgelin_compute_gated_norm, edgelin_destroy_fused);
+    g_ops[9] = describe(name_silu_gate, all_float, one_input, all_required, outputs_matmul, edgelin_create_silu_gate,
+                        edgelin_compute_silu_gate, edgelin_destroy_fused);
   }
   /* Only where the AVX2 kernels run (measured faster there: docs/benchmarks.md, issue 13). Elsewhere (ARM boards)
      nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):

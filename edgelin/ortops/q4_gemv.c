@@ -59,25 +59,21 @@ static void quantize_portable(const float* x, int64_t K, Scratch s, int64_t b) {
   s.c[b] = s.sa[b] * (float)sum;
 }
 
-void edgelin_q4_offsets(int64_t K, int64_t N, const float* scales, const uint8_t* zero_points, float* offsets) {
-  int64_t nb = n_blocks(K), zb = (nb + 1) / 2;
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t b = 0; b < nb; ++b) {
-      int zp = zero_points ? (zero_points[n * zb + b / 2] >> (4 * (b % 2))) & 15 : 8;
-      offsets[n * nb + b] = -scales[n * nb + b] * (float)zp;
-    }
-}
+/* Block b's zero point of a row whose packed zero points start at zr (NULL: 8, MatMulNBits' default). */
+static int zero_point(const uint8_t* zr, int64_t b) { return zr ? (zr[b / 2] >> (4 * (b % 2))) & 15 : 8; }
 
 /* The portable path: any CPU, the same arithmetic in plain C. */
-static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* scales, const float* offsets,
+static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* scales, const uint8_t* zero_points,
                           int64_t n0, int64_t n1, float* y) {
+  int64_t zb = (nb + 1) / 2;
   for (int64_t n = n0; n < n1; ++n) {
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = w + (n * nb + b) * 16;
       int32_t dot = 0;
       for (int j = 0; j < BLOCK; ++j) dot += ((wb[j / 2] >> (4 * (j % 2))) & 15) * *slot(s, b, j);
-      acc += (float)dot * scales[n * nb + b] * s.sa[b] + offsets[n * nb + b] * s.c[b];
+      float offset = -(scales[n * nb + b] * (float)zero_point(zero_points ? zero_points + n * zb : NULL, b));
+      acc += (float)dot * scales[n * nb + b] * s.sa[b] + offset * s.c[b];
     }
     y[n] = acc;
   }
@@ -89,6 +85,20 @@ static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* 
 
 AVX2 static inline __m256i mask_first(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Blocks b .. b + 7's zero points (b a multiple of 8) of a row whose packed zero points (zb bytes) start at zr, as
+   floats; NULL: 8 each. Two per byte, low nibble first: 4 bytes, shifted per lane. */
+AVX2 static inline __m256 zero_points8(const uint8_t* zr, int64_t zb, int64_t b) {
+  if (!zr) return _mm256_set1_ps(8.0f);
+  uint32_t word = 0;
+  if (b / 2 + 4 <= zb) {
+    memcpy(&word, zr + b / 2, 4);  /* (a fixed size: one load) */
+  } else {  /* a row's last group holds fewer */
+    for (int64_t i = b / 2; i < zb; ++i) word |= (uint32_t)zr[i] << (8 * (i - b / 2));
+  }
+  __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
 }
 
 AVX2 static inline int32_t hsum_epi32(__m256i v) {
@@ -143,7 +153,7 @@ AVX2 static inline int32_t lone_block(const uint8_t* w, const int8_t* even) {
 /* R rows (R <= ROWS) from row n: y[n .. n + R). Always inlined, so that a constant R unrolls the row loops and
    keeps the accumulators in registers (a runtime R: 43 instead of 20 us for 1676 x 384). */
 AVX2 static inline __attribute__((always_inline)) void rows_avx2_group(Scratch s, int64_t nb, const uint8_t* w,
-                                                                       const float* scales, const float* offsets,
+                                                                       const float* scales, const uint8_t* zero_points,
                                                                        int64_t n, int R, float* y) {
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   int64_t row_bytes = nb * 16;
@@ -155,15 +165,18 @@ AVX2 static inline __attribute__((always_inline)) void rows_avx2_group(Scratch s
   }
   const uint8_t* wr = w + n * row_bytes;
   const float* sr = scales + n * nb;
-  const float* mr = offsets + n * nb;
+  int64_t zb = (nb + 1) / 2;
+  const uint8_t* zr = zero_points ? zero_points + n * zb : NULL;
   for (int64_t b = 0; b < nb; b += 8) {
     int64_t left = nb - b < 8 ? nb - b : 8;
     __m256i mask = mask_first(left);
     __m256 sa8 = _mm256_maskload_ps(s.sa + b, mask), c8 = _mm256_maskload_ps(s.c + b, mask);
     __m256 ds[ROWS];
     for (int r = 0; r < R; ++r) {
-      ds[r] = _mm256_mul_ps(_mm256_maskload_ps(sr + r * nb + b, mask), sa8);
-      acc[r] = _mm256_fmadd_ps(_mm256_maskload_ps(mr + r * nb + b, mask), c8, acc[r]);
+      __m256 sw = _mm256_maskload_ps(sr + r * nb + b, mask);
+      ds[r] = _mm256_mul_ps(sw, sa8);
+      /* + offset c, offset = -(scale x zero point): rounded as the portable path rounds it */
+      acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(sw, zero_points8(zr ? zr + r * zb : NULL, zb, b)), c8, acc[r]);
     }
     int p = 0;
     for (; 2 * p + 1 < left; ++p) {  /* a pair of blocks: one 32-byte load per row */
@@ -191,11 +204,110 @@ AVX2 static inline __attribute__((always_inline)) void rows_avx2_group(Scratch s
   for (int r = 0; r < R; ++r) y[n + r] = out[r];
 }
 
-AVX2 static void rows_avx2(Scratch s, int64_t nb, const uint8_t* w, const float* scales, const float* offsets,
+AVX2 static void rows_avx2(Scratch s, int64_t nb, const uint8_t* w, const float* scales, const uint8_t* zero_points,
                            int64_t n0, int64_t n1, float* y) {
   int64_t n = n0;
-  for (; n + ROWS <= n1; n += ROWS) rows_avx2_group(s, nb, w, scales, offsets, n, ROWS, y);
-  if (n < n1) rows_avx2_group(s, nb, w, scales, offsets, n, (int)(n1 - n), y);
+  for (; n + ROWS <= n1; n += ROWS) rows_avx2_group(s, nb, w, scales, zero_points, n, ROWS, y);
+  if (n < n1) rows_avx2_group(s, nb, w, scales, zero_points, n, (int)(n1 - n), y);
+}
+
+/* With AVX-512 VNNI (Zen 4, Ice Lake and later): vpdpbusd multiplies the unsigned nibbles by the int8 activations
+   and sums each 4 into int32 in one instruction (maddubs, madd and the add in the AVX2 path), over four blocks per
+   512-bit step (a pair of the AVX2 path's layout from each 256-bit half of the activations). Per 128 weights and
+   row: 9 instructions where the AVX2 path takes 22. The same integer dot per block; only the float sums' order
+   differs. llama.cpp's Q4_0 x Q8_0 product takes vpdpbusd on such a CPU too. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+/* Blocks b .. b + left - 1 (left <= 8) of R rows into their accumulators. Always inlined: with left = 8 (every
+   8 blocks but a row's last few) the loops below unroll and the loads need no masks. */
+AVX512 static inline __attribute__((always_inline)) void vnni_blocks(Scratch s, int64_t nb, const uint8_t* wr,
+                                                                     const float* sr, const uint8_t* zr, int64_t b,
+                                                                     int64_t left, int R, __m512* acc,
+                                                                     __m256* acc256, float* tail) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m256i low256 = _mm256_set1_epi8(0x0F);
+  /* lane l of a four-block step holds block l / 4's partial dot */
+  const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  int64_t row_bytes = nb * 16, zb = (nb + 1) / 2;
+  __m256i mask = mask_first(left);
+  __m256 sa8 = left == 8 ? _mm256_loadu_ps(s.sa + b) : _mm256_maskload_ps(s.sa + b, mask);
+  __m256 c8 = left == 8 ? _mm256_loadu_ps(s.c + b) : _mm256_maskload_ps(s.c + b, mask);
+  __m256 ds[ROWS];
+  for (int r = 0; r < R; ++r) {
+    __m256 sw = left == 8 ? _mm256_loadu_ps(sr + r * nb + b) : _mm256_maskload_ps(sr + r * nb + b, mask);
+    ds[r] = _mm256_mul_ps(sw, sa8);
+    acc256[r] = _mm256_fnmadd_ps(_mm256_mul_ps(sw, zero_points8(zr ? zr + r * zb : NULL, zb, b)), c8, acc256[r]);
+  }
+  int q = 0;
+  for (; 4 * q + 3 < left; ++q) {  /* four blocks: one 64-byte load per row */
+    const int8_t* a = s.qa + (b / 2 + 2 * q) * 64;
+    __m512i even = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                                      _mm256_loadu_si256((const __m256i*)(a + 64)), 1);
+    __m512i odd = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 32))),
+                                     _mm256_loadu_si256((const __m256i*)(a + 96)), 1);
+    __m512i idx = _mm512_add_epi32(quad, _mm512_set1_epi32(4 * q));
+    for (int r = 0; r < R; ++r) {
+      __m512i wv = _mm512_loadu_si512((const void*)(wr + r * row_bytes + (b + 4 * q) * 16));
+      __m512i lo = _mm512_and_si512(wv, low), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, even), hi, odd);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(ds[r])),
+                               acc[r]);
+    }
+  }
+  int p = 2 * q;
+  for (; 2 * p + 1 < left; ++p) {  /* a pair of blocks left: the 256-bit form */
+    const int8_t* a = s.qa + (b / 2 + p) * 64;
+    __m256i even = _mm256_loadu_si256((const __m256i*)a), odd = _mm256_loadu_si256((const __m256i*)(a + 32));
+    __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+    for (int r = 0; r < R; ++r) {
+      __m256i wv = _mm256_loadu_si256((const __m256i*)(wr + r * row_bytes + (b + 2 * p) * 16));
+      __m256i lo = _mm256_and_si256(wv, low256), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low256);
+      __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, even), hi, odd);
+      acc256[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(ds[r], idx), acc256[r]);
+    }
+  }
+  if (2 * p < left) {  /* the last block of an odd count */
+    int64_t bb = b + 2 * p;
+    for (int r = 0; r < R; ++r)
+      tail[r] += (float)lone_block(wr + r * row_bytes + bb * 16, s.qa + (bb / 2) * 64) * sr[r * nb + bb] * s.sa[bb];
+  }
+}
+
+AVX512 static inline __attribute__((always_inline)) void rows_vnni_group(Scratch s, int64_t nb, const uint8_t* w,
+                                                                         const float* scales,
+                                                                         const uint8_t* zero_points, int64_t n, int R,
+                                                                         float* y) {
+  __m512 acc[ROWS];
+  __m256 acc256[ROWS];
+  float tail[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    acc256[r] = _mm256_setzero_ps();
+    tail[r] = 0.0f;
+  }
+  const uint8_t* wr = w + n * nb * 16;
+  const float* sr = scales + n * nb;
+  const uint8_t* zr = zero_points ? zero_points + n * ((nb + 1) / 2) : NULL;
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) vnni_blocks(s, nb, wr, sr, zr, b, 8, R, acc, acc256, tail);
+  if (b < nb) vnni_blocks(s, nb, wr, sr, zr, b, nb - b, R, acc, acc256, tail);
+  __m256 folded[ROWS];
+  for (int r = 0; r < ROWS; ++r)
+    folded[r] = _mm256_add_ps(_mm256_add_ps(_mm512_castps512_ps256(acc[r]),
+                                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r]), 1))),
+                              acc256[r]);
+  __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(folded[0], folded[1]), _mm256_hadd_ps(folded[2], folded[3]));
+  __m128 sums = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_loadu_ps(tail));
+  float out[ROWS];
+  _mm_storeu_ps(out, sums);
+  for (int r = 0; r < R; ++r) y[n + r] = out[r];
+}
+
+AVX512 static void rows_vnni(Scratch s, int64_t nb, const uint8_t* w, const float* scales,
+                             const uint8_t* zero_points, int64_t n0, int64_t n1, float* y) {
+  int64_t n = n0;
+  for (; n + ROWS <= n1; n += ROWS) rows_vnni_group(s, nb, w, scales, zero_points, n, ROWS, y);
+  if (n < n1) rows_vnni_group(s, nb, w, scales, zero_points, n, (int)(n1 - n), y);
 }
 #endif
 
@@ -216,14 +328,18 @@ void edgelin_q4_quantize(const float* x, int64_t K, void* scratch) {
 }
 
 void edgelin_q4_rows(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
-                     const float* offsets, int64_t n0, int64_t n1, float* y) {
+                     const uint8_t* zero_points, int64_t n0, int64_t n1, float* y) {
   Scratch s = view(scratch, K);
   int64_t nb = n_blocks(K);
 #if defined(__x86_64__) || defined(_M_X64)
+  if (edgelin_avx512_vnni()) {
+    rows_vnni(s, nb, weights, scales, zero_points, n0, n1, y);
+    return;
+  }
   if (edgelin_avx2()) {
-    rows_avx2(s, nb, weights, scales, offsets, n0, n1, y);
+    rows_avx2(s, nb, weights, scales, zero_points, n0, n1, y);
     return;
   }
 #endif
-  rows_portable(s, nb, weights, scales, offsets, n0, n1, y);
+  rows_portable(s, nb, weights, scales, zero_points, n0, n1, y);
 }
