@@ -28,6 +28,7 @@ from pathlib import Path
 
 from edgelin.export.onnx_gated_norm import fuse_gated_norms
 from edgelin.export.onnx_gdn import fuse_gated_delta_steps
+from edgelin.export.onnx_patterns import use_domain
 from edgelin.export.onnx_silu_gate import fuse_silu_gates
 from edgelin.export.onnx_ssd import fuse_ssd_steps
 from edgelin.ortops import DOMAIN
@@ -144,9 +145,26 @@ def route_to_edgelin_kernels(path: Path) -> int:
             routed[op.name] = op
             count += 1
     if count:
+        use_domain(proto, DOMAIN)
         opsets = {o.domain: o.version for o in proto.opset_import}
-        if DOMAIN not in opsets:
-            proto.opset_import.append(helper.make_opsetid(DOMAIN, 1))
         proto.functions.extend(fallback_function(op, opsets) for op in routed.values())
+        onnx.save(proto, str(path))
+    return count
+
+
+def fuse_contrib_steps(path: Path, rotary_positions: int | None = None) -> int:
+    """--step-ops contrib and edgelin: the step graph at `path` (its weights stay where they are) with each residual
+    Add + RMSNorm as one SkipSimplifiedLayerNormalization (edgelin.export.onnx_skip_norm) and, given
+    `rotary_positions` (a static KV cache's capacity), each rotary as one RotaryEmbedding (edgelin.export.onnx_rotary):
+    ONNX Runtime's contrib ops, no edgelin library needed. Saved only when something fused; returns how many."""
+    import onnx
+
+    from edgelin.export.onnx_rotary import fuse_rotary
+    from edgelin.export.onnx_skip_norm import fuse_skip_norms
+
+    proto = onnx.load(str(path), load_external_data=False)
+    floats = float_tensor_names(proto)
+    count = fuse_skip_norms(proto, floats) + (fuse_rotary(proto, rotary_positions, floats) if rotary_positions else 0)
+    if count:
         onnx.save(proto, str(path))
     return count

@@ -138,11 +138,36 @@ def reshape_shape(graph: GraphIndex, node) -> list[int] | None:
 
 
 def replace_in_place(proto, fused: dict[int, object], dropped: set[int]) -> None:
-    """Each fused node where its recurrence (id(node) -> fused node) was, the replaced nodes (their ids) gone: every
-    input a fused node takes was made before its recurrence's own inputs, and its outputs' readers come after."""
-    nodes = [fused.get(id(n), n) for n in proto.graph.node if id(n) in fused or id(n) not in dropped]
+    """Each fused node (or list of nodes) where its anchor (id(node) -> fused) was, the replaced nodes (their ids)
+    gone. The caller picks an anchor where every input the fused nodes take exists and before every reader of their
+    outputs (a recurrence, the residual Add, the rotary's final Reshape)."""
+    nodes = []
+    for node in proto.graph.node:
+        if id(node) in fused:
+            new = fused[id(node)]
+            nodes.extend(new if isinstance(new, list) else [new])
+        elif id(node) not in dropped:
+            nodes.append(node)
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
+
+
+CONTRIB = "com.microsoft"  # ONNX Runtime's contrib ops' domain
+
+
+def use_domain(proto, domain: str) -> None:
+    """Import `domain` (version 1) in the model, if it does not yet."""
+    from onnx import helper
+
+    if domain not in {o.domain for o in proto.opset_import}:
+        proto.opset_import.append(helper.make_opsetid(domain, 1))
+
+
+def recorded_shapes(proto) -> dict[str, list]:
+    """Each tensor's shape as the graph records it (value_info, inputs, outputs): dims as names or sizes."""
+    infos = [*proto.graph.value_info, *proto.graph.input, *proto.graph.output]
+    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in infos if v.type.tensor_type.HasField("shape")}
 
 
 def attribute_constant(name: str, attribute: str, kind: str = "int"):

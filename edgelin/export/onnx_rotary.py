@@ -18,10 +18,10 @@ Export-side module: imports onnx and numpy inside its functions.
 
 from __future__ import annotations
 
-from edgelin.export.onnx_patterns import GraphIndex
+from edgelin.export.onnx_patterns import CONTRIB, GraphIndex, recorded_shapes, replace_in_place, use_domain
 
 OP = "RotaryEmbedding"
-CONTRIB = "com.microsoft"
+FLAT = "rotary.flat_shape"  # the [0, 0, -1] a Reshape to [B, T, heads x head_dim] reads
 
 
 def _slice(graph: GraphIndex, name: str, rank: int):
@@ -107,10 +107,7 @@ def fuse_rotary(proto, positions: int, floats: set[str]) -> int:
     import numpy as np
     from onnx import helper, numpy_helper
 
-    graph = GraphIndex(proto.graph)
-    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-              for v in [*proto.graph.value_info, *proto.graph.input, *proto.graph.output]
-              if v.type.tensor_type.HasField("shape")}
+    graph, shapes = GraphIndex(proto.graph), recorded_shapes(proto)
     at: dict[int, list] = {}  # id(the final Reshape) -> the nodes that take its place (every input exists there)
     dropped: set[int] = set()
     tables: dict[str, tuple[str, str]] = {}  # inv_freq -> (cos table, sin table)
@@ -127,12 +124,9 @@ def fuse_rotary(proto, positions: int, floats: set[str]) -> int:
                                             numpy_helper.from_array(np.sin(angles).astype(np.float32), names[1])])
             tables[inv_freq] = names
         flat = f"{output}.heads_flat"
-        if "rotary.flat_shape" not in graph.initializers:
-            proto.graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], np.int64), "rotary.flat_shape"))
-            graph.initializers["rotary.flat_shape"] = proto.graph.initializer[-1]
         rotated = f"{output}.rotated" if cast else output
         at[id(replaced[7])] = [  # (the final Reshape)
-            helper.make_node("Reshape", [x, "rotary.flat_shape"], [flat], name=f"{output}.rotary_flat"),
+            helper.make_node("Reshape", [x, FLAT], [flat], name=f"{output}.rotary_flat"),
             helper.make_node(OP, [flat, position_ids, *tables[inv_freq]], [rotated], name=f"{output}.rotary",
                              domain=CONTRIB, interleaved=0, num_heads=heads, rotary_embedding_dim=rot)]
         if cast:  # the float32 result cast as the graph cast it
@@ -141,17 +135,10 @@ def fuse_rotary(proto, positions: int, floats: set[str]) -> int:
         dropped |= {id(n) for n in replaced}
     if not at:
         return 0
-    nodes = []
-    for node in proto.graph.node:
-        if id(node) in at:
-            nodes.extend(at[id(node)])
-        elif id(node) not in dropped:
-            nodes.append(node)
-    del proto.graph.node[:]
-    proto.graph.node.extend(nodes)
+    proto.graph.initializer.append(numpy_helper.from_array(np.array([0, 0, -1], np.int64), FLAT))
+    replace_in_place(proto, at, dropped)
     _drop_unread(proto)
-    if CONTRIB not in {o.domain for o in proto.opset_import}:
-        proto.opset_import.append(helper.make_opsetid(CONTRIB, 1))
+    use_domain(proto, CONTRIB)
     return len(at)
 
 
@@ -166,16 +153,3 @@ def _drop_unread(proto) -> None:
         del proto.graph.node[:]
         proto.graph.node.extend(kept)
 
-
-def fuse_rotary_in(path, positions: int) -> int:
-    """`fuse_rotary` on the graph file at `path` (its external weights stay where they are); saved only when
-    something fused."""
-    import onnx
-
-    from edgelin.export.onnx_kernels import float_tensor_names
-
-    proto = onnx.load(str(path), load_external_data=False)
-    count = fuse_rotary(proto, positions, float_tensor_names(proto))
-    if count:
-        onnx.save(proto, str(path))
-    return count

@@ -13,19 +13,9 @@ six nodes `rms_norm` matches, over float32. Export-side module: imports onnx ins
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from edgelin.export.onnx_patterns import GraphIndex, rms_norm
+from edgelin.export.onnx_patterns import CONTRIB, GraphIndex, recorded_shapes, replace_in_place, rms_norm, use_domain
 
 OP = "SkipSimplifiedLayerNormalization"
-CONTRIB = "com.microsoft"
-
-
-def _shapes(proto) -> dict[str, list]:
-    """Each tensor's shape as the graph records it (value_info, inputs, outputs): dims as names or sizes."""
-    infos = [*proto.graph.value_info, *proto.graph.input, *proto.graph.output]
-    return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in infos if v.type.tensor_type.HasField("shape")}
 
 
 def fuse_skip_norms(proto, float_tensors: set[str]) -> int:
@@ -33,7 +23,7 @@ def fuse_skip_norms(proto, float_tensors: set[str]) -> int:
     pattern) with one SkipSimplifiedLayerNormalization(a, b, weight). Returns how many it fused."""
     from onnx import helper
 
-    graph, shapes = GraphIndex(proto.graph), _shapes(proto)
+    graph, shapes = GraphIndex(proto.graph), recorded_shapes(proto)
     at_add: dict[int, object] = {}  # id(the residual Add) -> the fused node that takes its place
     dropped: set[int] = set()
     for mul in proto.graph.node:
@@ -61,23 +51,7 @@ def fuse_skip_norms(proto, float_tensors: set[str]) -> int:
     if not at_add:
         return 0
     # each fused node where its Add was: its inputs exist there, and every reader of the sum or the norm comes after
-    nodes = [at_add.get(id(n), n) for n in proto.graph.node if id(n) not in dropped]
-    del proto.graph.node[:]
-    proto.graph.node.extend(nodes)
-    if CONTRIB not in {o.domain for o in proto.opset_import}:
-        proto.opset_import.append(helper.make_opsetid(CONTRIB, 1))
+    replace_in_place(proto, at_add, dropped)
+    use_domain(proto, CONTRIB)
     return len(at_add)
 
-
-def fuse_skip_norms_in(path: Path) -> int:
-    """`fuse_skip_norms` on the graph file at `path` (its external weights stay where they are); saved only when
-    something fused."""
-    import onnx
-
-    from edgelin.export.onnx_kernels import float_tensor_names
-
-    proto = onnx.load(str(path), load_external_data=False)
-    count = fuse_skip_norms(proto, float_tensor_names(proto))
-    if count:
-        onnx.save(proto, str(path))
-    return count

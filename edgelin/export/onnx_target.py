@@ -203,10 +203,10 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     their quantised weights still match; with `embeddings`, the embedding table and LM head too), then (with
     `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data), given the step
     graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the graph as
-    written), with `contrib_ops` (--step-ops contrib or edgelin) the step's residual Adds and RMSNorms as one contrib
-    node each (edgelin.export.onnx_skip_norm) and, given `rotary_positions` (a static KV cache's capacity), its
-    rotary embeddings as RotaryEmbedding nodes (edgelin.export.onnx_rotary), and with `edgelin_ops` (--step-ops edgelin) the step's nodes for
-    edgelin's kernels (edgelin.export.onnx_kernels). Returns the files it adds ({"weights": "weights.bin"} or
+    written), with `contrib_ops` (--step-ops contrib or edgelin) the step's residual Adds + RMSNorms and, given
+    `rotary_positions` (a static KV cache's capacity), its rotary as ONNX Runtime's contrib ops
+    (edgelin.export.onnx_kernels.fuse_contrib_steps), and with `edgelin_ops` (--step-ops edgelin) the step's nodes
+    for edgelin's kernels (edgelin.export.onnx_kernels). Returns the files it adds ({"weights": "weights.bin"} or
     nothing)."""
     from edgelin.export.fuse_matmuls import fuse_matmuls
     from edgelin.export.weights import WEIGHTS_KEY, share_weights
@@ -223,13 +223,9 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     if step_outputs is not None:
         mark_in_place_states(folder / files["step"], step_outputs)
     if contrib_ops:
-        from edgelin.export.onnx_skip_norm import fuse_skip_norms_in
+        from edgelin.export.onnx_kernels import fuse_contrib_steps
 
-        fuse_skip_norms_in(folder / files["step"])
-        if rotary_positions:
-            from edgelin.export.onnx_rotary import fuse_rotary_in
-
-            fuse_rotary_in(folder / files["step"], rotary_positions)
+        fuse_contrib_steps(folder / files["step"], rotary_positions)
     if edgelin_ops:
         from edgelin.export.onnx_kernels import route_to_edgelin_kernels
 

@@ -150,20 +150,47 @@ AVX2 static inline int32_t lone_block(const uint8_t* w, const int8_t* even) {
   return _mm_cvtsi128_si32(s32);
 }
 
+/* Blocks b + 2 p0 .. b + left - 1 of R rows (b a multiple of 8, left <= 8): pairs of blocks, one 32-byte load per
+   row (vpmaddubsw), then a lone last block; the products scaled by ds (the 8 blocks' weight x activation scales)
+   into acc, the lone block's into tail. Always inlined (constant R: accumulators in registers); the AVX2 path's
+   whole 8 blocks, and the AVX-512 path's pair and lone block after its four-block steps. */
+AVX2 static inline __attribute__((always_inline)) void pairs_avx2(Scratch s, int64_t nb, const uint8_t* wr,
+                                                                  const float* sr, int64_t b, int p0, int64_t left,
+                                                                  int R, const __m256* ds, __m256* acc, float* tail) {
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  int64_t row_bytes = nb * 16;
+  int p = p0;
+  for (; 2 * p + 1 < left; ++p) {
+    const int8_t* a = s.qa + (b / 2 + p) * 64;
+    __m256i even = _mm256_loadu_si256((const __m256i*)a), odd = _mm256_loadu_si256((const __m256i*)(a + 32));
+    __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+    for (int r = 0; r < R; ++r) {
+      __m256i wv = _mm256_loadu_si256((const __m256i*)(wr + r * row_bytes + (b + 2 * p) * 16));
+      __m256i lo = _mm256_and_si256(wv, low), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
+      __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)), _mm256_permutevar8x32_ps(ds[r], idx),
+                               acc[r]);
+    }
+  }
+  if (2 * p < left) {  /* the last block of an odd count */
+    int64_t bb = b + 2 * p;
+    for (int r = 0; r < R; ++r)
+      tail[r] += (float)lone_block(wr + r * row_bytes + bb * 16, s.qa + (bb / 2) * 64) * sr[r * nb + bb] * s.sa[bb];
+  }
+}
+
 /* R rows (R <= ROWS) from row n: y[n .. n + R). Always inlined, so that a constant R unrolls the row loops and
    keeps the accumulators in registers (a runtime R: 43 instead of 20 us for 1676 x 384). */
 AVX2 static inline __attribute__((always_inline)) void rows_avx2_group(Scratch s, int64_t nb, const uint8_t* w,
                                                                        const float* scales, const uint8_t* zero_points,
                                                                        int64_t n, int R, float* y) {
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  int64_t row_bytes = nb * 16;
   __m256 acc[ROWS];
   float tail[ROWS];
   for (int r = 0; r < ROWS; ++r) {
     acc[r] = _mm256_setzero_ps();
     tail[r] = 0.0f;
   }
-  const uint8_t* wr = w + n * row_bytes;
+  const uint8_t* wr = w + n * nb * 16;
   const float* sr = scales + n * nb;
   int64_t zb = (nb + 1) / 2;
   const uint8_t* zr = zero_points ? zero_points + n * zb : NULL;
@@ -178,24 +205,7 @@ AVX2 static inline __attribute__((always_inline)) void rows_avx2_group(Scratch s
       /* + offset c, offset = -(scale x zero point): rounded as the portable path rounds it */
       acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(sw, zero_points8(zr ? zr + r * zb : NULL, zb, b)), c8, acc[r]);
     }
-    int p = 0;
-    for (; 2 * p + 1 < left; ++p) {  /* a pair of blocks: one 32-byte load per row */
-      const int8_t* a = s.qa + (b / 2 + p) * 64;
-      __m256i even = _mm256_loadu_si256((const __m256i*)a), odd = _mm256_loadu_si256((const __m256i*)(a + 32));
-      __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
-      for (int r = 0; r < R; ++r) {
-        __m256i wv = _mm256_loadu_si256((const __m256i*)(wr + r * row_bytes + (b + 2 * p) * 16));
-        __m256i lo = _mm256_and_si256(wv, low), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low);
-        __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, even), _mm256_maddubs_epi16(hi, odd));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones)),
-                                 _mm256_permutevar8x32_ps(ds[r], idx), acc[r]);
-      }
-    }
-    if (2 * p < left) {  /* the last block of an odd count */
-      int64_t bb = b + 2 * p;
-      for (int r = 0; r < R; ++r)
-        tail[r] += (float)lone_block(wr + r * row_bytes + bb * 16, s.qa + (bb / 2) * 64) * sr[r * nb + bb] * s.sa[bb];
-    }
+    pairs_avx2(s, nb, wr, sr, b, 0, left, R, ds, acc, tail);
   }
   __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
   __m128 sums = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_loadu_ps(tail));
@@ -225,7 +235,6 @@ AVX512 static inline __attribute__((always_inline)) void vnni_blocks(Scratch s, 
                                                                      int64_t left, int R, __m512* acc,
                                                                      __m256* acc256, float* tail) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m256i low256 = _mm256_set1_epi8(0x0F);
   /* lane l of a four-block step holds block l / 4's partial dot */
   const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   int64_t row_bytes = nb * 16, zb = (nb + 1) / 2;
@@ -254,23 +263,8 @@ AVX512 static inline __attribute__((always_inline)) void vnni_blocks(Scratch s, 
                                acc[r]);
     }
   }
-  int p = 2 * q;
-  for (; 2 * p + 1 < left; ++p) {  /* a pair of blocks left: the 256-bit form */
-    const int8_t* a = s.qa + (b / 2 + p) * 64;
-    __m256i even = _mm256_loadu_si256((const __m256i*)a), odd = _mm256_loadu_si256((const __m256i*)(a + 32));
-    __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
-    for (int r = 0; r < R; ++r) {
-      __m256i wv = _mm256_loadu_si256((const __m256i*)(wr + r * row_bytes + (b + 2 * p) * 16));
-      __m256i lo = _mm256_and_si256(wv, low256), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low256);
-      __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, even), hi, odd);
-      acc256[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_permutevar8x32_ps(ds[r], idx), acc256[r]);
-    }
-  }
-  if (2 * p < left) {  /* the last block of an odd count */
-    int64_t bb = b + 2 * p;
-    for (int r = 0; r < R; ++r)
-      tail[r] += (float)lone_block(wr + r * row_bytes + bb * 16, s.qa + (bb / 2) * 64) * sr[r * nb + bb] * s.sa[bb];
-  }
+  /* a pair and a lone block may be left (a row's last group): the AVX2 form, the same integer dots */
+  pairs_avx2(s, nb, wr, sr, b, 2 * q, left, R, ds, acc256, tail);
 }
 
 AVX512 static inline __attribute__((always_inline)) void rows_vnni_group(Scratch s, int64_t nb, const uint8_t* w,
