@@ -415,7 +415,9 @@ def bench(
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
     prepack: Optional[bool] = typer.Option(
         None, "--prepack/--no-prepack", help="onnx: let ONNX Runtime prepack the weights (a private copy per "
-                                             "session; default: off for float exports, on for quantised)."),
+                                             "session; default: off for float exports and for int4 ones whose "
+                                             "4-bit products are all edgelin's kernel, on for other quantised "
+                                             "ones)."),
     as_json: bool = JSON,
 ) -> None:
     """Per-token latency at each context position, prefill throughput and memory."""

@@ -35,8 +35,27 @@ def c_kernel(library: Path) -> ctypes.CDLL:
     lib.edgelin_q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.edgelin_q4_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.edgelin_q4_quantize_tokens.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.edgelin_q4_rows_tokens.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_void_p, ctypes.c_int64]
     lib.edgelin_kernel_path.restype = ctypes.c_char_p
+    lib.edgelin_q4_path.restype = ctypes.c_char_p
     return lib
+
+
+def activations(scratch: np.ndarray, K: int) -> np.ndarray:
+    """The int8 activation blocks times their scales, [nb, 32] in float64, read back from the scratch bytes."""
+    nb = (K + 31) // 32
+    nb8 = (nb + 7) // 8 * 8
+    scales = scratch[: 4 * nb8].view(np.float32)[:nb].astype(np.float64)
+    values = scratch[8 * nb8:].view(np.int8)
+    acts = np.zeros((nb, 32))
+    for b in range(nb):  # pairs of blocks: 32 even-position values (16 per block), then 32 odd ones
+        base = (b // 2) * 64 + (b % 2) * 16
+        acts[b, 0::2], acts[b, 1::2] = values[base:base + 16], values[base + 32:base + 48]
+    return acts * scales[:, None]
+
 
 
 @pytest.fixture(params=["avx2", "portable"])

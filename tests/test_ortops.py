@@ -23,7 +23,7 @@ from edgelin.export.onnx_kernels import CONV, MATMUL, RECURRENCE, fallback_funct
 from edgelin.runtime import open_runner, runner_label
 from edgelin.replay import replay
 from helpers import assert_close, rms_rel, run_state_in_place
-from ortops_fixtures import c_kernel as _c_kernel, gdn_exports, kernel_path, library, rollouts  # noqa: F401
+from ortops_fixtures import activations, c_kernel as _c_kernel, gdn_exports, kernel_path, library, rollouts  # noqa: F401
 from ortops_fixtures import session as _session
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
@@ -86,7 +86,7 @@ SHAPES = [(384, 1676), (768, 37), (96, 5), (100, 70), (64, 1)]
 
 
 @pytest.mark.parametrize("K,N", SHAPES, ids=[f"K{k}-N{n}" for k, n in SHAPES])
-@pytest.mark.parametrize("rows", [1, 3], ids=["M1", "M3"])
+@pytest.mark.parametrize("rows", [1, 3, 9], ids=["M1", "M3", "M9"])  # M9: the token path's fours and a remainder
 @pytest.mark.parametrize("threads", [1, 2], ids=["t1", "t2"])
 def test_kernel_matches_onnxruntimes_matmulnbits(library, K, N, rows, threads, kernel_path):
     model = _quantized_matmul(K, N, seed=K + N)
@@ -112,21 +112,6 @@ def test_a_node_the_kernel_does_not_take_is_refused_in_one_line(library):
         _session(model, library).run(None, {"x": np.ones((1, 64), np.float32)})
 
 
-def _activations(scratch: np.ndarray, K: int) -> np.ndarray:
-    """The int8 activation blocks times their scales, [nb, 32] in float64, read back from the scratch bytes."""
-    nb = (K + 31) // 32
-    nb8 = (nb + 7) // 8 * 8
-    scales = scratch[: 4 * nb8].view(np.float32)[:nb].astype(np.float64)
-    values = scratch[8 * nb8:].view(np.int8)
-    acts = np.zeros((nb, 32))
-    for b in range(nb):  # pairs of blocks: 32 even-position values (16 per block), then 32 odd ones
-        base = (b // 2) * 64 + (b % 2) * 16
-        acts[b, 0::2], acts[b, 1::2] = values[base:base + 16], values[base + 32:base + 48]
-    return acts * scales[:, None]
-
-
-# K: quads of blocks (the AVX-512 path's 4-block steps), a pair left after the quads, an odd block count, K not a
-# multiple of 32 (padded)
 # K: quads of blocks (the AVX-512 path's 4-block steps), a pair left after the quads, an odd block count, K not a
 # multiple of 32 (padded)
 @pytest.mark.parametrize("K", [384, 448, 352, 100], ids=["K384", "K448-quad-and-pair", "K352-odd-blocks",
@@ -170,7 +155,7 @@ def test_the_4bit_paths_agree(library, K, zero_points, path):
     assert_close(y_path, y_portable, 1e-6, f"{path} vs portable")
     q = np.stack([weights & 15, weights >> 4], -1).reshape(N, nb, 32).astype(np.float64)
     dequantised = (q - points[:, :nb, None]) * scales.reshape(N, nb, 1).astype(np.float64)
-    want = np.einsum("nbj,bj->n", dequantised, _activations(s_portable, K))
+    want = np.einsum("nbj,bj->n", dequantised, activations(s_portable, K))
     assert_close(y_portable, want, 1e-6, "portable vs float64")
 
 
@@ -322,17 +307,50 @@ def test_the_export_routes_every_4bit_step_product_and_conv_and_only_those(expor
     assert sorted(f"{f.domain}::{f.name}" for f in routed.functions) == [
         f"{ortops.DOMAIN}::{op}" for op in ("CausalConvWithState", "GatedDeltaRecurrence", "GatedRmsNorm",
                                             "MatMulNBits", "SiluGate")]
+    # the prefill: its 4-bit products only (each of them), with their function
     prefill = onnx.load(str(exports["edgelin"] / "prefill.onnx"), load_external_data=False)
-    assert not any(n.domain == ortops.DOMAIN for n in prefill.graph.node)
+    plain_prefill = onnx.load(str(exports["contrib"] / "prefill.onnx"), load_external_data=False)
+    prefill_products = sum(n.op_type == "MatMulNBits" for n in plain_prefill.graph.node)
+    assert prefill_products == products
+    assert [n.op_type for n in prefill.graph.node if n.domain == ortops.DOMAIN] == ["MatMulNBits"] * products
+    assert not any(n.op_type == "MatMulNBits" and n.domain == "com.microsoft" for n in prefill.graph.node)
+    assert [f"{f.domain}::{f.name}" for f in prefill.functions] == [f"{ortops.DOMAIN}::MatMulNBits"]
     import json
 
     manifest = json.loads((exports["edgelin"] / "manifest.json").read_text())
     assert manifest["extra"]["ort_ops"] == {"library": "edgelin.ortops", "domain": ortops.DOMAIN,
-                                            "step_nodes": products + convs + 2 * recurrences + mlps}
+                                            "step_nodes": products + convs + 2 * recurrences + mlps,
+                                            "prefill_nodes": products, "packed_products": 0}
     int8 = onnx.load(str(exports["edgelin-int8"] / "step.onnx"), load_external_data=False)  # no 8-bit products
     assert sorted(n.op_type for n in int8.graph.node if n.domain == ortops.DOMAIN) == sorted(
         ["CausalConvWithState"] * convs + ["GatedDeltaRecurrence", "GatedRmsNorm"] * recurrences + ["SiluGate"] * mlps)
+    int8_ops = json.loads((exports["edgelin-int8"] / "manifest.json").read_text())["extra"]["ort_ops"]
+    assert (int8_ops["prefill_nodes"], int8_ops["packed_products"]) == (0, 2 * products)  # ONNX Runtime's, packed
     assert "ort_ops" not in json.loads((exports["contrib"] / "manifest.json").read_text())["extra"]
+
+
+@pytest.mark.parametrize("setting", ["library", "off"])
+def test_with_the_library_the_4bit_graphs_share_one_mapping_of_the_weights(exports, library, setting, monkeypatch):
+    """Every 4-bit product of both graphs is the library's: no prepacked private copies, and both sessions get the
+    weights as views of one read-only mapping of weights.bin. Without the library (or for the 8-bit export, whose
+    products stay ONNX Runtime's) ONNX Runtime prepacks, as before."""
+    from edgelin.export.onnx_runtime import PREPACK_ENV
+
+    monkeypatch.delenv(PREPACK_ENV, raising=False)
+    monkeypatch.setenv(ortops.ENV, str(library) if setting == "library" else "0")
+    runner = open_runner(exports["edgelin"], threads=1)
+    if setting == "off":
+        assert runner.prepack and runner.weights is None
+        return
+    assert not runner.prepack and runner.weights is not None
+    prefill = onnx.load(str(exports["edgelin"] / "prefill.onnx"), load_external_data=False)
+    weights = {n.input[1] for n in prefill.graph.node if n.op_type == "MatMulNBits"}
+    given = {name: value.data_ptr() for name, value in runner.shared["prefill"]}
+    base = runner.weights.ctypes.data
+    assert weights <= set(given) and all(base <= given[w] < base + runner.weights.size for w in weights)
+    # the packed 4-bit weights of the two graphs (named apart by each trace): the same pages
+    assert {given[w] for w in weights} <= {value.data_ptr() for _, value in runner.shared["step"]}
+    assert open_runner(exports["edgelin-int8"], threads=1).prepack
 
 
 @pytest.mark.parametrize("setting", ["library", "off"])

@@ -16,7 +16,9 @@ type, one ONNX function `ai.edgelin::<op>` whose body is the original node with 
 references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a session
 with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own kernels, bit
 for bit what a `--step-ops contrib` export computes (tests/test_ortops.py, test_ortops_matmul.py).
-The prefill graph keeps ONNX Runtime's kernels.
+The prefill graph keeps ONNX Runtime's kernels but for its 4-bit products (MatMulNBits), which take edgelin's
+kernel too (for all of a piece's tokens at once): ONNX Runtime prepacks its own MatMulNBits weights into a private
+copy per session, so the prefill held a second copy of every 4-bit weight beside the step's mapped one.
 
 Export-side module: imports onnx inside its functions.
 """
@@ -124,23 +126,35 @@ def fallback_function(op: RoutedOp, opsets: dict[str, int]):
                                 attributes=[name for name, _ in op.attributes])
 
 
-def route_to_edgelin_kernels(path: Path) -> int:
+def route_to_edgelin_kernels(path: Path, products_only: bool = False) -> int:
     """Rewrite the graph at `path` (its weights stay where they are) as the module docstring says; returns how
-    many nodes now run edgelin's kernels (0: the file is left as it was)."""
+    many nodes now run edgelin's kernels (0: the file is left as it was). `products_only` (the prefill graph):
+    its 4-bit weight products and nothing else, so that both graphs read one mapping of the weights instead of
+    ONNX Runtime prepacking a private copy for the prefill (peak RSS, docs/benchmarks.md, issue 13)."""
     import onnx
-    from onnx import helper
 
     proto = onnx.load(str(path), load_external_data=False)
+    count = route_graph(proto, products_only)
+    if count:
+        onnx.save(proto, str(path))
+    return count
+
+
+def route_graph(proto, products_only: bool = False) -> int:
+    """route_to_edgelin_kernels on a loaded ModelProto, in place; returns how many nodes it routed."""
+    from onnx import helper
+
     floats, halves = float_tensor_names(proto), frozenset(float_tensor_names(proto, _FLOAT16))
     matrices = frozenset(t.name for t in proto.graph.initializer if t.data_type == _FLOAT and len(t.dims) == 2)
     routed: dict[str, RoutedOp] = {}
-    # each Mamba2 and Gated DeltaNet step around its recurrence first, the gated output norms and the gated MLPs'
-    # activations (edgelin.export.onnx_ssd, onnx_gdn, onnx_gated_norm, onnx_silu_gate)
-    count = fuse_ssd_steps(proto, floats) + fuse_gated_delta_steps(proto, floats) + fuse_gated_norms(proto, floats)
-    count += fuse_silu_gates(proto, floats)
+    count = 0
+    if not products_only:  # each Mamba2 and Gated DeltaNet step around its recurrence first, the gated output norms
+        # and the gated MLPs' activations (edgelin.export.onnx_ssd, onnx_gdn, onnx_gated_norm, onnx_silu_gate)
+        count = fuse_ssd_steps(proto, floats) + fuse_gated_delta_steps(proto, floats)
+        count += fuse_gated_norms(proto, floats) + fuse_silu_gates(proto, floats)
     for node in proto.graph.node:
         op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats, halves, matrices)
-        if op is not None:
+        if op is not None and (op is MATMUL or not products_only):
             node.domain = DOMAIN
             routed[op.name] = op
             count += 1
@@ -148,7 +162,6 @@ def route_to_edgelin_kernels(path: Path) -> int:
         use_domain(proto, DOMAIN)
         opsets = {o.domain: o.version for o in proto.opset_import}
         proto.functions.extend(fallback_function(op, opsets) for op in routed.values())
-        onnx.save(proto, str(path))
     return count
 
 

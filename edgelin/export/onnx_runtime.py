@@ -47,14 +47,20 @@ if TYPE_CHECKING:
 PREPACK_ENV = "EDGELIN_ORT_PREPACK"
 
 
-def prepack_choice(manifest: Manifest, prepack: bool | None = None) -> bool:
-    """Whether the runner lets ONNX Runtime prepack weights (see PREPACK_ENV)."""
+def prepack_choice(manifest: Manifest, prepack: bool | None = None, library: bool = False) -> bool:
+    """Whether the runner lets ONNX Runtime prepack weights (see PREPACK_ENV). `library`: edgelin's operator
+    library loads here; then a quantised export whose every weight product is the library's (both graphs: the
+    manifest's ort_ops entry says none is left to ONNX Runtime) is not prepacked either, and its two graphs read
+    one mapping of the weights."""
     import os
 
     if prepack is None and os.environ.get(PREPACK_ENV, "") in ("0", "1"):
         prepack = os.environ[PREPACK_ENV] == "1"
     if prepack is not None:
         return prepack
+    ops = manifest.extra.get("ort_ops") or {}
+    if library and ops.get("prefill_nodes") and ops.get("packed_products") == 0:
+        return not manifest.extra.get("weights")
     return not manifest.extra.get("weights") or bool(manifest.extra.get("quantization"))
 
 
@@ -122,6 +128,19 @@ def shared_initializers(folder: Path, manifest: Manifest) -> tuple[np.ndarray | 
     return weights, shared
 
 
+def _takes_ops(library: "OpsLibrary | None") -> bool:
+    """The library loads here and registers its kernels (a CPU without AVX2 gets none: kernel_path "none")."""
+    from edgelin.ortops import kernel_path
+
+    return library is not None and library.loaded and kernel_path(library.path) != "none"
+
+
+def _routed(manifest: Manifest, kind: str) -> bool:
+    """Whether graph `kind` has nodes for edgelin's operator library (an export before the prefill's were routed
+    records step_nodes only)."""
+    return bool((manifest.extra.get("ort_ops") or {}).get(f"{kind}_nodes", kind == "step"))
+
+
 def _filled(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """Zeros whose pages are already touched: a buffer first written inside a timed step would pay
     its page faults there."""
@@ -173,7 +192,15 @@ class OnnxRunner(Runner):
         # private copy of every float matmul weight (+25 MiB for the shipped fp32 model) for ~9% faster fp32
         # steps (docs/benchmarks.md, "Precision and size"): off by default for float exports. MatMulNBits
         # (int8/int4) is another matter: unpacked it runs ~100x slower, so quantised exports keep it.
-        self.prepack = prepack_choice(manifest, prepack)
+        # edgelin's operator library for a --step-ops edgelin export (the step's kernels, and the prefill's 4-bit
+        # products): found or built here, or why not (None: the export names none of its ops). Without it the
+        # graphs' function bodies run ONNX Runtime's own kernels.
+        self.ort_ops: "OpsLibrary | None" = None
+        if manifest.extra.get("ort_ops"):
+            from edgelin.ortops import locate
+
+            self.ort_ops = locate()
+        self.prepack = prepack_choice(manifest, prepack, library=_takes_ops(self.ort_ops))
         options = _options(ort, threads, self.prepack)
         # Left to itself, each session maps weights.bin on its own (one mapping per tensor), so each resident
         # weight page counts twice in RSS (Pss = Rss / 2): +47 MiB of peak RSS for the fp32 Mamba2 peer. Instead
@@ -187,18 +214,15 @@ class OnnxRunner(Runner):
         if manifest.extra.get("weights") and not self.prepack and os.environ.get(SHARED_ENV, "1") != "0":
             self.weights, self.shared = shared_initializers(Path(folder), manifest)
         self.sessions: dict[str, ort.InferenceSession] = {}
-        # edgelin's operator library for a --step-ops edgelin export: what was loaded, or why not (None: the
-        # export names none of its ops). Without it the step's function bodies run ONNX Runtime's own kernels.
-        self.ort_ops: "OpsLibrary | None" = None
         for kind, entry in manifest.graphs.items():
             path = Path(folder) / entry.file
             if not path.is_file():
                 raise EdgelinError(f"{path} is missing", "the manifest lists it", "re-run `edgelin export`")
             graph_options = _options(ort, threads, self.prepack, kind)
-            if kind == "step" and manifest.extra.get("ort_ops"):  # --step-ops edgelin: edgelin's kernels if loadable
+            if self.ort_ops is not None and self.ort_ops.loaded and _routed(manifest, kind):
                 from edgelin.ortops import register
 
-                self.ort_ops = register(graph_options)
+                self.ort_ops = register(graph_options, self.ort_ops)
             if self.shared.get(kind):
                 for name, value in self.shared[kind]:
                     graph_options.add_initializer(name, value)

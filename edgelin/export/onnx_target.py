@@ -230,6 +230,7 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
         from edgelin.export.onnx_kernels import route_to_edgelin_kernels
 
         route_to_edgelin_kernels(folder / files["step"])
+        route_to_edgelin_kernels(folder / files["prefill"], products_only=True)
     return added
 
 
@@ -366,6 +367,17 @@ def edgelin_op_count(path: Path) -> int:
     return sum(node.domain == ORT_OPS_DOMAIN for node in proto.graph.node)
 
 
+def packed_product_count(path: Path) -> int:
+    """How many weight products of the graph at `path` ONNX Runtime would prepack: its own MatMulNBits (those the
+    edgelin library does not take). The runner turns prepacking off when no graph has any (OnnxRunner)."""
+    import onnx
+
+    if b"MatMulNBits" not in path.read_bytes():
+        return 0
+    proto = onnx.load(str(path), load_external_data=False)
+    return sum(node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in proto.graph.node)
+
+
 def static_capacity(path: Path) -> int | None:
     """The static KV cache capacity a graph file records (None: a growing cache)."""
     import onnx
@@ -474,8 +486,11 @@ class OnnxTarget(Target):
                     for kind, entry in manifest.graphs.items()})
         if options.step_ops == "edgelin":
             routed = edgelin_op_count(Path(folder) / manifest.graphs["step"].file)
-            if routed:  # the runner loads edgelin's operator library for this step graph
-                extra[ORT_OPS_KEY] = {"library": "edgelin.ortops", "domain": ORT_OPS_DOMAIN, "step_nodes": routed}
+            if routed:  # the runner loads edgelin's operator library for this step graph (and the prefill's)
+                extra[ORT_OPS_KEY] = {"library": "edgelin.ortops", "domain": ORT_OPS_DOMAIN, "step_nodes": routed,
+                                      "prefill_nodes": edgelin_op_count(Path(folder) / manifest.graphs["prefill"].file),
+                                      "packed_products": sum(packed_product_count(Path(folder) / entry.file)
+                                                             for entry in manifest.graphs.values())}
         retyped = options.kv_cache == "static" and options.kv_dtype != "fp32"
         return dataclasses.replace(manifest, extra=extra) if extra != manifest.extra or retyped else None
 

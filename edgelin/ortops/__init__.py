@@ -1,7 +1,9 @@
 """edgelin's ONNX Runtime operator library: CPU kernels that stock ONNX Runtime runs slower, loaded into a session
 with `SessionOptions.register_custom_ops_library`.
 
-- `ai.edgelin::MatMulNBits` (ops.c, q4_gemv.c): the 4-bit weight products of one-token decoding. Same inputs,
+- `ai.edgelin::MatMulNBits` (ops.c, q4_gemv.c): the 4-bit weight products of one-token decoding, and of the
+  prefill's pieces (each slice of weight rows for all of a piece's tokens; the weights read where they are
+  mapped, so the two graphs share one copy instead of ONNX Runtime prepacking its own per session). Same inputs,
   attributes and packed weights as `com.microsoft::MatMulNBits` (bits 4, block 32; the activations rounded to
   int8 per 32-block, as accuracy level 4 does); on AVX2 it multiplies two blocks per 256-bit step and four
   weight rows at once, and on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and later) four blocks per 512-bit step with
@@ -56,8 +58,8 @@ from pathlib import Path
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
 SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "ops_mlp.c", "glue.c", "q4_gemv.c",
-           "f32_gemv.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
-HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "f32_gemv.h", "conv.h", "linear_attention.h", "attention.h",
+           "q4_gemm.c", "f32_gemv.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
+HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "f32_gemv.h", "conv.h", "linear_attention.h", "attention.h",
            "simd_exp.h", "cpu.h")
 LIBRARY = "libedgelin_ortops.so"
 _HERE = Path(__file__).resolve().parent
@@ -70,6 +72,10 @@ class OpsLibrary:
 
     path: Path | None
     reason: str
+
+    @property
+    def loaded(self) -> bool:
+        return self.path is not None
 
 
 def _compiler() -> list[str] | None:
@@ -144,11 +150,11 @@ def kernel_path(library: Path) -> str:
     return entry().decode()
 
 
-def register(options: object) -> OpsLibrary:
-    """Register the library with an onnxruntime.SessionOptions; returns what was loaded (or why not). A library
-    ONNX Runtime refuses (wrong architecture, damaged file) is reported, not raised: the export's function
-    bodies then run ONNX Runtime's own ops."""
-    found = locate()
+def register(options: object, found: OpsLibrary | None = None) -> OpsLibrary:
+    """Register the library (`found`, else locate()'s) with an onnxruntime.SessionOptions; returns what was loaded
+    (or why not). A library ONNX Runtime refuses (wrong architecture, damaged file) is reported, not raised: the
+    export's function bodies then run ONNX Runtime's own ops."""
+    found = locate() if found is None else found
     if found.path is None:
         return found
     try:

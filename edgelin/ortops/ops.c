@@ -1,6 +1,7 @@
-/* edgelin's ONNX Runtime operator library, for one-token decoding, each op with the inputs, attributes and outputs of
-   the com.microsoft op of the same name:
-   - ai.edgelin::MatMulNBits: the 4-bit weight products (q4_gemv.c; MatMulNBits' packed weights as stored);
+/* edgelin's ONNX Runtime operator library, for one-token decoding (and the prefill's 4-bit products), each op with
+   the inputs, attributes and outputs of the com.microsoft op of the same name:
+   - ai.edgelin::MatMulNBits: the 4-bit weight products of the step and the prefill (q4_gemv.c; MatMulNBits' packed
+     weights as stored, so both graphs read one mapping of the weights file);
    - ai.edgelin::CausalConvWithState: the short conv with its carried state, SiLU fused (conv.c);
    - ai.edgelin::LinearAttention: the recurrence's step, every update rule (linear_attention.c);
    - ai.edgelin::GroupQueryAttention: attention over a KV cache, each cached row read once per kv head
@@ -55,8 +56,8 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
 }
 
 typedef struct {
-  const void* scratch;
-  int64_t K, N;
+  const void* scratch;  /* M scratches, one per token */
+  int64_t M, K, N;
   const uint8_t* weights;
   const float* scales;
   const uint8_t* zero_points;  /* NULL: 8 */
@@ -66,7 +67,7 @@ typedef struct {
 static void run_task(void* data, size_t index) {
   const Task* t = data;
   int64_t n0 = (int64_t)index * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < t->N ? n0 + ROWS_PER_TASK : t->N;
-  edgelin_q4_rows(t->scratch, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y);
+  edgelin_q4_rows_tokens(t->scratch, t->M, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y, t->N);
 }
 
 static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
@@ -87,20 +88,20 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   dims[rank - 1] = k->N;
   OrtValue* y = NULL;
   status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, dims, rank, &y);
-  if (status) return status;
-  void* scratch = malloc(edgelin_q4_scratch_bytes(k->K));
+  if (status || rows == 0) return status;
+  /* every token's int8 blocks first, then each task's slice of weight rows for all of them (a prefill piece reads
+     the weights once per slice, not once per token) */
+  size_t stride = edgelin_q4_scratch_bytes(k->K);
+  char* scratch = malloc(stride * (size_t)rows);
   if (!scratch) return fail("edgelin MatMulNBits: out of memory");
-  const float* x = data_of(a);
-  Task task = {scratch, k->K, k->N, data_of(b), data_of(scales), zero_points ? data_of(zero_points) : NULL, NULL};
+  edgelin_q4_quantize_tokens(data_of(a), rows, k->K, scratch);
+  Task task = {scratch, rows, k->K, k->N, data_of(b), data_of(scales), zero_points ? data_of(zero_points) : NULL,
+               data_of(y)};
   size_t tasks = (size_t)((k->N + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
-  for (int64_t m = 0; m < rows && !status; ++m) {
-    edgelin_q4_quantize(x + m * k->K, k->K, scratch);
-    task.y = (float*)data_of(y) + m * k->N;
-    if (g_parallel_for && tasks > 1) {
-      status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_task, tasks, 0, &task);
-    } else {
-      edgelin_q4_rows(scratch, k->K, task.weights, task.scales, task.zero_points, 0, k->N, task.y);
-    }
+  if (g_parallel_for && tasks > 1) {
+    status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_task, tasks, 0, &task);
+  } else {
+    edgelin_q4_rows_tokens(scratch, rows, k->K, task.weights, task.scales, task.zero_points, 0, k->N, task.y, k->N);
   }
   free(scratch);
   return status;

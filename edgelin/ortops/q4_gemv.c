@@ -8,34 +8,16 @@
    (low = even). (An 8-bit kernel of the same design, the sign trick for q - 128, measured no faster than
    ONNX Runtime's own 8-bit MatMulNBits on that core, 41.8 vs 40.4 us at 1676 x 384: not shipped.) */
 #include "q4_gemv.h"
+#include "q4_scratch.h"
 
 #include <math.h>
 #include <string.h>
 
-#define BLOCK 32
 #define ROWS 4
-
-typedef struct {
-  float* sa;    /* [nb8] activation block scales */
-  float* c;     /* [nb8] scale * sum of the block's int8 values */
-  int8_t* qa;   /* per pair of blocks (b, b+1): 32 even-position values, then 32 odd ones */
-} Scratch;
-
-static int64_t n_blocks(int64_t K) { return (K + BLOCK - 1) / BLOCK; }
-static int64_t padded8(int64_t n) { return (n + 7) / 8 * 8; }
 
 size_t edgelin_q4_scratch_bytes(int64_t K) {
   int64_t nb = n_blocks(K);
   return (size_t)(2 * padded8(nb) * sizeof(float) + (nb + 1) / 2 * 64 + 64);
-}
-
-static Scratch view(const void* scratch, int64_t K) {
-  Scratch s;
-  int64_t nb8 = padded8(n_blocks(K));
-  s.sa = (float*)scratch;
-  s.c = s.sa + nb8;
-  s.qa = (int8_t*)(s.c + nb8);
-  return s;
 }
 
 /* Where value j (0..31) of block b goes in the scratch. */
@@ -80,27 +62,6 @@ static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* 
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define AVX2 __attribute__((target("avx2,fma")))
-
-AVX2 static inline __m256i mask_first(int64_t count) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-/* Blocks b .. b + 7's zero points (b a multiple of 8) of a row whose packed zero points (zb bytes) start at zr, as
-   floats; NULL: 8 each. Two per byte, low nibble first: 4 bytes, shifted per lane. */
-AVX2 static inline __m256 zero_points8(const uint8_t* zr, int64_t zb, int64_t b) {
-  if (!zr) return _mm256_set1_ps(8.0f);
-  uint32_t word = 0;
-  if (b / 2 + 4 <= zb) {
-    memcpy(&word, zr + b / 2, 4);  /* (a fixed size: one load) */
-  } else {  /* a row's last group holds fewer */
-    for (int64_t i = b / 2; i < zb; ++i) word |= (uint32_t)zr[i] << (8 * (i - b / 2));
-  }
-  __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-}
-
 AVX2 static inline int32_t hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
@@ -226,7 +187,6 @@ AVX2 static void rows_avx2(Scratch s, int64_t nb, const uint8_t* w, const float*
    512-bit step (a pair of the AVX2 path's layout from each 256-bit half of the activations). Per 128 weights and
    row: 9 instructions where the AVX2 path takes 22. The same integer dot per block; only the float sums' order
    differs. llama.cpp's Q4_0 x Q8_0 product takes vpdpbusd on such a CPU too. */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 
 /* Blocks b .. b + left - 1 (left <= 8) of R rows into their accumulators. Always inlined: with left = 8 (every
    8 blocks but a row's last few) the loops below unroll and the loads need no masks. */

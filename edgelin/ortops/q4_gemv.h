@@ -1,6 +1,6 @@
-/* edgelin's 4-bit weight products for one-token decoding (M small), on ONNX Runtime's MatMulNBits layout as it is
-   stored (no repacking, no second copy of the weights): weights [N, nb, 16] bytes, nb = ceil(K / 32) blocks per
-   row, element 2j in byte j's low nibble and 2j+1 in its high one. */
+/* edgelin's 4-bit weight products (one-token decoding, and the prefill's pieces), on ONNX Runtime's MatMulNBits
+   layout as it is stored (no repacking, no second copy of the weights): weights [N, nb, 16] bytes, nb = ceil(K / 32)
+   blocks per row, element 2j in byte j's low nibble and 2j+1 in its high one. */
 #ifndef EDGELIN_Q4_GEMV_H
 #define EDGELIN_Q4_GEMV_H
 #include <stddef.h>
@@ -19,4 +19,13 @@ EDGELIN_API size_t edgelin_q4_scratch_bytes(int64_t K);
 EDGELIN_API void edgelin_q4_quantize(const float* x, int64_t K, void* scratch);
 EDGELIN_API void edgelin_q4_rows(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
                                  const uint8_t* zero_points, int64_t n0, int64_t n1, float* y);
+
+/* M tokens at once (a prefill piece, or a batch; q4_gemm.c): edgelin_q4_quantize_tokens fills `scratch`, M
+   scratches of edgelin_q4_scratch_bytes(K) one after another, from x [M, K] (the same int8 blocks as
+   edgelin_q4_quantize; their layout may differ); then y [M, N] gets rows n0 <= n < n1 of every token, any slice of
+   rows from the same scratch. The same integer dots as edgelin_q4_rows; the float sums may run in another order. */
+EDGELIN_API void edgelin_q4_quantize_tokens(const float* x, int64_t M, int64_t K, void* scratch);
+EDGELIN_API void edgelin_q4_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights,
+                                        const float* scales, const uint8_t* zero_points, int64_t n0, int64_t n1,
+                                        float* y, int64_t N);
 #endif

@@ -1,0 +1,52 @@
+/* The 4-bit products' private layout (q4_gemv.c, q4_gemm.c): one token's int8 activation blocks, and the AVX2
+   helpers both files read them with. Not part of the library's interface. */
+#ifndef EDGELIN_Q4_SCRATCH_H
+#define EDGELIN_Q4_SCRATCH_H
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 32
+
+typedef struct {
+  float* sa;    /* [nb8] activation block scales */
+  float* c;     /* [nb8] scale * sum of the block's int8 values */
+  int8_t* qa;   /* per pair of blocks (b, b+1): 32 even-position values, then 32 odd ones */
+} Scratch;
+
+static inline int64_t n_blocks(int64_t K) { return (K + BLOCK - 1) / BLOCK; }
+static inline int64_t padded8(int64_t n) { return (n + 7) / 8 * 8; }
+
+static inline Scratch view(const void* scratch, int64_t K) {
+  Scratch s;
+  int64_t nb8 = padded8(n_blocks(K));
+  s.sa = (float*)scratch;
+  s.c = s.sa + nb8;
+  s.qa = (int8_t*)(s.c + nb8);
+  return s;
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+AVX2 static inline __m256i mask_first(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Blocks b .. b + 7's zero points (b a multiple of 8) of a row whose packed zero points (zb bytes) start at zr, as
+   floats; NULL: 8 each. Two per byte, low nibble first: 4 bytes, shifted per lane. */
+AVX2 static inline __m256 zero_points8(const uint8_t* zr, int64_t zb, int64_t b) {
+  if (!zr) return _mm256_set1_ps(8.0f);
+  uint32_t word = 0;
+  if (b / 2 + 4 <= zb) {
+    memcpy(&word, zr + b / 2, 4);  /* (a fixed size: one load) */
+  } else {  /* a row's last group holds fewer */
+    for (int64_t i = b / 2; i < zb; ++i) word |= (uint32_t)zr[i] << (8 * (i - b / 2));
+  }
+  __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)word), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+}
+
+#endif
+#endif
