@@ -338,6 +338,8 @@ def test_with_the_library_the_4bit_graphs_share_one_mapping_of_the_weights(expor
 
     monkeypatch.delenv(PREPACK_ENV, raising=False)
     monkeypatch.setenv(ortops.ENV, str(library) if setting == "library" else "0")
+    if setting == "library" and ortops.kernel_path(library) == "none":
+        pytest.skip("this CPU has no AVX2: the library registers no kernels, so ONNX Runtime prepacks as before")
     runner = open_runner(exports["edgelin"], threads=1)
     if setting == "off":
         assert runner.prepack and runner.weights is None
