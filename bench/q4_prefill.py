@@ -32,8 +32,8 @@ from edgelin.export.quantize import quantize_graph
 
 
 def quantised(K: int, N: int, folder: Path):
-    """One float [m, K] x [K, N] MatMul quantised as `edgelin export --quantize int4` quantises (edgelin.export.quantize,
-    ONNX Runtime's tool underneath)."""
+    """One float [m, K] x [K, N] MatMul quantised as `edgelin export --quantize int4` quantises
+    (edgelin.export.quantize, ONNX Runtime's tool underneath)."""
     weight = (np.random.default_rng(K + N).standard_normal((K, N)) * 0.05).astype(np.float32)
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", K])],

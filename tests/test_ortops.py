@@ -23,7 +23,8 @@ from edgelin.export.onnx_kernels import CONV, MATMUL, RECURRENCE, fallback_funct
 from edgelin.runtime import open_runner, runner_label
 from edgelin.replay import replay
 from helpers import assert_close, rms_rel, run_state_in_place
-from ortops_fixtures import activations, c_kernel as _c_kernel, gdn_exports, kernel_path, library, rollouts  # noqa: F401
+from ortops_fixtures import activations, gdn_exports, kernel_path, library, rollouts  # noqa: F401
+from ortops_fixtures import c_kernel as _c_kernel
 from ortops_fixtures import session as _session
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")

@@ -144,7 +144,9 @@ def route_graph(proto, products_only: bool = False) -> int:
     """route_to_edgelin_kernels on a loaded ModelProto, in place; returns how many nodes it routed."""
     from onnx import helper
 
-    floats, halves = float_tensor_names(proto), frozenset(float_tensor_names(proto, _FLOAT16))
+    floats = float_tensor_names(proto)
+    # float16 inputs only matter to the attention node, which a products-only pass does not route
+    halves = frozenset() if products_only else frozenset(float_tensor_names(proto, _FLOAT16))
     matrices = frozenset(t.name for t in proto.graph.initializer if t.data_type == _FLOAT and len(t.dims) == 2)
     routed: dict[str, RoutedOp] = {}
     count = 0

@@ -356,26 +356,18 @@ def set_metadata(proto, key: str, value: str) -> None:
     proto.metadata_props.add(key=key, value=value)
 
 
-def edgelin_op_count(path: Path) -> int:
-    """How many nodes of the graph at `path` are edgelin.ortops' (--step-ops edgelin; a graph without the domain's
-    name in its bytes has none, and is not parsed)."""
+def ort_op_counts(path: Path) -> tuple[int, int]:
+    """For the graph at `path`: how many nodes are edgelin.ortops' (--step-ops edgelin), and how many weight
+    products ONNX Runtime would prepack (its own MatMulNBits, those the library does not take; the runner turns
+    prepacking off when no graph has any). One parse; none for a graph without either name in its bytes."""
     import onnx
 
-    if ORT_OPS_DOMAIN.encode() not in path.read_bytes():
-        return 0
-    proto = onnx.load(str(path), load_external_data=False)
-    return sum(node.domain == ORT_OPS_DOMAIN for node in proto.graph.node)
-
-
-def packed_product_count(path: Path) -> int:
-    """How many weight products of the graph at `path` ONNX Runtime would prepack: its own MatMulNBits (those the
-    edgelin library does not take). The runner turns prepacking off when no graph has any (OnnxRunner)."""
-    import onnx
-
-    if b"MatMulNBits" not in path.read_bytes():
-        return 0
-    proto = onnx.load(str(path), load_external_data=False)
-    return sum(node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in proto.graph.node)
+    data = path.read_bytes()
+    if ORT_OPS_DOMAIN.encode() not in data and b"MatMulNBits" not in data:
+        return 0, 0
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    return (sum(node.domain == ORT_OPS_DOMAIN for node in nodes),
+            sum(node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in nodes))
 
 
 def static_capacity(path: Path) -> int | None:
@@ -485,12 +477,11 @@ class OnnxTarget(Target):
                                               outputs=_kv_retyped(entry.outputs, KV_DTYPES[options.kv_dtype]))
                     for kind, entry in manifest.graphs.items()})
         if options.step_ops == "edgelin":
-            routed = edgelin_op_count(Path(folder) / manifest.graphs["step"].file)
-            if routed:  # the runner loads edgelin's operator library for this step graph (and the prefill's)
-                extra[ORT_OPS_KEY] = {"library": "edgelin.ortops", "domain": ORT_OPS_DOMAIN, "step_nodes": routed,
-                                      "prefill_nodes": edgelin_op_count(Path(folder) / manifest.graphs["prefill"].file),
-                                      "packed_products": sum(packed_product_count(Path(folder) / entry.file)
-                                                             for entry in manifest.graphs.values())}
+            counts = {kind: ort_op_counts(Path(folder) / entry.file) for kind, entry in manifest.graphs.items()}
+            if counts["step"][0]:  # the runner loads edgelin's operator library for this step graph (and the prefill's)
+                extra[ORT_OPS_KEY] = {"library": "edgelin.ortops", "domain": ORT_OPS_DOMAIN,
+                                      "step_nodes": counts["step"][0], "prefill_nodes": counts["prefill"][0],
+                                      "packed_products": sum(packed for _, packed in counts.values())}
         retyped = options.kv_cache == "static" and options.kv_dtype != "fp32"
         return dataclasses.replace(manifest, extra=extra) if extra != manifest.extra or retyped else None
 

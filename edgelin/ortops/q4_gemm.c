@@ -69,16 +69,17 @@ AVX512 static inline __attribute__((always_inline)) void quads_group(const char*
     int64_t left = nb - b < 8 ? nb - b : 8;  /* 8, or 4 in a row's last group */
     __m256i mask = mask_first(left);
     /* the zero points' term, -(scale x zero point) x c per block, into the accumulators' low 8 lanes */
+    __m512 c[TOKENS];
+    for (int t = 0; t < T; ++t) c[t] = _mm512_zextps256_ps512(_mm256_maskload_ps(s[t].c + b, mask));
     for (int r = 0; r < R; ++r) {
       __m256 sw = _mm256_maskload_ps(sr + r * nb + b, mask);
       __m512 offset = _mm512_zextps256_ps512(_mm256_mul_ps(sw, zero_points8(zr ? zr + r * zb : NULL, zb, b)));
-      for (int t = 0; t < T; ++t)
-        acc[r][t] = _mm512_fnmadd_ps(offset, _mm512_zextps256_ps512(_mm256_maskload_ps(s[t].c + b, mask)),
-                                     acc[r][t]);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fnmadd_ps(offset, c[t], acc[r][t]);
     }
     for (int64_t bq = b; bq < b + left; bq += 4) {
       __m512 sa[TOKENS];
-      for (int t = 0; t < T; ++t) sa[t] = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(s[t].sa + bq)));
+      for (int t = 0; t < T; ++t)
+        sa[t] = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(s[t].sa + bq)));
       for (int r = 0; r < R; ++r) {
         __m512 sw = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(sr + r * nb + bq)));
         __m512i wv = _mm512_loadu_si512((const void*)(wr + r * row_bytes + bq * 16));
