@@ -73,6 +73,17 @@ def fla_call(family):
                                               output_final_state=True)
 
 
+def cells(families: str, shapes: str):
+    """(family, shape, b, t, calls per graph, (q, k, v, g, beta, e, s0), fla's call) per family and 'BxT' shape,
+    H=16, K=V=128: the sweep's and the A/B's cells (bench/prefill_sweep.py, prefill_ab.py)."""
+    for family in families.split(","):
+        gate, delta, erase = FAMILIES[family]
+        for shape in shapes.split(","):
+            b, t = map(int, shape.split("x"))
+            yield (family, shape, b, t, max(2, min(20, 2 ** 17 // (b * t))),
+                   make(b, t, 16, 128, 128, gate, delta, erase), fla_call(family))
+
+
 def timings(fn, n: int, replays: int) -> dict:
     fn()
     torch.cuda.synchronize()

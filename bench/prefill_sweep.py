@@ -57,48 +57,43 @@ def main() -> None:
     chunk.chunk_config = lambda *a, **kw: {**default(*a, **kw), **override}
     graph_us = lambda fn, n: min(P.timings(fn, n, 5)["graph_us"] for _ in range(2))  # noqa: E731
     out, began = {}, time.time()
-    for family in args.families.split(","):
-        gate, delta, erase = P.FAMILIES[family]
-        for shape in args.shapes.split(","):
-            b, t = map(int, shape.split("x"))
-            n = max(2, min(20, 2 ** 17 // (b * t)))
-            q, k, v, g, beta, e, s0 = P.make(b, t, 16, 128, 128, gate, delta, erase)
-            fla = P.fla_call(family)
-            fla_us = graph_us(lambda: fla(q, k, v, g, beta, s0), n)
-            o_fla, _ = fla(q, k, v, g, beta, s0)
-            o_ref = P.reference(q, k, v, g, beta, e, s0)[0] if b == 1 else None
-            best, rows = {}, []
-            for stage in STAGES[family]:
-                winner = None
-                for candidate in stage:
-                    override.clear()
-                    override.update({**best, **candidate})
-                    ours = lambda: kernels.chunk_prefill(q, k, v, g, beta, s0, erase=e)  # noqa: E731
-                    try:
-                        us = P.retried(lambda: graph_us(ours, n))
-                    except Exception as exc:  # noqa: BLE001
-                        rows.append({"cfg": dict(override), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
-                        continue
-                    o, s = ours()
-                    row = {"cfg": dict(override), "us": us, "ratio": fla_us / us,
-                           "err_fla": (o.float() - o_fla.float()).abs().max().item(),
-                           "finite": bool(torch.isfinite(o).all() and torch.isfinite(s).all())}
-                    if o_ref is not None:
-                        row["err_ref"] = (o.float() - o_ref).abs().max().item()
-                        row["fla_err_ref"] = (o_fla.float() - o_ref).abs().max().item()
-                    rows.append(row)
-                    print(f"{family} {shape} {us:8.1f} us, fla {fla_us:8.1f}, ratio {row['ratio']:.3f}, "
-                          f"err vs fla {row['err_fla']:.2e}, vs ref {row.get('err_ref', float('nan')):.3e} "
-                          f"(fla {row.get('fla_err_ref', float('nan')):.3e}) {dict(override)}", flush=True)
-                    if row["finite"] and row["err_fla"] < 0.05 and (winner is None or us < winner[0] * 0.99):
-                        winner = (us, dict(override))
-                best = winner[1] if winner else best
-            out[f"{family}/{shape}"] = {"fla_us": fla_us, "best": best, "rows": rows}
-            print(f"BEST {family} {shape} {best} ({time.time() - began:.0f} s)", flush=True)
-            if args.json:
-                args.json.write_text(json.dumps(out, indent=1))
-            q = k = v = g = beta = e = s0 = o_fla = o_ref = None
-            torch.cuda.empty_cache()
+    for family, shape, b, t, n, inputs, fla in P.cells(args.families, args.shapes):
+        q, k, v, g, beta, e, s0 = inputs
+        fla_us = graph_us(lambda: fla(q, k, v, g, beta, s0), n)
+        o_fla, _ = fla(q, k, v, g, beta, s0)
+        o_ref = P.reference(q, k, v, g, beta, e, s0)[0] if b == 1 else None
+        best, rows = {}, []
+        for stage in STAGES[family]:
+            winner = None
+            for candidate in stage:
+                override.clear()
+                override.update({**best, **candidate})
+                ours = lambda: kernels.chunk_prefill(q, k, v, g, beta, s0, erase=e)  # noqa: E731
+                try:
+                    us = P.retried(lambda: graph_us(ours, n))
+                except Exception as exc:  # noqa: BLE001
+                    rows.append({"cfg": dict(override), "error": f"{type(exc).__name__}: {str(exc)[:200]}"})
+                    continue
+                o, s = ours()
+                row = {"cfg": dict(override), "us": us, "ratio": fla_us / us,
+                       "err_fla": (o.float() - o_fla.float()).abs().max().item(),
+                       "finite": bool(torch.isfinite(o).all() and torch.isfinite(s).all())}
+                if o_ref is not None:
+                    row["err_ref"] = (o.float() - o_ref).abs().max().item()
+                    row["fla_err_ref"] = (o_fla.float() - o_ref).abs().max().item()
+                rows.append(row)
+                print(f"{family} {shape} {us:8.1f} us, fla {fla_us:8.1f}, ratio {row['ratio']:.3f}, "
+                      f"err vs fla {row['err_fla']:.2e}, vs ref {row.get('err_ref', float('nan')):.3e} "
+                      f"(fla {row.get('fla_err_ref', float('nan')):.3e}) {dict(override)}", flush=True)
+                if row["finite"] and row["err_fla"] < 0.05 and (winner is None or us < winner[0] * 0.99):
+                    winner = (us, dict(override))
+            best = winner[1] if winner else best
+        out[f"{family}/{shape}"] = {"fla_us": fla_us, "best": best, "rows": rows}
+        print(f"BEST {family} {shape} {best} ({time.time() - began:.0f} s)", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
+        q = k = v = g = beta = e = s0 = o_fla = o_ref = None
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

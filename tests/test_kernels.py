@@ -247,10 +247,14 @@ PATHS = {  # (gate, chunk_config keys that pick another kernel path than the def
     "diag-token-2-heads": ("per_key", {"diag": "token", "BH_DIAG": 2}),
     "cumsum-64-keys-one-warp": ("per_key", {"BK_CS": 64, "warps_cs": 1}),
     "one-prep-launch-cumsum-loop": ("per_key", {"prep_split": False, "cumsum_split": False, "warps_prep": 2,
-                                                "BK_CS": 16}),
+                                                "BK_CS": 16, "t_in_state": False}),
+    "w-u-through-memory": ("per_key", {"t_in_state": False}),
     "scalar-two-prep-launches": ("scalar", {"prep_split": True, "BK_P": 16, "BV_P": 16}),
     "kg-in-cumsum": ("per_key", {"kg_in_diag": False}),
     "diag-d_k-tiles-kg-in-cumsum": ("per_key", {"diag": "loop", "kg_in_diag": False}),
+    "t-in-state-diag-d_k-tiles": ("per_key", {"t_in_state": True, "diag": "loop"}),
+    "t-in-state-scalar": ("scalar", {"t_in_state": True}),
+    "t-in-state-no-decay": ("none", {"t_in_state": True}),
 }
 
 
@@ -258,7 +262,8 @@ PATHS = {  # (gate, chunk_config keys that pick another kernel path than the def
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
 def test_chunk_prefill_other_paths(path, delta, monkeypatch):
     """Each path a sweep may pick (the diagonal blocks by d_k tiles instead of a program per row, one
-    or two heads per row program, KDA's prep in one launch, K e^{b_last - b} stored by the cumsum kernel
+    or two heads per row program, KDA's prep in one launch or W and U through memory (no `t_in_state`), the
+    state kernel forming U from T with a scalar or no decay, K e^{b_last - b} stored by the cumsum kernel
     instead of the diagonal-block one, the cumsum looping over d_k tiles or in one part-masked 64-key
     tile, a scalar decay's prep in two launches over several d_k and d_v tiles) gives the reference's
     numbers too: odd length, a partial last chunk, two sequences, NaN-poisoned outputs and scratch."""

@@ -14,19 +14,22 @@ The chunked form of `edgelin.reference.recurrence.chunked` (same notation), in t
    W = T diag(beta) (K * e^b),
    U0 = T diag(beta) V. With an erase gate (f = e * k): A = diag(beta) A_kf, P = P_qf,
    U0 = beta V - T diag(beta) A_kk diag(beta) V and the S-free readout (P_qk - P_qf) beta V.
+   With `t_in_state` (KDA, and the delta rule from 64 sequence-heads on) it stores T only.
 2. `chunk_ho._chunk_h_kernel`, sequential over chunks, parallel over heads x d_v tiles (x d_k tiles
-   for the additive rule): stores the state entering each chunk; U = U0 - W S; S = e^{b_C} S + K_end^T U.
+   for the additive rule): stores the state entering each chunk; U = U0 - W S, or with `t_in_state`
+   U = T (diag(beta) V - KE S), KE = diag(beta) K e^b; S = e^{b_C} S + K_end^T U.
 3. `chunk_ho._chunk_o_kernel`, parallel over every chunk x head x d_v tile: O = (Q * e^b) h + P U.
 The additive rule (linear attention, RetNet, simple GLA) runs kernels 2 and 3 (and 0 for a decay),
 the delta rule 1, 2, 3 (Gated DeltaNet, DeltaNet, Gated DeltaNet-2), GLA 0, 0b, 2, 3 and KDA all.
-Only kernel 2 is sequential, with two small matmuls per chunk and no output work (fla's design:
-per-chunk states in one kernel, the outputs of all chunks in parallel in another).
+Only kernel 2 is sequential, with two small matmuls per chunk (three with `t_in_state`) and no output
+work (fla's design: per-chunk states in one kernel, the outputs of all chunks in parallel in another).
 0b. Per-key decays: `chunk_intra._chunk_intra_off_kernel` (one program per pair of 16-row blocks left
 of the diagonal: matmuls, exp(b_i - b_j) factored through the row block's first row) and
 `_chunk_intra_diag_token_kernel` (the diagonal 16x16 blocks, one program per row and 4 heads, the exact
-exponent, as fla's KDA does; with `kg_in_diag` also K e^{b_last - b}) store P and A (the delta rule)
-before kernel 1. Neither forms
-e^{+b}. KDA's kernel 1 runs in two launches (`prep_split`: T, then W and U one tile per program).
+exponent, as fla's KDA does; with `kg_in_diag` also K e^{b_last - b}, with `t_in_state` KE) store P and
+A (the delta rule) before kernel 1. Neither forms
+e^{+b}. Without `t_in_state` KDA's kernel 1 runs in two launches (`prep_split`: T, then W and U one tile
+per program).
 Requires g <= 0 (a decay), which every family's gate guarantees.
 """
 
@@ -281,7 +284,12 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
     prep in two launches (T with one warp, then W and U one tile per program: `prep_split`).
     The erase gate (Gated DeltaNet-2) keeps more tiles live in its prep and state kernels: 2 prep warps
     spill there (297 vs 64 us at B=1 T=4096), so it keeps 4, the state kernel's warps the rule before
-    the sweep (8 above 128 x 32 tiles), and the fp32 inverse (not swept)."""
+    the sweep (8 above 128 x 32 tiles), and the fp32 inverse (not swept).
+    `t_in_state` (2026-12-04, `bench/prefill_ab.py`): the prep stores only T and the state kernel forms
+    U = T (diag(beta) V - KE S) itself, so W and U0 never go through memory (KDA: KE from the diagonal
+    kernel, and no second prep launch): kda 1x4096 333 -> 302 us, 8x4096 1913 -> 1568, 1x32768 2436 -> 2174;
+    with a scalar or no decay it puts a matmul on the sequential path that only pays from 64 sequence-heads
+    on (gated_delta_rule 4x4096 465 -> 435, 8x4096 833 -> 717; 2x4096 265 vs 266; 1x4096 159 -> 200)."""
     bk = max(16, next_pow2(d_k))
     size = 4 if dtype == torch.float32 else 2
     bt = 64 if bk * size <= 256 else 32
@@ -315,7 +323,8 @@ def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, d
             "warps_cs": 1 if wide and per_key else 4, "BK_CS": min(bk, 64 if wide else 32), "cumsum_split": per_key,
             "warps_off": 1, "BK_OFF": min(bk, 32), "stages_off": 3,
             "diag": "token" if bk <= 128 else "loop", "warps_diag": 2 if bk <= 128 else 4,
-            "BK_DIAG": min(bk, 64), "BH_DIAG": 4, "kg_in_diag": per_key}
+            "BK_DIAG": min(bk, 64), "BH_DIAG": 4, "kg_in_diag": per_key,
+            "t_in_state": delta and not erase and (per_key or num_heads_total >= 64)}
 
 
 def chunk_prefill(
@@ -403,7 +412,6 @@ def chunk_prefill(
     # P in q's dtype: the output kernel rounds it to that for its matmul anyway (fp32 inputs: fp32)
     p = q if p_in else torch.empty(tokens, heads, bt, dtype=q.dtype, device=device)
     a = torch.empty(tokens, heads, bt, **f32) if delta else p
-    w = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if delta else q
     u = torch.empty(tokens, heads, d_v, dtype=v.dtype, device=device) if delta else v
     ox = torch.empty(tokens, heads, d_v, **f32) if has_erase else p
     h = torch.empty(max(num_chunks, 1), heads, d_k, d_v, dtype=q.dtype, device=device)  # state entering each chunk
@@ -411,6 +419,10 @@ def chunk_prefill(
     e_arg = erase if has_erase else q
     kg = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if kind == 2 else k  # K e^{b_last - b}
     kg_in_diag = kind == 2 and bool(cfg["kg_in_diag"])  # else the cumsum kernel stores KG
+    t_in_state = delta and not has_erase and bool(cfg["t_in_state"])  # the prep stores T only
+    # W (or, with t_in_state, KE = diag(beta) K e^b from the per-key diagonal kernel; else none)
+    wy = delta and (kind == 2 or not t_in_state)
+    w = torch.empty(tokens, heads, d_k, dtype=k.dtype, device=device) if wy else q
     if grid_c > 0 and (kind == 2 or (kind == 1 and not delta)):  # (the delta rule's prep stores a scalar b)
         bk_cs = cfg["BK_CS"] if kind == 2 else 16
         split = kind == 2 and cfg["cumsum_split"]
@@ -421,7 +433,8 @@ def chunk_prefill(
     if grid_c > 0 and kind == 2:
         outs = (q, k, beta if beta is not None else q, gc, p, a)  # inputs, then what the kernels store
         rest = (cu_seqlens, chunk_indices, *strides3(q), *strides3(k), *strides3(beta), length, heads, d_k)
-        intra_args, diag_args = (*outs, *rest), (*outs, kg, *rest)  # the diagonal kernels may store KG too
+        # the diagonal kernels may store KG too, and (t_in_state) KE = diag(beta) K e^b in w
+        intra_args, diag_args = (*outs, *rest), (*outs, kg, w, *rest)
         if bt > SUB:  # the blocks left of the diagonal ones: matmuls through a reference row
             _chunk_intra_off_kernel[(grid_c * (bt // SUB) * (bt // SUB - 1) // 2, grid_bh)](
                 *intra_args, BT=bt, BC=SUB, BK=cfg["BK_OFF"], DELTA=delta, VARLEN=varlen, PREC=prec,
@@ -430,12 +443,12 @@ def chunk_prefill(
         if cfg["diag"] == "token":  # the diagonal blocks: exact exponents, one program per row and BH heads
             _chunk_intra_diag_token_kernel[(grid_c * bt, grid_bh // heads * triton.cdiv(heads, cfg["BH_DIAG"]))](
                 *diag_args, BT=bt, BC=SUB, BK=bk, BH=cfg["BH_DIAG"], DELTA=delta,
-                VARLEN=varlen, STORE_KG=kg_in_diag, num_warps=cfg["warps_diag"],
+                VARLEN=varlen, STORE_KG=kg_in_diag, STORE_KE=t_in_state, num_warps=cfg["warps_diag"],
             )
         else:  # d_k > 128: d_k tiles, one row at a time
             _chunk_intra_diag_kernel[(grid_c * (bt // SUB), grid_bh)](
                 *diag_args, BT=bt, BC=SUB, BK=cfg["BK_DIAG"], DELTA=delta,
-                VARLEN=varlen, STORE_KG=kg_in_diag, num_warps=cfg["warps_diag"],
+                VARLEN=varlen, STORE_KG=kg_in_diag, STORE_KE=t_in_state, num_warps=cfg["warps_diag"],
             )
     if grid_c > 0 and delta:
         prep_args = (q, k, v, g if g is not None else q, beta if beta is not None else q, e_arg, gc, p, a, w, u, ox,
@@ -444,7 +457,9 @@ def chunk_prefill(
         bk_p, bv_p = cfg["BK_P"], cfg["BV_P"]
         prep_kw = dict(BT=bt, BC=SUB, BK=bk_p, BV=bv_p, GATE=kind, DELTA=delta, ERASE=has_erase, STORE_P=not p_in,
                        VARLEN=varlen, PREC=prec, PREC_T=prec_t)
-        if cfg["prep_split"] and not has_erase:  # T first, then W and U tile-parallel
+        if t_in_state:  # T only: the state kernel forms U from it
+            _chunk_prep_kernel[(grid_c, grid_bh)](*prep_args, **prep_kw, PHASE=1, num_warps=cfg["warps_prep"])
+        elif cfg["prep_split"] and not has_erase:  # T first, then W and U tile-parallel
             _chunk_prep_kernel[(grid_c, grid_bh)](*prep_args, **prep_kw, PHASE=1, num_warps=cfg["warps_prep"])
             _chunk_prep_kernel[(grid_c, grid_bh, triton.cdiv(d_k, bk_p) + triton.cdiv(d_v, bv_p))](
                 *prep_args, **prep_kw, PHASE=2, num_warps=cfg["warps_prep2"])
@@ -453,12 +468,12 @@ def chunk_prefill(
     h0 = initial_state if initial_state is not None else final_state
     bk_h = cfg["BK_H"]  # the additive rule's state columns are independent: K tiles too (the delta rule: all of K)
     _chunk_h_kernel[(triton.cdiv(d_v, bv), num_seq * heads, triton.cdiv(d_k, bk_h))](
-        k, v, e_arg, beta if beta is not None else q, gc, kg, u, w, h, h0, final_state, cu_seqlens, chunk_offsets,
+        k, v, e_arg, beta if beta is not None else q, gc, kg, u, w, a, h, h0, final_state, cu_seqlens, chunk_offsets,
         *strides3(k), *strides3(v), *strides3(erase), *strides3(beta),
         h0.stride(0), h0.stride(1), h0.stride(2), final_state.stride(0), final_state.stride(1), final_state.stride(2),
         length, heads, d_k, d_v,
         BT=bt, BK=bk_h, BV=bv, GATE=kind, DELTA=delta, ERASE=has_erase, VARLEN=varlen,
-        HAS_H0=initial_state is not None, PREC=prec, num_warps=num_warps or cfg["num_warps"],
+        HAS_H0=initial_state is not None, PREC=prec, T_IN_H=t_in_state, BC=SUB, num_warps=num_warps or cfg["num_warps"],
         num_stages=cfg["stages"],
     )
     if grid_c > 0:

@@ -27,14 +27,18 @@ __all__ = ["_chunk_h_kernel", "_chunk_o_kernel"]
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_h_kernel(
-    k, v, e, beta, gc, KG, U, W, h, h0, ht, cu_seqlens, chunk_offsets,
+    k, v, e, beta, gc, KG, U, W, A, h, h0, ht, cu_seqlens, chunk_offsets,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_eb, s_et, s_eh, s_bb, s_bt, s_bh,
     s_0n, s_0h, s_0k, s_tn, s_th, s_tk,
     T, H, K, V,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, DELTA: tl.constexpr, ERASE: tl.constexpr, VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, T_IN_H: tl.constexpr = False, BC: tl.constexpr = 16,
 ):
+    """T_IN_H (the delta rule, no erase gate): the prep stored only the WY inverse T (over A), and this
+    kernel forms U = T (diag(beta) V - KE S) with KE = diag(beta) K e^b (stored in W by the per-key
+    diagonal kernel, else formed here from K): one more small matmul per chunk on this sequential path, and
+    W and U0 never go through memory."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n, i_h = i_nh // H, i_nh % H
@@ -64,6 +68,7 @@ def _chunk_h_kernel(
     v += i_b * s_vb + bos * s_vt + i_h * s_vh
     if ERASE:
         e += i_b * s_eb + bos * s_et + i_h * s_eh
+    if ERASE or T_IN_H:
         beta += i_b * s_bb + bos * s_bt + i_h * s_bh
 
     for i_t in range(0, tl.cdiv(length, BT)):
@@ -78,7 +83,24 @@ def _chunk_h_kernel(
             b_kt = tl.load(KG + (row0 + rows[None, :] * H) * K + o_k[:, None], mask=m_kt, other=0.0)
         else:
             b_kt = tl.load(k + (t0 + rows[None, :]) * s_kt + o_k[:, None], mask=m_kt, other=0.0)  # K^T [BK, BT]
-        if DELTA:  # (the delta rule's kernel holds all of K: BK >= K)
+        if DELTA and T_IN_H:  # U = T (diag(beta) V - KE S)
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_bt = tl.load(beta + (t0 + rows) * s_bt, mask=m_t, other=0.0).to(tl.float32)
+            if GATE == 2:
+                b_ke = tl.load(W + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_tk, other=0.0)
+            else:
+                b_ke = tl.load(k + (t0 + rows[:, None]) * s_kt + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+                b_eb = b_bt
+                if GATE == 1:
+                    b_eb = b_bt * tl.exp(tl.load(gc + row0 + rows * H, mask=m_t, other=0.0))
+                b_ke = (b_ke * b_eb[:, None]).to(dt)
+            b_x = tl.load(v + (t0 + rows[:, None]) * s_vt + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+            b_x = b_x * b_bt[:, None] - tl.dot(b_ke.to(dt), b_s.to(dt), input_precision=PREC)
+            b_t = tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :],  # T's blocks on and left of the diagonal
+                          mask=m_t[:, None] & (rows[:, None] // BC >= rows[None, :] // BC), other=0.0)
+            b_u = tl.dot(b_t.to(dt), b_x.to(dt), input_precision=PREC)
+            tl.store(U + (row0 + rows[:, None] * H) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
+        elif DELTA:  # (the delta rule's kernel holds all of K: BK >= K)
             b_w = tl.load(W + (row0 + rows[:, None] * H) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0)
             b_u = tl.load(U + (row0 + rows[:, None] * H) * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)

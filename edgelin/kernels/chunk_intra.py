@@ -143,18 +143,19 @@ def _chunk_intra_off_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_intra_diag_kernel(
-    q, k, beta, gc, P, A, KG, cu_seqlens, chunk_indices,
+    q, k, beta, gc, P, A, KG, KE, cu_seqlens, chunk_indices,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     T, H, K,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, DELTA: tl.constexpr, VARLEN: tl.constexpr,
-    STORE_KG: tl.constexpr = False,
+    STORE_KG: tl.constexpr = False, STORE_KE: tl.constexpr = False,
 ):
     """One program per diagonal [BC, BC] block of a chunk, token-parallel: for each column j the rows'
     d_k-vector products q_r . (k_j e^{b_r - b_j}) with the exact exponent (<= 0 for r >= j; rows r < j
     are clamped to 0 and then zeroed, so nothing overflows). Nothing right of the diagonal block: the
     output kernel masks P there, the inverse reads A's blocks on and left of the diagonal only.
     STORE_KG: also KG = K e^{b_last - b} for the block's rows (`_chunk_cumsum_kernel`'s formula, on the
-    b it stored; b_last: the chunk's last valid row)."""
+    b it stored; b_last: the chunk's last valid row). STORE_KE: also KE = diag(beta) K e^b for them (see
+    `_chunk_intra_diag_token_kernel`)."""
     NB: tl.constexpr = BT // BC
     i_ci = tl.program_id(0).to(tl.int64)
     i_c, i_blk = i_ci // NB, i_ci % NB
@@ -174,6 +175,8 @@ def _chunk_intra_diag_kernel(
         last = tl.minimum(length - t0, BT) - 1  # the chunk's last valid row
         b_p = tl.zeros([BC, BC], dtype=tl.float32)
         b_a = tl.zeros([BC, BC], dtype=tl.float32)
+        if DELTA:
+            b_beta = tl.load(beta + i_b * s_bb + (bos + t0 + r_i) * s_bt + i_h * s_bh, mask=m_i, other=0.0)
         for i_k in range(0, tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
             m_k = o_k < K
@@ -186,6 +189,9 @@ def _chunk_intra_diag_kernel(
                 b_last = tl.load(gc + (row0 + last * H) * K + o_k, mask=m_k, other=0.0)
                 tl.store(KG + (row0 + r_i[:, None] * H) * K + o_k[None, :],
                          (b_ki * tl.exp(b_last[None, :] - b_bi)).to(KG.dtype.element_ty), mask=m2)
+            if STORE_KE:
+                tl.store(KE + (row0 + r_i[:, None] * H) * K + o_k[None, :],
+                         (b_ki * tl.exp(b_bi) * b_beta.to(tl.float32)[:, None]).to(KE.dtype.element_ty), mask=m2)
             for j in range(0, n_j):
                 b_bj = tl.load(gc + (row0 + (r0 + j) * H) * K + o_k, mask=m_k, other=0.0)
                 b_kj = tl.load(k + (r0 + j) * s_kt + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -196,18 +202,17 @@ def _chunk_intra_diag_kernel(
         causal = (o_c[:, None] >= o_c[None, :]) & m_i[:, None]
         tl.store(P + (row0 + r_i[:, None] * H) * BT + r_i[None, :], tl.where(causal, b_p, 0.0), mask=m_i[:, None])
         if DELTA:
-            b_beta = tl.load(beta + i_b * s_bb + (bos + t0 + r_i) * s_bt + i_h * s_bh, mask=m_i, other=0.0)
             b_a = tl.where(o_c[:, None] > o_c[None, :], b_a * b_beta.to(tl.float32)[:, None], 0.0)
             tl.store(A + (row0 + r_i[:, None] * H) * BT + r_i[None, :], b_a, mask=m_i[:, None])
 
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_intra_diag_token_kernel(
-    q, k, beta, gc, P, A, KG, cu_seqlens, chunk_indices,
+    q, k, beta, gc, P, A, KG, KE, cu_seqlens, chunk_indices,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     T, H, K,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr, DELTA: tl.constexpr,
-    VARLEN: tl.constexpr, STORE_KG: tl.constexpr = False,
+    VARLEN: tl.constexpr, STORE_KG: tl.constexpr = False, STORE_KE: tl.constexpr = False,
 ):
     """The diagonal [BC, BC] blocks (what `_chunk_intra_diag_kernel` stores) token-parallel: one program
     per row r of a chunk and BH adjacent heads, visiting the columns j <= r of r's block (exponent
@@ -215,7 +220,8 @@ def _chunk_intra_diag_token_kernel(
     independent, so the GPU hides the per-column loads' latency with other rows (a program per block, in row groups, waited
     on them: gla 1x4096 227 vs 223 us). STORE_KG: also row r of KG = K e^{b_last - b}
     (`_chunk_cumsum_kernel`'s formula, on the b it stored; b_last: the chunk's last valid row, one more
-    row load the chunk's programs share through L2)."""
+    row load the chunk's programs share through L2). STORE_KE (the delta rule, `t_in_state`): also row r of
+    diag(beta) K e^b (e^b <= 1), the state kernel's operand in place of W."""
     i_cr = tl.program_id(0).to(tl.int64)
     i_c, r = i_cr // BT, i_cr % BT
     i_bg = tl.program_id(1).to(tl.int64)
@@ -245,6 +251,9 @@ def _chunk_intra_diag_token_kernel(
         if DELTA:
             b_beta = tl.load(beta + i_b * s_bb + (bos + t0 + r) * s_bt + o_h * s_bh, mask=m_h, other=0.0)
             a_row = A + ((tok + t0 + r) * H + o_h) * BT
+        if STORE_KE:
+            tl.store(KE + ((tok + t0 + r) * H + o_h[:, None]) * K + o_k[None, :],
+                     (b_ki * tl.exp(b_bi) * b_beta.to(tl.float32)[:, None]).to(KE.dtype.element_ty), mask=m2)
         for j in range(r0, r + 1):
             b_bj = tl.load(g_row + j * H * K, mask=m2, other=0.0)
             b_kj = tl.load(k + j * s_kt + o_h[:, None] * s_kh + o_k[None, :], mask=m2, other=0.0).to(tl.float32)

@@ -165,6 +165,25 @@ def test_chunked_head_dims(dims, gate, delta):
     assert err_o < CHUNK_TOL[dtype] and err_s < CHUNK_TOL[dtype], f"{err_o:.2e} {err_s:.2e}"
 
 
+@pytest.mark.parametrize("t_in_state", [True, False], ids=["U-in-state-kernel", "W-U-through-memory"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gate", GATES)
+def test_chunked_delta_rule_both_wy_paths(gate, dtype, t_in_state, monkeypatch):
+    """The delta rule with U formed by the state kernel from T (`t_in_state`: the default with per-key decays
+    and from 64 sequence-heads on) and with W and U through memory, at 4 x 16 heads (the threshold), a
+    partial last chunk and NaN-poisoned outputs."""
+    from edgelin.kernels import chunk
+
+    s0, q, k, v, g, beta = make(4, 130, 16, 64, 64, gate, True, dtype, seed=17)
+    assert chunk.chunk_config(64, 64, 64, dtype, q.device, True, False, GATES.index(gate))["t_in_state"]
+    default = chunk.chunk_config
+    monkeypatch.setattr(chunk, "chunk_config", lambda *a, **kw: {**default(*a, **kw), "t_in_state": t_in_state})
+    o_ref, s_ref = reference(s0, q, k, v, g, beta)
+    o, s = kern().chunk_prefill(q, k, v, g, beta, s0, out=nans(v.shape, dtype), final_state=nans(s0.shape))
+    err_o, err_s = rel(o, o_ref), rel(s, s_ref)
+    assert err_o < CHUNK_TOL[dtype] and err_s < CHUNK_TOL[dtype], f"{err_o:.2e} {err_s:.2e}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("delta", RULES, ids=RULE_IDS)
