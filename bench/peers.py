@@ -43,7 +43,7 @@ PY = {"edgelin": sys.executable, "transformers": sys.executable,
       "llama": str(PEERS / "venv-llama" / "bin" / "python"), "executorch": str(PEERS / "venv-et" / "bin" / "python")}
 PROMPT = "def main("
 MEM_LIMIT = 12 << 30  # address-space cap per worker: a runtime that would take more fails in its cell, no OOM kill
-RUNTIMES = ["edgelin-fp32", "edgelin-fp32-prepack", "edgelin-fp16", "edgelin-int8", "edgelin-int4",
+RUNTIMES = ["edgelin-fp32", "edgelin-fp32-prepack", "edgelin-fp16", "edgelin-f16w", "edgelin-int8", "edgelin-int4",
             "edgelin-int4-contrib", "llama-f32", "llama-f16", "llama-q8_0", "llama-q4_0", "executorch-fp32",
             "transformers-fp32"]
 # Also on request (--runtimes): edgelin-int4b64, 4-bit weights in blocks of 64 (4.56 bits per weight with their fp32
@@ -53,7 +53,10 @@ RUNTIMES = ["edgelin-fp32", "edgelin-fp32-prepack", "edgelin-fp16", "edgelin-int
 # "-contrib" (edgelin-int4-contrib, in the default list): --step-ops contrib (ONNX Runtime's kernels only); "-ops":
 # --step-ops edgelin, which is also the default export since 2026-12-03 (the step's convs, recurrences and 4-bit
 # products through edgelin's own kernel library, edgelin.ortops, built here at first use).
-PRECISION = {"fp32": "fp32", "f32": "fp32", "fp16": "fp16", "f16": "fp16", "int8": "8-bit", "q8_0": "8-bit",
+# edgelin-f16w: --quantize fp16 (float16 weights, float32 arithmetic: what llama.cpp's f16 file holds);
+# edgelin-fp16: --precision fp16 (an fp16 graph, for GPU providers; ONNX Runtime's x86 CPU runs it through Casts)
+PRECISION = {"fp32": "fp32", "f32": "fp32", "fp16": "fp16", "f16w": "fp16", "f16": "fp16", "int8": "8-bit",
+             "q8_0": "8-bit",
              "int4": "4-bit", "int4b64": "4-bit", "q4_0": "4-bit"}
 
 
@@ -354,7 +357,8 @@ def prepare(kind: str, ckpt: Path, work: Path, context: int | None = None) -> tu
             (ckpt / "config.json").read_text()).get("layer_types", [])
         out = work / f"{kind}-kv{context}" if static else out
         if not (out / "manifest.json").is_file():
-            flag = {"fp32": [], "fp16": ["--precision", "fp16"], "int8": ["--quantize", "int8"],
+            flag = {"fp32": [], "fp16": ["--precision", "fp16"], "f16w": ["--quantize", "fp16"],
+                    "int8": ["--quantize", "int8"],
                     "int4": ["--quantize", "int4"],
                     "int4b64": ["--quantize", "int4", "--block-size", "64"]}[kind.split("-")[1]]
             flag += {"std": ["--step-ops", "standard"], "ops": ["--step-ops", "edgelin"],

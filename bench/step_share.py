@@ -3,7 +3,7 @@
     python bench/step_share.py EXPORT_DIR [--threads 1] [--prefill 256] [--steps 600] [--runs 3]
 
 Builds, from the export's step.onnx, a graph holding only its weight products (every MatMulNBits, and
-every MatMul or Gemm whose second input is an initializer), each fed a random activation of its own
+every MatMul, MatMulF16 or Gemm whose second input is an initializer), each fed a random activation of its own
 shape [1, K], with the step's own weights, in the runner's step session options (prepacked or not).
 Then alternates one runner step (B=1, after a prefill) and one run of that graph, and prints both medians
 and the median over pairs of matmuls / step: the weight products' share of the step, the part a faster
@@ -24,6 +24,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from edgelin import ortops
 from edgelin.runtime import open_runner
 
 WARMUP = 50
@@ -39,7 +40,7 @@ def weights_only(step: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "MatMulNBits":
             k = attrs["K"]
-        elif node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in inits:
+        elif node.op_type in ("MatMul", "MatMulF16", "Gemm") and len(node.input) > 1 and node.input[1] in inits:
             dims = inits[node.input[1]].dims
             k = dims[1] if node.op_type == "Gemm" and attrs.get("transB") else dims[0]
         else:
@@ -52,7 +53,7 @@ def weights_only(step: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
                                       **attrs))
         used.update(node.input[1:])
     new = helper.make_graph(nodes, "weights_only", inputs, outputs, [t for n, t in inits.items() if n in used])
-    return helper.make_model(new, opset_imports=list(model.opset_import)), feeds
+    return helper.make_model(new, opset_imports=list(model.opset_import), functions=list(model.functions)), feeds
 
 
 def main() -> None:
@@ -74,8 +75,10 @@ def main() -> None:
     runner = open_runner(args.folder, threads=args.threads)
     # the step session's own options: threads, prepacking (quantised exports only, by default), and the
     # OrtValues over the shared weights mapping where the runner uses one
-    session = ort.InferenceSession(model.SerializeToString(), runner.sessions["step"].get_session_options(),
-                                   providers=["CPUExecutionProvider"])
+    options = runner.sessions["step"].get_session_options()
+    if any(node.domain == ortops.DOMAIN for node in model.graph.node):  # (the options do not carry the library)
+        print(f"edgelin ops: {ortops.register(options).reason}", flush=True)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     for run in range(args.runs):
         state = runner.new_state(1)
         prompt = np.random.default_rng(run).integers(0, runner.manifest.vocab_size, (1, args.prefill))

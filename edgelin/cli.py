@@ -20,7 +20,7 @@ from edgelin.output import Output, human_bytes, styled
 # Choices typer shows in --help and checks at parse time.
 TargetName = Literal[tuple(target_names())]  # type: ignore[valid-type]  # the registry, not a hand-kept list
 Precision = Literal["fp32", "fp16"]
-Quantize = Literal["int8", "int4"]
+Quantize = Literal["int8", "int4", "fp16"]
 Baseline = Literal["kv"]
 Serve = Literal["triton"]
 CoremlStyle = Literal["explicit", "mlstate"]
@@ -79,10 +79,12 @@ def inspect(
         exported = inspect_export(checkpoint)
         out.result(exported.to_dict())
         quantized = exported.quantization
+        from edgelin.export.quantize import quantized_weights
+
         out.line(Text.assemble((str(checkpoint), "bold"), f": {exported.target} export, precision "
                                + ", ".join(f"{k} {v}" for k, v in exported.precision.items() if v is not None)
-                               + (f"; {quantized['bits']}-bit weights (block {quantized['block_size']}, "
-                                  f"{len(quantized['matrices'])} matrices)" if quantized else "")))
+                               + (f"; {quantized_weights(quantized)} weights ({len(quantized['matrices'])} matrices)"
+                                  if quantized else "")))
         out.table("Bytes on disk", ["file", "bytes"], [[name, human_bytes(n)] for name, n in exported.files.items()])
         out.line(f"loaded by the runner (graphs + weights): {human_bytes(exported.runtime_bytes)}; folder: "
                  f"{human_bytes(exported.total_bytes)}" + (f"; {exported.weights['file']} is read by both graphs "
@@ -125,7 +127,8 @@ def export(
                                                   help="Compute precision of the graphs (default: the device's, else fp32)."),
     quantize: Optional[Quantize] = typer.Option(
         None, "--quantize", help="Weight-only quantisation of the matmul weights, embedding table and LM head "
-                                 "(block-wise, ONNX Runtime's MatMulNBits and GatherBlockQuantized); state and "
+                                 "(int8/int4: block-wise, ONNX Runtime's MatMulNBits and GatherBlockQuantized; "
+                                 "fp16: float16 weights, float32 arithmetic, edgelin's MatMulF16); state and "
                                  "recurrence stay float."),
     keep_embeddings_float: bool = typer.Option(
         False, "--keep-embeddings-float", help="With --quantize: leave the embedding table and LM head float "
@@ -186,6 +189,9 @@ def export(
         raise EdgelinError(f"--block-size {block_size} without --quantize", "the block size is a quantisation "
                            "setting; unquantised weights have no blocks", "add --quantize int4 (or int8), or drop "
                            "--block-size")
+    if block_size is not None and quantize == "fp16":
+        raise EdgelinError(f"--block-size {block_size} with --quantize fp16", "float16 weights are stored one by one, "
+                           "not in blocks", "drop --block-size, or use --quantize int4 (or int8)")
     if keep_embeddings_float and quantize is None:
         raise EdgelinError("--keep-embeddings-float without --quantize", "unquantised exports keep every weight "
                            "float already", "add --quantize int4 (or int8), or drop --keep-embeddings-float")
@@ -250,8 +256,10 @@ def export(
     weights, precision = m.extra.get("weights"), m.extra.get("precision", {})
     if weights:
         quantized = m.extra.get("quantization")
-        what = (f"{quantized['bits']}-bit matmul weights (block {quantized['block_size']}), others "
-                f"{precision.get('weights')}" if quantized else precision.get("weights", "?"))
+        from edgelin.export.quantize import quantized_weights
+
+        what = (f"{quantized_weights(quantized)} matmul weights, others {precision.get('weights')}" if quantized
+                else precision.get("weights", "?"))
         from edgelin.inspect import folder_bytes  # each file once: DIR/triton's weights link weights.bin
 
         total = folder_bytes(result.folder)

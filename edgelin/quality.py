@@ -71,7 +71,8 @@ GENTLER = {"fp16": "--precision fp32", "int8": "--precision fp16 without --quant
 
 
 def quantization_of(extra: dict[str, Any]) -> str | None:
-    """The weight quantisation an export's manifest records ("int8"/"int4"), or None. Read
+    """The weight quantisation an export's manifest records ("int8"/"int4"/"fp16": --quantize fp16's float16
+    weights), or None. Read
     defensively: the quantised export writes `extra["quantization"]` ({"bits": 4, ...}, read off the
     graphs) and `extra["precision"]["quantized_weights"]`; a device entry's `quantize` also counts."""
     candidates: list[Any] = [extra.get("quantization"), extra.get("quantize")]
@@ -80,8 +81,9 @@ def quantization_of(extra: dict[str, Any]) -> str | None:
             candidates += [extra[entry].get("quantized_weights"), extra[entry].get("quantize")]
     for value in candidates:
         if isinstance(value, dict):
-            value = value.get("type") or value.get("name") or (f"int{value['bits']}" if "bits" in value else None)
-        if isinstance(value, str) and value in ("int8", "int4"):
+            bits = value.get("bits")
+            value = value.get("type") or value.get("name") or ("fp16" if bits == 16 else f"int{bits}" if bits else None)
+        if isinstance(value, str) and value in ("int8", "int4", "fp16"):
             return value
     return None
 
@@ -91,6 +93,15 @@ def precision_key(manifest: "Manifest") -> str:
     static KV cache, --kv-dtype fp16, count as fp16)."""
     key = quantization_of(manifest.extra) or manifest.precision
     return "fp16" if key == "fp32" and manifest.kv_dtype == "float16" else key
+
+
+def threshold_key(manifest: "Manifest") -> str:
+    """What the parity threshold (reference_vectors.THRESHOLDS) is chosen by: precision_key's answer, but fp32 for
+    --quantize fp16 on float32 graphs, whose parity reference carries the export's own float16 weights while both
+    sides compute in float32 (measured ~1e-5 of the logits' scale: fp16's 2e-2 would not notice a wrong kernel)."""
+    key = precision_key(manifest)
+    return "fp32" if key == "fp16" and quantization_of(manifest.extra) == "fp16" and manifest.precision == "fp32" \
+        else key
 
 
 def resolve_bounds(key: str, min_top1: float | None = None, max_ppl_change: float | None = None) -> Bounds:

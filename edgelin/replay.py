@@ -39,7 +39,7 @@ from edgelin.export.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_K
                                               positions_needed, sha256_of, state_key, threshold_for)
 from edgelin.export.state import output_name_for
 from edgelin.quality import (QualityCheck, QualityFigures, QualityReference, evaluate, measure, precision_key,
-                             resolve_bounds)
+                             resolve_bounds, threshold_key)
 
 FIX = "re-export, or validate against the checkpoint with --against CKPT"
 
@@ -283,7 +283,7 @@ def replay(folder: Path, rtol: float | None = None, threads: int | None = None,
     check_capacity(manifest, vectors, measured=get_target(manifest.target).can_run().ok)
     # By the saved manifest's precision and quantisation (what the folder is), not the recorded meta.
     key = precision_key(manifest)
-    threshold = rtol if rtol is not None else threshold_for(key)
+    threshold = rtol if rtol is not None else threshold_for(threshold_key(manifest))
     report = ValidationReport(str(folder), manifest.target, key, against, vectors.batches,
                               vectors.prompt_len, vectors.steps, threshold)
     check = Checks(threshold)

@@ -40,7 +40,7 @@ from edgelin.export.manifest import Manifest
 from edgelin.export.reference_vectors import (flat_state, held_out_text, positions_needed, reference_quality,
                                               threshold_for)
 from edgelin.model.lm import CausalLM
-from edgelin.quality import TEXT_TOKENS, measure, precision_key
+from edgelin.quality import TEXT_TOKENS, measure, precision_key, threshold_key
 from edgelin.replay import Checks, ValidationReport
 from edgelin.runtime import check_room, open_runner, runner_label
 
@@ -156,7 +156,7 @@ def validate(
     fp32 = load_reference(manifest, against)
     model, weights = parity_reference(fp32, Path(folder), manifest)
     key = precision_key(manifest)
-    threshold = rtol if rtol is not None else threshold_for(key)
+    threshold = rtol if rtol is not None else threshold_for(threshold_key(manifest))
     report = AgainstReport(str(folder), manifest.target, key, source, [batch], prompt_len, steps, threshold,
                            reference_weights=weights.to_dict() if weights is not None else None)
     check = Checks(threshold)

@@ -72,7 +72,8 @@ FILE_SECONDS = {  # measured in a slow phase of the host (its Mamba2 int4 step 3
     "test_outputs.py": 59, "test_lowering.py": 58, "test_cli_faults.py": 49, "test_convert_fla.py": 46,
     "test_ortops_ssd.py": 43, "test_cli_polish.py": 32, "test_fused_decode.py": 29, "test_upstream_fla_smoke.py": 27,
     "test_onnx_nodes.py": 25, "test_quality.py": 24, "test_torchless.py": 21, "test_cli.py": 19,
-    "test_ortops_matmul.py": 16, "test_report.py": 15, "test_ortops_gdn.py": 15, "test_train.py": 15,
+    "test_ortops_f16.py": 40, "test_ortops_matmul.py": 16, "test_report.py": 15, "test_ortops_gdn.py": 15,
+    "test_train.py": 15,
     "test_fuse_matmuls.py": 14, "test_runtime_checks.py": 13, "test_trained_upstream.py": 12,
     # the slow tier's heavy files (make test-all)
     "test_kv_static.py": 130, "test_validate_stream.py": 111, "test_hostile.py": 71, "test_tensorrt_build.py": 65,

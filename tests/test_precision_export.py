@@ -305,6 +305,8 @@ def test_a_missing_or_truncated_weights_file_is_one_line(exports, tmp_path):
     (["--quantize", "int3"], "int3"),
     (["--quantize", "int4", "--block-size", "24"], "--block-size 24"),
     (["--block-size", "64"], "--block-size 64 without --quantize"),
+    (["--quantize", "fp16", "--block-size", "32"], "--block-size 32 with --quantize fp16"),
+    (["--quantize", "fp16", "--precision", "fp16"], "--quantize fp16 with fp16 graphs"),
     (["--quantize", "int4", "--target", "tensorrt"], "--quantize int4 for the tensorrt target"),
     (["--step-ops", "fused"], "--step-ops fused"),
     (["--step-ops", "standard", "--target", "tensorrt"], "--step-ops applies to --target onnx only"),

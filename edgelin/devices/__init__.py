@@ -33,14 +33,16 @@ README = "edgelin/devices/README.md"
 KINDS = ("desktop", "jetson", "phone", "server")
 COMPUTES = ("cpu", "cuda", "ane", "gpu")
 PRECISIONS = ("fp32", "fp16")
-QUANTIZE = ("int8", "int4")  # weight-only quantisation (--quantize); the state and recurrence stay float
+# weight-only quantisation (--quantize; fp16: float16 weight storage, float32 arithmetic); the state and recurrence
+# stay float
+QUANTIZE = ("int8", "int4", "fp16")
 STATE_DTYPES = ("float32", "float16")
 TARGETS = ("onnx", "tensorrt", "coreml")  # implemented or planned; the registry says which exist
 SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackwell (12.0)
 
 # What each target can write (a combination outside these is refused, never written as another).
 TARGET_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
-    "onnx": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",), "quantize": ("int8", "int4")},
+    "onnx": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",), "quantize": ("int8", "int4", "fp16")},
     "tensorrt": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",)},  # the plugin's state: fp32 always
     # Core ML: fp16 or fp32 compute; float32 state (explicit style) or float16 (explicit, or MLState: fp16 only)
     "coreml": {"precision": ("fp16", "fp32"), "state_dtype": ("float32", "float16")},
@@ -300,7 +302,7 @@ def export_settings(profile: DeviceProfile | None, target_name: str, precision_f
     quality and state-precision checks that it overrides)."""
     if quantize is not None and quantize not in QUANTIZE:
         raise EdgelinError(f"--quantize {quantize}", f"weight quantisation must be one of: {', '.join(QUANTIZE)}"
-                           + _closest(quantize, QUANTIZE), "pass --quantize int8 or --quantize int4")
+                           + _closest(quantize, QUANTIZE), "pass --quantize int8, int4 or fp16")
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
                                    or block_size < 16 or block_size & (block_size - 1)):
         raise EdgelinError(f"--block-size {block_size}", "a quantisation block is a power of two >= 16 weights",
@@ -333,6 +335,10 @@ def export_settings(profile: DeviceProfile | None, target_name: str, precision_f
         raise EdgelinError(f"--quantize {quantize} for the {target_name} target",
                            f"the {target_name} target takes {takes}",
                            "drop --quantize, or use --target onnx (int8/int4 through ONNX Runtime)")
+    if quantize == "fp16" and settings.precision != "fp32":
+        raise EdgelinError(f"--quantize fp16 with {settings.precision} graphs",
+                           "--quantize fp16 stores a float32 graph's matmul weights as float16; an fp16 graph's "
+                           "weights are float16 already", "drop --quantize, or export with --precision fp32")
     settings = dataclasses.replace(settings, quantize=quantize, force=force,
                                    **({"block_size": block_size} if block_size is not None else {}))
     if settings.state_dtype not in limits.get("state_dtype", STATE_DTYPES):

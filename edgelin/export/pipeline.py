@@ -61,7 +61,7 @@ def precision_entry(settings: ExportSettings) -> dict[str, str | int | None]:
     table and LM head unquantised, or quantised with --keep-embeddings-float: extra["quantization"] lists them)."""
     low = {"fp32": "float32", "fp16": "float16"}[settings.precision]
     return {"graphs": settings.precision, "weights": low, "quantized_weights": settings.quantize,
-            "block_size": settings.block_size if settings.quantize else None, "compute": low,
+            "block_size": settings.block_size if settings.quantize in ("int8", "int4") else None, "compute": low,
             "recurrence": "float32", "state": settings.state_dtype, "logits": "float32"}
 
 

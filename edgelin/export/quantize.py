@@ -1,5 +1,12 @@
-"""Weight-only quantisation of exported ONNX graphs (--quantize int8|int4, --block-size N), through
+"""Weight-only quantisation of exported ONNX graphs (--quantize int8|int4|fp16, --block-size N), through
 ONNX Runtime's own tool: `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`.
+
+--quantize fp16 (weight-only float16 storage, float32 arithmetic: what llama.cpp's f16 files hold) is edgelin's
+own pass: every constant-weight MatMul becomes `ai.edgelin::MatMulF16` on a float16 copy of its weight (edgelin's
+kernel widens the halves as it reads them: edgelin.ortops; its ONNX function body, Cast + MatMul, runs where the
+library is not loaded), the LM head likewise, and the embedding lookup a Gather on the float16 table and a Cast.
+ONNX Runtime's x86 CPU provider has no float16 MatMul, so an fp16 graph (--precision fp16) runs through Casts that
+it folds into float32 copies of every weight, per session.
 
 Every MatMul whose second input is a constant 2-D weight becomes a `com.microsoft.MatMulNBits` node:
 the weight stored block-wise (`block_size` weights along the input dim share a float scale and a
@@ -31,6 +38,11 @@ from typing import Any
 from edgelin.errors import EdgelinError, environment_fault, one_line
 
 BITS = {"int8": 8, "int4": 4}
+HALF = "fp16"  # --quantize fp16: weight-only float16 storage (_float16_weights)
+F16_OP = "MatMulF16"  # edgelin's op for it: float32 activations by a float16 [K, N] weight
+METHOD_F16 = ("edgelin weight-only float16: each constant-weight MatMul as ai.edgelin::MatMulF16 on a float16 "
+              "copy of its weight (float32 arithmetic; function body Cast + MatMul), embedding lookups as Gather "
+              "on the float16 table + Cast")
 # MatMulNBits' accuracy_level 4: the CPU kernel multiplies int8-quantised activation blocks (float
 # accumulation). Measured on the shipped model (docs/benchmarks.md): int8 steps 18x faster than with the
 # default level (7.1 -> 0.38 ms; the default has no fast 8-bit kernel), int4 ~15% faster, perplexity
@@ -217,6 +229,69 @@ def _drop_unread(proto: Any) -> None:
         proto.graph.initializer.remove(tensor)
 
 
+def _float16_weights(proto: Any, embeddings: bool) -> None:
+    """--quantize fp16, in place: each MatMul of ONNX's on a constant 2-D float32 weight becomes ai.edgelin::MatMulF16
+    on a float16 copy of it (each weight converted once however many nodes read it); with `embeddings` also the LM
+    head (untied to its own transposed weight first, as for int4) and each Gather on a 2-D float32 table, which
+    reads the float16 table and casts its rows back to float32. Unread float32 weights are dropped."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from edgelin.export.onnx_patterns import use_domain
+    from edgelin.ortops import DOMAIN
+
+    if embeddings:
+        _untie_heads(proto)
+    inits = {t.name: t for t in proto.graph.initializer}
+    halves: dict[str, str] = {}
+
+    def half(name: str) -> str:
+        if name not in halves:
+            halves[name] = f"{name}_f16"
+            proto.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(inits[name]).astype(np.float16),
+                                                                   halves[name]))
+        return halves[name]
+
+    def matrix(name: str) -> bool:
+        tensor = inits.get(name)
+        return tensor is not None and len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT
+
+    nodes = []
+    for node in proto.graph.node:
+        if node.domain == "" and node.op_type == "MatMul" and len(node.input) == 2 and matrix(node.input[1]):
+            node.op_type, node.domain = F16_OP, DOMAIN
+            node.input[1] = half(node.input[1])
+        elif embeddings and node.op_type == "Gather" and node.input and matrix(node.input[0]) \
+                and _attrs(node).get("axis", 0) == 0:
+            node.input[0], out = half(node.input[0]), node.output[0]
+            node.output[0] = f"{out}_f16"
+            nodes.append(node)
+            node = helper.make_node("Cast", [node.output[0]], [out], name=f"{node.name}_to_float",
+                                    to=onnx.TensorProto.FLOAT)
+        nodes.append(node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    if any(node.op_type == F16_OP and node.domain == DOMAIN for node in nodes):
+        use_domain(proto, DOMAIN)
+        if not any(f.domain == DOMAIN and f.name == F16_OP for f in proto.functions):
+            proto.functions.append(_f16_function(proto))
+    _drop_unread(proto)
+
+
+def _f16_function(proto: Any) -> Any:
+    """ai.edgelin::MatMulF16 as ONNX ops (what runs without edgelin's library): Cast(B) to float32, then MatMul."""
+    import onnx
+    from onnx import helper
+
+    from edgelin.ortops import DOMAIN
+
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 18)
+    body = [helper.make_node("Cast", ["B"], ["B_float"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("MatMul", ["A", "B_float"], ["Y"])]
+    return helper.make_function(DOMAIN, F16_OP, ["A", "B"], ["Y"], body, [helper.make_opsetid("", opset)])
+
+
 def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = True) -> list[str]:
     """Quantise the constant-weight MatMuls of the graph at `path` in place; returns the modules whose
     weights were quantised (checkpoint names), in graph order. Each MatMulNBits node keeps its MatMul's
@@ -226,10 +301,16 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
     (so weights.bin stores them once)."""
     import onnx
 
-    if scheme not in BITS:
-        raise EdgelinError(f"weight quantisation {scheme!r}", f"edgelin quantises to {', '.join(BITS)}",
-                           "pass --quantize int8 or --quantize int4")
+    if scheme not in (*BITS, HALF):
+        raise EdgelinError(f"weight quantisation {scheme!r}", f"edgelin quantises to {', '.join((*BITS, HALF))}",
+                           "pass --quantize int8, int4 or fp16")
     from edgelin.export.fuse_matmuls import FUSED_MODULES
+
+    if scheme == HALF:
+        proto = onnx.load(str(path))
+        _float16_weights(proto, embeddings)
+        onnx.save(proto, str(path))
+        return [name for node in proto.graph.node if node.op_type == F16_OP for name in _modules_of(node)]
 
     bits = BITS[scheme]
     proto = onnx.load(str(path))
@@ -259,21 +340,44 @@ QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")  # the ops that carry a 
 _WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "Conv")  # ops that read a weight matrix
 
 
+def quantized_weights(entry: dict[str, Any]) -> str:
+    """A manifest's extra["quantization"] in words: "4-bit (block 32)", "float16"."""
+    if entry.get("bits") == 16:
+        return "float16"
+    return f"{entry['bits']}-bit (block {entry['block_size']})"
+
+
+def _half_tables(graph: Any) -> set[str]:
+    """The float16 2-D initializers Gathers read in a --quantize fp16 graph (its embedding tables; none in a graph
+    without MatMulF16 nodes: an fp16 graph's tables are float16 too, and not quantised)."""
+    import onnx
+
+    if not any(n.op_type == F16_OP for n in graph.node):
+        return set()
+    halves = {t.name for t in graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT16}
+    return {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input and n.input[0] in halves}
+
+
 def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None:
     """manifest extra["quantization"], read off the graph files: bits, block size, the quantised
     matrices and the weight matrices kept float (the same in every graph, checked), or None for an
-    unquantised export."""
+    unquantised export. --quantize fp16: bits 16, no block size, method METHOD_F16."""
     import onnx
 
     found: dict[str, dict[str, Any]] = {}
     for kind, file in graph_files.items():
         proto = onnx.load(str(Path(folder) / file), load_external_data=False)
         matrices = {t.name for t in proto.graph.initializer if len(t.dims) >= 2}
-        nodes = [n for n in proto.graph.node if n.op_type in QUANTIZED_OPS]
+        tables = _half_tables(proto.graph)
+        nodes = [n for n in proto.graph.node if n.op_type in (*QUANTIZED_OPS, F16_OP)
+                 or (n.op_type == "Gather" and n.input and n.input[0] in tables)]
+        taken = {id(n) for n in nodes}
         attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
-        kept = {name for n in proto.graph.node if n.op_type in _WEIGHT_OPS and any(i in matrices for i in n.input)
-                for name in _modules_of(n)}
-        found[kind] = {"bits": sorted({a["bits"] for a in attrs}), "block_size": sorted({a["block_size"] for a in attrs}),
+        attrs = [a if n.op_type in QUANTIZED_OPS else {"bits": 16, "block_size": None} for n, a in zip(nodes, attrs)]
+        kept = {name for n in proto.graph.node if n.op_type in _WEIGHT_OPS and id(n) not in taken
+                and any(i in matrices for i in n.input) for name in _modules_of(n)}
+        found[kind] = {"bits": sorted({a["bits"] for a in attrs}),
+                       "block_size": sorted({a["block_size"] for a in attrs}, key=str),
                        "quantized": sorted({name for n in nodes for name in _modules_of(n)}), "kept_float": sorted(kept)}
     first_kind, first = next(iter(found.items()))
     if not first["quantized"]:
@@ -286,5 +390,5 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
                                f"{first['block_size']}", "report this as an edgelin bug")
     matrices = sorted(set().union(*(entry["quantized"] for entry in found.values())))
     kept = sorted(set().union(*(entry["kept_float"] for entry in found.values())))
-    return {"method": METHOD, "bits": first["bits"][0], "block_size": first["block_size"][0],
-            "matrices": matrices, "kept_float": kept}
+    return {"method": METHOD_F16 if first["bits"][0] == 16 else METHOD, "bits": first["bits"][0],
+            "block_size": first["block_size"][0], "matrices": matrices, "kept_float": kept}

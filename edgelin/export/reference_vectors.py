@@ -47,7 +47,7 @@ import numpy as np
 from edgelin import __version__
 from edgelin.export.state import state_input_name
 from edgelin.quality import (GREEDY_PROMPT, GREEDY_STEPS, RANDOM_SOURCE, TEXT_TOKENS, QualityReference,
-                             precision_key, read_text_tokens, recipe_held_out)
+                             precision_key, read_text_tokens, recipe_held_out, threshold_key)
 
 if TYPE_CHECKING:
     from edgelin.export.manifest import Manifest
@@ -219,7 +219,7 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION, "seed": seed, "prompt_len": PROMPT_LEN, "steps": STEPS,
         "batches": list(BATCHES), "state_checkpoints": {str(b): list(STATE_CHECKPOINTS[b]) for b in BATCHES},
-        "precision": key, "threshold": threshold_for(key), "thresholds": THRESHOLDS,
+        "precision": key, "threshold": threshold_for(threshold_key(manifest)), "thresholds": THRESHOLDS,
         "quality": quality_meta,
         "reference": "PyTorch: prefill through the chunked form, steps through the recurrent form",
         **({"reference_weights": weights.to_dict()} if weights is not None else {}),

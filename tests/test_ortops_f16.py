@@ -1,0 +1,127 @@
+"""--quantize fp16: float16 weights, float32 arithmetic, through ai.edgelin::MatMulF16 (edgelin/ortops/f16_gemm.c,
+ops_matmul.c; edgelin.export.quantize's float16 pass).
+
+The chain of trust: the kernel inside an ONNX Runtime session == a float64 product of the same (float16-rounded)
+numbers, and == the op's function body (Cast + ONNX Runtime's MatMul), at shapes that take every path: decoding
+(1-5 rows of A: slices of weight rows, whole passes of eight and a remainder) and prefill pieces (6 rows and more:
+register tiles of 6 tokens x 16 columns, a partial last tile of tokens and of columns, K over two packed panels of
+256 rows), one and two threads, the AVX2 and the portable paths; an fp16 export stores every matmul weight as
+float16 (weights.bin about half the float32 export's), records its quantisation, validates with and without the
+library, and its step rollout with the library == without it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgelin import ortops
+from edgelin.export.quantize import F16_OP, _float16_weights
+from edgelin.replay import replay
+from helpers import assert_close
+from ortops_fixtures import gdn_exports, kernel_path, library, rollouts, session  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
+
+# float32 sums of float16-exact products in another order than float64's: measured <= 4e-7 RMS-relative on these
+# shapes (both paths); bound ~25x.
+PRODUCT_RTOL = 1e-5
+
+# K: past one 256-row panel (300), a 64-row task slice plus one (65), not a multiple of 8 (7); N: 16k + 12 (the
+# Mamba2 input projection's 1676), a multiple of 16 (384), below 16 (9), 1
+SHAPES = [(384, 1676), (300, 384), (65, 37), (7, 9), (33, 1)]
+# rows of A: decoding (1, 3), a prefill piece of exactly one token tile (6), of tiles and a remainder of 2 (2 x 7)
+# and of 5 (11)
+A_SHAPES = [(1, 1), (3, 1), (1, 6), (2, 7), (1, 11)]
+
+
+def _f16_matmul(K: int, N: int) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A MatMul graph on a [K, N] float32 weight after the float16 pass, and the weight as float16 stored it."""
+    weight = (np.random.default_rng(K * N).standard_normal((K, N)) * 0.05).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(weight, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    _float16_weights(model, embeddings=True)
+    (node,) = model.graph.node
+    (half,) = model.graph.initializer
+    assert (node.op_type, node.domain, half.data_type) == (F16_OP, ortops.DOMAIN, TensorProto.FLOAT16)
+    return model, numpy_helper.to_array(half)
+
+
+@pytest.mark.parametrize("K,N", SHAPES, ids=[f"K{k}-N{n}" for k, n in SHAPES])
+@pytest.mark.parametrize("a_shape", A_SHAPES, ids=[f"{b}x{t}" for b, t in A_SHAPES])
+@pytest.mark.parametrize("threads", [1, 2], ids=["t1", "t2"])
+def test_the_product_matches_float64_and_its_function_body(library, K, N, a_shape, threads, kernel_path):
+    model, half = _f16_matmul(K, N)
+    x = np.random.default_rng(K + N).standard_normal((*a_shape, K)).astype(np.float32)
+    got = session(model, library, threads).run(None, {"x": x})[0]
+    assert got.shape == (*a_shape, N)
+    assert_close(got, x.astype(np.float64) @ half.astype(np.float64), PRODUCT_RTOL, f"K={K} N={N} vs float64")
+    assert_close(got, session(model).run(None, {"x": x})[0], PRODUCT_RTOL, f"K={K} N={N} vs the function body")
+
+
+def test_the_pass_converts_each_weight_once_and_leaves_other_graphs_alone():
+    """Two MatMuls on one weight share one float16 copy; a MatMul of two activations and a float16 graph's MatMul
+    (already float16: --precision fp16) stay ONNX's."""
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("MatMul", ["x", "W"], ["b"]),
+             helper.make_node("MatMul", ["x", "v"], ["c"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 4]) for n in "xv"],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abc"], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    _float16_weights(model, embeddings=True)
+    assert [n.op_type for n in model.graph.node] == [F16_OP, F16_OP, "MatMul"]
+    assert [t.name for t in model.graph.initializer] == ["W_f16"]
+    assert [f.name for f in model.functions] == [F16_OP]
+
+
+# ---- a --quantize fp16 export -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def f16_exports(tmp_path_factory) -> dict[str, Path]:
+    return gdn_exports(tmp_path_factory.mktemp("quantize-fp16"), {"edgelin": ("edgelin", "fp16"),
+                                                                  "contrib": ("contrib", "fp16"),
+                                                                  "fp32": ("edgelin", None)})
+
+
+def test_the_export_stores_every_matmul_weight_as_float16(f16_exports):
+    folder = f16_exports["edgelin"]
+    for kind in ("step", "prefill"):
+        proto = onnx.load(str(folder / f"{kind}.onnx"), load_external_data=False)
+        inits = {t.name: t for t in proto.graph.initializer}
+        products = [n for n in proto.graph.node if n.op_type in ("MatMul", F16_OP, "Gemm") and len(n.input) > 1
+                    and n.input[1] in inits]
+        assert len(products) >= 7 and all(n.op_type == F16_OP and n.domain == ortops.DOMAIN for n in products), kind
+        assert all(inits[n.input[1]].data_type == TensorProto.FLOAT16 for n in products)
+        gathers = [n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in inits]
+        assert gathers and all(inits[n.input[0]].data_type == TensorProto.FLOAT16 for n in gathers)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    quantization = manifest["extra"]["quantization"]
+    assert (quantization["bits"], quantization["block_size"]) == (16, None)
+    assert "lm_head" in quantization["matrices"] and "model.embed_tokens" in quantization["matrices"]
+    assert manifest["extra"]["precision"]["quantized_weights"] == "fp16"
+    assert manifest["extra"]["ort_ops"]["prefill_nodes"] >= 7 and manifest["extra"]["ort_ops"]["packed_products"] == 0
+    half, full = ((f16_exports[k] / "weights.bin").stat().st_size for k in ("edgelin", "fp32"))
+    assert 0.45 < half / full < 0.6, (half, full)  # float16 matrices; norms and convs stay float32
+
+
+@pytest.mark.parametrize("setting", ["library", "off"])
+def test_an_fp16_export_validates_with_and_without_the_library(f16_exports, library, setting, monkeypatch):
+    monkeypatch.setenv(ortops.ENV, str(library) if setting == "library" else "0")
+    report = replay(f16_exports["edgelin"])
+    assert report.passed, (report.failures, report.quality_failures)
+    # parity at fp32's threshold (the reference carries the export's own float16 weights), quality at fp16's bounds
+    assert (report.precision, report.threshold) == ("fp16", 1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_fp16_rollout_with_the_library_matches_the_function_bodies(f16_exports, library, batch, monkeypatch):
+    """30 teacher-forced steps after an 11-token prefill (a prefill piece on the tiled path), at 2 threads."""
+    logits = rollouts(f16_exports, library, batch, 2, monkeypatch)
+    assert_close(logits["library"], logits["fallback"], PRODUCT_RTOL, f"batch {batch}")
+    assert_close(logits["library"], logits["contrib"], PRODUCT_RTOL, f"batch {batch} vs the contrib export")
