@@ -116,15 +116,17 @@ def test_a_shape_the_kernel_does_not_take_is_refused_in_one_line(library):
         session(model, library).run(None, feeds)
 
 
-def _gated_norm_model(width: int, epsilon: float = 1e-6) -> onnx.ModelProto:
+def _gated_norm_model(width: int, epsilon: float = 1e-6, gate_first: bool = False) -> onnx.ModelProto:
     weight = np.random.default_rng(width).uniform(0.5, 1.5, width).astype(np.float32)
-    node = helper.make_node(onnx_gated_norm.NAME, ["x", "z", "weight"], ["y"], domain=ortops.DOMAIN, epsilon=epsilon)
+    name, function = ((onnx_gated_norm.GATE_FIRST, onnx_gated_norm.gate_then_norm_function) if gate_first
+                      else (onnx_gated_norm.NAME, onnx_gated_norm.gated_norm_function))
+    node = helper.make_node(name, ["x", "z", "weight"], ["y"], domain=ortops.DOMAIN, epsilon=epsilon)
     value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", "t", "n"])  # noqa: E731
     graph = helper.make_graph([node], "g", [value("x"), value("z")], [value("y")],
                               [numpy_helper.from_array(weight, "weight")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid(ortops.DOMAIN, 1),
                                                    helper.make_opsetid("", 18)],
-                             functions=[onnx_gated_norm.gated_norm_function({"": 18})])
+                             functions=[function({"": 18})])
 
 
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 2)], ids=["B1-T1", "B3-T2"])
@@ -137,6 +139,57 @@ def test_the_gated_norm_matches_float64_and_its_onnx_function(library, batch, to
     want = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * weight * z / (1.0 + np.exp(-z))
     assert_matches_float64_and_function(model, feeds, (want.reshape(batch, tokens, H * DV),), library, 1, GDN_RTOL,
                                         f"B={batch} T={tokens}")
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 2)], ids=["B1-T1", "B3-T2"])
+def test_the_gate_then_norm_matches_float64_and_its_onnx_function(library, batch, tokens):
+    """Mamba2's gated norm, the gate first: RMSNorm(x * silu(z)) * w over the whole width (one group)."""
+    width = H * DV
+    model = _gated_norm_model(width, 1e-5, gate_first=True)
+    rng = np.random.default_rng(batch)
+    feeds = {name: (rng.standard_normal((batch, tokens, width)) * 2).astype(np.float32) for name in ("x", "z")}
+    weight = numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64)
+    x, z = (feeds[n].astype(np.float64) for n in ("x", "z"))
+    gated = x * z / (1.0 + np.exp(-z))
+    want = gated / np.sqrt((gated * gated).mean(-1, keepdims=True) + 1e-5) * weight
+    assert_matches_float64_and_function(model, feeds, (want,), library, 1, GDN_RTOL, f"B={batch} T={tokens}")
+
+
+def _unfused_gate_then_norm(width: int, extra_output: str | None = None) -> onnx.ModelProto:
+    """Mamba2's gated norm as its step graph writes it with one group (transformers' Mamba2, n_groups 1): SiLU as
+    Sigmoid and Mul, the gate's Mul, then the norm's six (Pow, ReduceMean, Add, Sqrt, Div, Mul w)."""
+    node = helper.make_node
+    consts = [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
+              numpy_helper.from_array(np.array([-1]), "last"),
+              numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
+              numpy_helper.from_array(np.random.default_rng(1).uniform(0.5, 1.5, width).astype(np.float32), "w")]
+    nodes = [node("Sigmoid", ["z"], ["sig"]), node("Mul", ["z", "sig"], ["silu"]), node("Mul", ["x", "silu"], ["g"]),
+             node("Pow", ["g", "two"], ["sq"]), node("ReduceMean", ["sq", "last"], ["ms"]),
+             node("Add", ["ms", "eps"], ["e"]),
+             node("Sqrt", ["e"], ["rms"]), node("Div", ["g", "rms"], ["unit"]), node("Mul", ["unit", "w"], ["y"])]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", "t", width])  # noqa: E731
+    outputs = [value("y")] + ([value(extra_output)] if extra_output else [])
+    graph = helper.make_graph(nodes, "g", [value("x"), value("z")], outputs, consts)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_mambas_gated_norm_becomes_one_node_that_computes_the_same(library):
+    model = _unfused_gate_then_norm(48)
+    fused = onnx.ModelProto()
+    fused.CopyFrom(model)
+    assert onnx_gated_norm.fuse_gated_norms(fused, float_tensor_names(fused)) == 1
+    assert [(n.op_type, n.domain) for n in fused.graph.node] == [(onnx_gated_norm.GATE_FIRST, ortops.DOMAIN)]
+    assert [a.f for a in fused.graph.node[0].attribute if a.name == "epsilon"] == [pytest.approx(1e-5)]
+    feeds = {n: np.random.default_rng(i).standard_normal((2, 3, 48)).astype(np.float32) for i, n in enumerate("xz")}
+    want = session(model).run(None, feeds)[0]
+    assert_close(session(fused, library).run(None, feeds)[0], want, GDN_RTOL, "kernel vs the unfused nodes")
+    assert_close(session(fused).run(None, feeds)[0], want, GDN_RTOL, "function vs the unfused nodes")
+
+
+def test_mambas_gated_norm_with_an_inner_tensor_read_elsewhere_is_left_alone():
+    model = _unfused_gate_then_norm(48, extra_output="g")  # the gated value is also a graph output
+    assert onnx_gated_norm.fuse_gated_norms(model, float_tensor_names(model)) == 0
+    assert len(model.graph.node) == 9
 
 
 def test_a_gated_norm_whose_width_does_not_divide_is_refused_in_one_line(library):

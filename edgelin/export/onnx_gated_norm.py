@@ -1,6 +1,7 @@
 """--step-ops edgelin: a recurrence's gated output norm, RMSNorm(o) * w * silu(z) per head, as one
 `ai.edgelin::GatedRmsNorm` node (the family spec's `output_gate=AFTER_NORM` with SiLU: Gated DeltaNet's and GLA's
-output).
+output), and Mamba2's, the gate first, RMSNorm(o * silu(z)) * w over the whole width (one group), as one
+`ai.edgelin::GateThenRmsNorm` node where the step had nine (Sigmoid, the two Muls, the norm's six).
 
 The step graph writes it as ~12 small nodes: o and the gate z each reshaped to [B, T, H, dv], the norm's six (Pow,
 ReduceMean, Add, Sqrt, Div, Mul w), SiLU as Sigmoid and Mul, the gate's Mul and the reshape back; ONNX Runtime
@@ -17,6 +18,7 @@ from edgelin.export.onnx_patterns import GraphIndex, add_fused, rms_constants, r
 from edgelin.ortops import DOMAIN
 
 NAME = "GatedRmsNorm"
+GATE_FIRST = "GateThenRmsNorm"
 INPUTS = ("x", "z", "weight")
 OUTPUTS = ("y",)
 
@@ -42,6 +44,47 @@ def gated_norm_function(opsets: dict[str, int]):
     ]
     imports = [helper.make_opsetid("", opsets.get("", 18))]
     return helper.make_function(DOMAIN, NAME, list(INPUTS), list(OUTPUTS), body, imports, attributes=["epsilon"])
+
+
+def gate_then_norm_function(opsets: dict[str, int]):
+    """ai.edgelin::GateThenRmsNorm as ONNX ops (ops_gdn.c says what it computes), in the unfused graph's order."""
+    from onnx import helper
+
+    node = helper.make_node
+    body = [*rms_constants(), node("Sigmoid", ["z"], ["z_sigmoid"]), node("Mul", ["z", "z_sigmoid"], ["silu"]),
+            node("Mul", ["x", "silu"], ["gated"]), *rms_nodes("gated", "weight", "y")]
+    imports = [helper.make_opsetid("", opsets.get("", 18))]
+    return helper.make_function(DOMAIN, GATE_FIRST, list(INPUTS), list(OUTPUTS), body, imports, attributes=["epsilon"])
+
+
+def _silu_of(graph: GraphIndex, name: str):
+    """For `name` = Mul(z, Sigmoid(z)): (z, the two nodes), else None."""
+    mul = graph.made_by(name, "Mul")
+    sigmoid = mul and next((s for s in map(lambda i: graph.made_by(i, "Sigmoid"), mul.input) if s), None)
+    if not sigmoid or sorted(mul.input) != sorted([sigmoid.input[0], sigmoid.output[0]]):
+        return None
+    return sigmoid.input[0], [sigmoid, mul]
+
+
+def _match_gate_first(graph: GraphIndex, out: str):
+    """For out = RMSNorm(Mul(x, silu(z))) with no reshape between (one group): the fused node's inputs, its epsilon
+    and the nodes it replaces, or None."""
+    norm = rms_norm(graph, out)
+    gate = norm and graph.made_by(norm[0], "Mul")
+    if not gate or len(gate.input) != 2:
+        return None
+    for x, silu in (gate.input, gate.input[::-1]):
+        found = _silu_of(graph, silu)
+        if found:
+            break
+    else:
+        return None
+    z, silu_nodes = found
+    _, weight, epsilon, _, norm_nodes = norm
+    replaced = [*silu_nodes, gate, *norm_nodes]
+    if not graph.closed(replaced, {out}):
+        return None
+    return [x, z, weight], epsilon, replaced
 
 
 def _match(graph: GraphIndex, gate):
@@ -71,7 +114,32 @@ def _match(graph: GraphIndex, gate):
 
 def fuse_gated_norms(proto, float_tensors: set[str]) -> int:
     """Replace, in the step graph `proto` (in place), every float32 gated output norm (the module docstring's
-    pattern) with one ai.edgelin::GatedRmsNorm node, and add its function once. Returns how many it fused."""
+    patterns) with one ai.edgelin::GatedRmsNorm or GateThenRmsNorm node, and add each one's function once. Returns
+    how many it fused."""
+    return _fuse_norm_then_gate(proto, float_tensors) + _fuse_gate_then_norm(proto, float_tensors)
+
+
+def _fuse_gate_then_norm(proto, float_tensors: set[str]) -> int:
+    from onnx import helper
+
+    graph = GraphIndex(proto.graph)
+    fused: dict[int, object] = {}  # id(the norm's last Mul) -> the fused node that takes its place
+    dropped: set[int] = set()
+    for last in proto.graph.node:
+        if last.op_type != "Mul" or last.domain not in ("", "ai.onnx") or last.output[0] not in float_tensors \
+                or id(last) in dropped:
+            continue
+        found = _match_gate_first(graph, last.output[0])
+        if found is None:
+            continue
+        inputs, epsilon, replaced = found
+        fused[id(last)] = helper.make_node(GATE_FIRST, inputs, [last.output[0]], name=f"{last.name}.gate_then_norm",
+                                           domain=DOMAIN, epsilon=float(epsilon))
+        dropped |= {id(n) for n in replaced}
+    return add_fused(proto, fused, dropped, gate_then_norm_function)
+
+
+def _fuse_norm_then_gate(proto, float_tensors: set[str]) -> int:
     from onnx import helper
 
     graph = GraphIndex(proto.graph)

@@ -55,6 +55,9 @@ OrtStatus* edgelin_compute_gdn(void* kernel, OrtKernelContext* context);
 OrtStatus* edgelin_create_gated_norm(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
                                      void** out);
 OrtStatus* edgelin_compute_gated_norm(void* kernel, OrtKernelContext* context);
+/* ai.edgelin::GateThenRmsNorm (ops_gdn.c): computed by edgelin_compute_gated_norm */
+OrtStatus* edgelin_create_gate_then_norm(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                                         void** out);
 
 /* ai.edgelin::SiluGate (ops_mlp.c) */
 OrtStatus* edgelin_create_silu_gate(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,

@@ -8,6 +8,7 @@
      (ops_attention.c, attention.c);
    - ai.edgelin::MatMul: ONNX MatMul's float32 weight products, slices of the weights' rows per thread
      (ops_matmul.c, f32_gemv.c);
+   - ai.edgelin::GateThenRmsNorm: Mamba2's gated norm, RMSNorm(x * silu(z)) * w (ops_gdn.c; an edgelin op);
    - ai.edgelin::MatMulF16: float32 activations by float16 weights (--quantize fp16), both graphs (ops_matmul.c,
      f16_gemm.c; an edgelin op: its function body is Cast + ONNX MatMul);
    - ai.edgelin::SsdRecurrence: Mamba2's step around the recurrence (dt path, shared keys, skip) in one node
@@ -282,6 +283,7 @@ static size_t eight_inputs(const OrtCustomOp* op) { (void)op; return 8; }
 static const char* name_gdn(const OrtCustomOp* op) { (void)op; return "GatedDeltaRecurrence"; }
 static size_t ten_inputs(const OrtCustomOp* op) { (void)op; return 10; }
 static const char* name_gated_norm(const OrtCustomOp* op) { (void)op; return "GatedRmsNorm"; }
+static const char* name_gate_then_norm(const OrtCustomOp* op) { (void)op; return "GateThenRmsNorm"; }
 static size_t three_inputs(const OrtCustomOp* op) { (void)op; return 3; }
 static const char* name_silu_gate(const OrtCustomOp* op) { (void)op; return "SiluGate"; }
 static size_t one_input(const OrtCustomOp* op) { (void)op; return 1; }
@@ -320,7 +322,7 @@ static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input
   return op;
 }
 
-static OrtCustomOp g_ops[11];
+static OrtCustomOp g_ops[12];
 
 /* ONNX Runtime's entry point (register_custom_ops_library), once per session that loads the library. */
 EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -352,6 +354,8 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
                         edgelin_compute_silu_gate, edgelin_destroy_fused);
     g_ops[10] = describe(name_f16_matmul, input_type_f16_matmul, two_inputs, all_required, outputs_matmul,
                          edgelin_create_matmul, edgelin_compute_matmul_f16, edgelin_destroy_matmul);
+    g_ops[11] = describe(name_gate_then_norm, all_float, three_inputs, all_required, outputs_matmul,
+                         edgelin_create_gate_then_norm, edgelin_compute_gated_norm, edgelin_destroy_fused);
   }
   /* Only where the AVX2 kernels run (measured faster there: docs/benchmarks.md, issue 13). Elsewhere (ARM boards)
      nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):

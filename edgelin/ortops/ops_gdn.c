@@ -105,25 +105,46 @@ OrtStatus* edgelin_compute_gdn(void* kernel, OrtKernelContext* context) {
 /* ---- ai.edgelin::GatedRmsNorm: the recurrence's gated output norm, y = x / sqrt(mean(x^2) + epsilon) * w *
    silu(z) over each group of dv values (dv = w's size): x, z [..., N] with N a multiple of dv, y like x. One node
    where ONNX Runtime ran six (the reshapes, its fused norm, SiLU, the gate's Mul); the export's function body is
-   the unfused nodes (onnx_gated_norm.py). Attribute: epsilon. */
+   the unfused nodes (onnx_gated_norm.py). Attribute: epsilon.
+   ai.edgelin::GateThenRmsNorm: the gate first, then the norm (Mamba2's gated norm): y = g / sqrt(mean(g^2) +
+   epsilon) * w with g = x * silu(z), over the same groups; one node where the step ran nine. */
+typedef struct {
+  float epsilon;
+  int gate_first; /* GateThenRmsNorm */
+} GatedNorm;
+
+static OrtStatus* create_norm(const OrtKernelInfo* info, int gate_first, void** out) {
+  GatedNorm* norm = malloc(sizeof(GatedNorm));
+  if (!norm) return fail("edgelin GatedRmsNorm: out of memory");
+  norm->gate_first = gate_first;
+  OrtStatus* status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "epsilon", &norm->epsilon);
+  if (!status && !(norm->epsilon >= 0.0f)) status = fail("edgelin GatedRmsNorm: needs epsilon >= 0");
+  if (status) {
+    free(norm);
+    return status;
+  }
+  *out = norm;
+  return NULL;
+}
+
 OrtStatus* edgelin_create_gated_norm(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
                                      void** out) {
   (void)op;
   (void)api;
-  float* epsilon = malloc(sizeof(float));
-  if (!epsilon) return fail("edgelin GatedRmsNorm: out of memory");
-  OrtStatus* status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "epsilon", epsilon);
-  if (!status && !(*epsilon >= 0.0f)) status = fail("edgelin GatedRmsNorm: needs epsilon >= 0");
-  if (status) {
-    free(epsilon);
-    return status;
-  }
-  *out = epsilon;
-  return NULL;
+  return create_norm(info, 0, out);
 }
 
+OrtStatus* edgelin_create_gate_then_norm(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                                         void** out) {
+  (void)op;
+  (void)api;
+  return create_norm(info, 1, out);
+}
+
+static float silu(float z) { return z / (1.0f + expf(-z)); }
+
 OrtStatus* edgelin_compute_gated_norm(void* kernel, OrtKernelContext* context) {
-  float epsilon = *(const float*)kernel;
+  const GatedNorm* norm = kernel;
   const OrtValue* in[3] = {NULL};
   int64_t d[3][8];
   size_t r[3] = {0};
@@ -140,8 +161,13 @@ OrtStatus* edgelin_compute_gated_norm(void* kernel, OrtKernelContext* context) {
   const float *x = data_of(in[0]), *z = data_of(in[1]), *w = data_of(in[2]);
   float* out = data_of(y);
   for (int64_t g = 0; g < n / dv; ++g) {
-    rms_norm(x + g * dv, w, dv, epsilon, out + g * dv);
-    for (int64_t j = g * dv; j < (g + 1) * dv; ++j) out[j] *= z[j] / (1.0f + expf(-z[j]));
+    if (norm->gate_first) {  /* the gated group into y, then normalised in place (rms_norm reads each value first) */
+      for (int64_t j = g * dv; j < (g + 1) * dv; ++j) out[j] = x[j] * silu(z[j]);
+      rms_norm(out + g * dv, w, dv, norm->epsilon, out + g * dv);
+      continue;
+    }
+    rms_norm(x + g * dv, w, dv, norm->epsilon, out + g * dv);
+    for (int64_t j = g * dv; j < (g + 1) * dv; ++j) out[j] *= silu(z[j]);
   }
   return NULL;
 }
