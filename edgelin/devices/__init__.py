@@ -334,7 +334,7 @@ def export_settings(profile: DeviceProfile | None, target_name: str, precision_f
         takes = "/".join(limits.get("quantize", ())) or "no weight quantisation"
         raise EdgelinError(f"--quantize {quantize} for the {target_name} target",
                            f"the {target_name} target takes {takes}",
-                           "drop --quantize, or use --target onnx (int8/int4 through ONNX Runtime)")
+                           "drop --quantize, or use --target onnx (int8/int4/fp16 weights through ONNX Runtime)")
     if quantize == "fp16" and settings.precision != "fp32":
         raise EdgelinError(f"--quantize fp16 with {settings.precision} graphs",
                            "--quantize fp16 stores a float32 graph's matmul weights as float16; an fp16 graph's "

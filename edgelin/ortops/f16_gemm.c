@@ -44,8 +44,6 @@ static void cols_portable(const float* x, int64_t M, int64_t K, int64_t N, const
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
-INLINE_AVX2 __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-
 AVX2 static void rows_avx2(const float* x, int64_t M, int64_t K, int64_t N, const uint16_t* w, int64_t k0,
                            int64_t k1, float* y) {
   edgelin_rows(x, M, K, N, w, k0, k1, 1, y);
@@ -102,8 +100,8 @@ AVX2 static void cols_avx2(const float* x, int64_t M, int64_t K, int64_t N, cons
       for (int64_t k = 0; k < kc; ++k) {
         const uint16_t* wk = w + (k0 + k) * N + n;
         if (cols == TILE_N) {
-          _mm256_store_ps(panel + k * TILE_N, load8(wk));
-          _mm256_store_ps(panel + k * TILE_N + 8, load8(wk + 8));
+          _mm256_store_ps(panel + k * TILE_N, edgelin_load8(wk, 0, 1));
+          _mm256_store_ps(panel + k * TILE_N + 8, edgelin_load8(wk, 8, 1));
         } else {
           for (int c = 0; c < TILE_N; ++c) panel[k * TILE_N + c] = c < cols ? edgelin_half_to_float(wk[c]) : 0.0f;
         }

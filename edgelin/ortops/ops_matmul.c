@@ -5,6 +5,7 @@
    ai.edgelin::MatMulF16: the same with B float16 (--quantize fp16; f16_gemm.c), in both graphs: a prefill piece
    (M >= TILE_TOKENS rows of A) takes slices of B's columns instead, each task writing its own columns of Y. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "f16_gemm.h"
 #include "f32_gemv.h"
@@ -67,6 +68,10 @@ static OrtStatus* compute(OrtKernelContext* context, int half) {
   status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, ad, ar, &y);
   if (status || M == 0 || N == 0) return status;
   float* out = data_of(y);
+  if (K == 0) {  /* an empty sum (ONNX's MatMul gives zeros) */
+    memset(out, 0, sizeof(float) * (size_t)(M * N));
+    return NULL;
+  }
   if (half && M >= TILE_TOKENS) {  /* a prefill piece: column slices, each task writing its own columns */
     Task task = {data_of(a), data_of(b), M, K, N, out, 1};
     size_t slices = (size_t)((N + COLS_PER_TASK - 1) / COLS_PER_TASK);
