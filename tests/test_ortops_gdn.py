@@ -116,11 +116,13 @@ def test_a_shape_the_kernel_does_not_take_is_refused_in_one_line(library):
         session(model, library).run(None, feeds)
 
 
-def _gated_norm_model(width: int, epsilon: float = 1e-6, gate_first: bool = False) -> onnx.ModelProto:
+def _gated_norm_model(width: int, epsilon: float = 1e-6, group: int | None = None) -> onnx.ModelProto:
+    """GatedRmsNorm, or with `group` GateThenRmsNorm over groups of `group` values."""
     weight = np.random.default_rng(width).uniform(0.5, 1.5, width).astype(np.float32)
-    name, function = ((onnx_gated_norm.GATE_FIRST, onnx_gated_norm.gate_then_norm_function) if gate_first
+    name, function = ((onnx_gated_norm.GATE_FIRST, onnx_gated_norm.gate_then_norm_function) if group
                       else (onnx_gated_norm.NAME, onnx_gated_norm.gated_norm_function))
-    node = helper.make_node(name, ["x", "z", "weight"], ["y"], domain=ortops.DOMAIN, epsilon=epsilon)
+    node = helper.make_node(name, ["x", "z", "weight"], ["y"], domain=ortops.DOMAIN, epsilon=epsilon,
+                            **({"group_size": group} if group else {}))
     value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", "t", "n"])  # noqa: E731
     graph = helper.make_graph([node], "g", [value("x"), value("z")], [value("y")],
                               [numpy_helper.from_array(weight, "weight")])
@@ -141,46 +143,57 @@ def test_the_gated_norm_matches_float64_and_its_onnx_function(library, batch, to
                                         f"B={batch} T={tokens}")
 
 
+@pytest.mark.parametrize("group", [H * DV, DV, 4], ids=["one-group", "a-group-per-head", "groups-of-4"])
 @pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 2)], ids=["B1-T1", "B3-T2"])
-def test_the_gate_then_norm_matches_float64_and_its_onnx_function(library, batch, tokens):
-    """Mamba2's gated norm, the gate first: RMSNorm(x * silu(z)) * w over the whole width (one group)."""
+def test_the_gate_then_norm_matches_float64_and_its_onnx_function(library, batch, tokens, group):
+    """Mamba2's gated norm, the gate first: RMSNorm(x * silu(z)) * w over groups of the width, w spanning it."""
     width = H * DV
-    model = _gated_norm_model(width, 1e-5, gate_first=True)
+    model = _gated_norm_model(width, 1e-5, group=group)
     rng = np.random.default_rng(batch)
     feeds = {name: (rng.standard_normal((batch, tokens, width)) * 2).astype(np.float32) for name in ("x", "z")}
     weight = numpy_helper.to_array(model.graph.initializer[0]).astype(np.float64)
     x, z = (feeds[n].astype(np.float64) for n in ("x", "z"))
-    gated = x * z / (1.0 + np.exp(-z))
-    want = gated / np.sqrt((gated * gated).mean(-1, keepdims=True) + 1e-5) * weight
-    assert_matches_float64_and_function(model, feeds, (want,), library, 1, GDN_RTOL, f"B={batch} T={tokens}")
+    gated = (x * z / (1.0 + np.exp(-z))).reshape(batch, tokens, width // group, group)
+    unit = (gated / np.sqrt((gated * gated).mean(-1, keepdims=True) + 1e-5)).reshape(batch, tokens, width)
+    assert_matches_float64_and_function(model, feeds, (unit * weight,), library, 1, GDN_RTOL,
+                                        f"B={batch} T={tokens} group {group}")
 
 
-def _unfused_gate_then_norm(width: int, extra_output: str | None = None) -> onnx.ModelProto:
-    """Mamba2's gated norm as its step graph writes it with one group (transformers' Mamba2, n_groups 1): SiLU as
-    Sigmoid and Mul, the gate's Mul, then the norm's six (Pow, ReduceMean, Add, Sqrt, Div, Mul w)."""
+def _unfused_gate_then_norm(width: int, extra_output: str | None = None, group: int | None = None) -> onnx.ModelProto:
+    """Mamba2's gated norm as its step graph writes it: SiLU as Sigmoid and Mul, the gate's Mul, then the norm's six
+    (Pow, ReduceMean, Add, Sqrt, Div, Mul w); with `group`, the norm's core between a Reshape into [B, 1, groups,
+    group] and one back to [B, 1, width], as edgelin's own Mamba2 writes it (transformers' with n_groups 1: none)."""
     node = helper.make_node
     consts = [numpy_helper.from_array(np.array(2.0, np.float32), "two"),
               numpy_helper.from_array(np.array([-1]), "last"),
               numpy_helper.from_array(np.array(1e-5, np.float32), "eps"),
-              numpy_helper.from_array(np.random.default_rng(1).uniform(0.5, 1.5, width).astype(np.float32), "w")]
-    nodes = [node("Sigmoid", ["z"], ["sig"]), node("Mul", ["z", "sig"], ["silu"]), node("Mul", ["x", "silu"], ["g"]),
-             node("Pow", ["g", "two"], ["sq"]), node("ReduceMean", ["sq", "last"], ["ms"]),
-             node("Add", ["ms", "eps"], ["e"]),
-             node("Sqrt", ["e"], ["rms"]), node("Div", ["g", "rms"], ["unit"]), node("Mul", ["unit", "w"], ["y"])]
-    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", "t", width])  # noqa: E731
+              numpy_helper.from_array(np.random.default_rng(1).uniform(0.5, 1.5, width).astype(np.float32), "w"),
+              numpy_helper.from_array(np.array([-1, 1, width // (group or width), group or width]), "into"),
+              numpy_helper.from_array(np.array([-1, 1, width]), "back")]
+    nodes = [node("Sigmoid", ["z"], ["sig"]), node("Mul", ["z", "sig"], ["silu"]), node("Mul", ["x", "silu"], ["g"])]
+    nodes += [node("Reshape", ["g", "into"], ["g4"])] if group else []
+    base = "g4" if group else "g"
+    nodes += [node("Pow", [base, "two"], ["sq"]), node("ReduceMean", ["sq", "last"], ["ms"]),
+              node("Add", ["ms", "eps"], ["e"]), node("Sqrt", ["e"], ["rms"]), node("Div", [base, "rms"], ["unit"])]
+    nodes += [node("Reshape", ["unit", "back"], ["unit3"])] if group else []
+    nodes += [node("Mul", ["unit3" if group else "unit", "w"], ["y"])]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, ["b", 1, width])  # noqa: E731
     outputs = [value("y")] + ([value(extra_output)] if extra_output else [])
     graph = helper.make_graph(nodes, "g", [value("x"), value("z")], outputs, consts)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def test_mambas_gated_norm_becomes_one_node_that_computes_the_same(library):
-    model = _unfused_gate_then_norm(48)
+@pytest.mark.parametrize("group", [None, 8], ids=["one-group", "groups-of-8"])
+def test_mambas_gated_norm_becomes_one_node_that_computes_the_same(library, group):
+    model = _unfused_gate_then_norm(48, group=group)
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
     assert onnx_gated_norm.fuse_gated_norms(fused, float_tensor_names(fused)) == 1
-    assert [(n.op_type, n.domain) for n in fused.graph.node] == [(onnx_gated_norm.GATE_FIRST, ortops.DOMAIN)]
-    assert [a.f for a in fused.graph.node[0].attribute if a.name == "epsilon"] == [pytest.approx(1e-5)]
-    feeds = {n: np.random.default_rng(i).standard_normal((2, 3, 48)).astype(np.float32) for i, n in enumerate("xz")}
+    (node,) = fused.graph.node
+    assert (node.op_type, node.domain) == (onnx_gated_norm.GATE_FIRST, ortops.DOMAIN)
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["epsilon"] == pytest.approx(1e-5) and attrs["group_size"] == (group or 48)
+    feeds = {n: np.random.default_rng(i).standard_normal((2, 1, 48)).astype(np.float32) for i, n in enumerate("xz")}
     want = session(model).run(None, feeds)[0]
     assert_close(session(fused, library).run(None, feeds)[0], want, GDN_RTOL, "kernel vs the unfused nodes")
     assert_close(session(fused).run(None, feeds)[0], want, GDN_RTOL, "function vs the unfused nodes")

@@ -18,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
+from edgelin.export import onnx_gated_norm
 from edgelin.devices import export_settings
 from edgelin.export.onnx_kernels import float_tensor_names
 from edgelin.export.onnx_ssd import INPUTS, NAME, fuse_ssd_steps, ssd_function
@@ -131,9 +132,12 @@ def test_every_mamba2_layer_is_one_fused_node(mamba2_exports):
     assert [f.name for f in fused.functions].count(NAME) == 1
     # 14 nodes per layer fewer here (the dt path, the value, the skip, their reshapes; 3 more where fewer key groups
     # than heads are broadcast, as in the Mamba2 peer), and 3 per gated MLP (one SiluGate for Split, SiLU and Mul)
+    # and 10 per gated norm (one GateThenRmsNorm for SiLU, the gate, the groups' two Reshapes and the norm's six)
     gates = sum(n.op_type == "SiluGate" and n.domain == ortops.DOMAIN for n in fused.graph.node)
     assert gates == layers  # this tiny Mamba2 has an MLP per layer (transformers' Mamba2 has none)
-    assert len(plain.graph.node) - len(fused.graph.node) == 14 * layers + 3 * gates
+    norms = [n for n in fused.graph.node if n.op_type == onnx_gated_norm.GATE_FIRST and n.domain == ortops.DOMAIN]
+    assert len(norms) == layers and all(a.i == 8 for n in norms for a in n.attribute if a.name == "group_size")
+    assert len(plain.graph.node) - len(fused.graph.node) == 14 * layers + 3 * gates + 10 * layers
 
 
 def test_a_layer_whose_inner_tensor_has_another_reader_is_left_alone(mamba2_exports):

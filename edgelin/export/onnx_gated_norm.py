@@ -1,7 +1,8 @@
 """--step-ops edgelin: a recurrence's gated output norm, RMSNorm(o) * w * silu(z) per head, as one
 `ai.edgelin::GatedRmsNorm` node (the family spec's `output_gate=AFTER_NORM` with SiLU: Gated DeltaNet's and GLA's
-output), and Mamba2's, the gate first, RMSNorm(o * silu(z)) * w over the whole width (one group), as one
-`ai.edgelin::GateThenRmsNorm` node where the step had nine (Sigmoid, the two Muls, the norm's six).
+output), and Mamba2's, the gate first, RMSNorm(o * silu(z)) * w over groups of the width (the whole width in
+transformers' Mamba2 with n_groups 1; a head's values in edgelin's own), as one `ai.edgelin::GateThenRmsNorm` node
+where the step had nine (Sigmoid, the two Muls, the norm's six) or eleven (with the groups' two Reshapes).
 
 The step graph writes it as ~12 small nodes: o and the gate z each reshaped to [B, T, H, dv], the norm's six (Pow,
 ReduceMean, Add, Sqrt, Div, Mul w), SiLU as Sigmoid and Mul, the gate's Mul and the reshape back; ONNX Runtime
@@ -14,7 +15,8 @@ Export-side module: imports onnx inside its functions.
 
 from __future__ import annotations
 
-from edgelin.export.onnx_patterns import GraphIndex, add_fused, rms_constants, rms_nodes, rms_norm
+from edgelin.export.onnx_patterns import (GraphIndex, add_fused, attribute_constant, reshape_shape, rms_constants,
+                                          rms_core, rms_nodes, rms_norm)
 from edgelin.ortops import DOMAIN
 
 NAME = "GatedRmsNorm"
@@ -47,14 +49,25 @@ def gated_norm_function(opsets: dict[str, int]):
 
 
 def gate_then_norm_function(opsets: dict[str, int]):
-    """ai.edgelin::GateThenRmsNorm as ONNX ops (ops_gdn.c says what it computes), in the unfused graph's order."""
+    """ai.edgelin::GateThenRmsNorm as ONNX ops (ops_gdn.c says what it computes): the gate, the gated values
+    reshaped to groups of `group_size`, the norm's core per group, back to the input's shape, the weight."""
     from onnx import helper
 
     node = helper.make_node
-    body = [*rms_constants(), node("Sigmoid", ["z"], ["z_sigmoid"]), node("Mul", ["z", "z_sigmoid"], ["silu"]),
-            node("Mul", ["x", "silu"], ["gated"]), *rms_nodes("gated", "weight", "y")]
+    body = [
+        *rms_constants(), node("Constant", [], ["zero"], value_ints=[0]),
+        node("Constant", [], ["minus1"], value_ints=[-1]), node("Constant", [], ["one"], value_float=1.0),  # the core's weight: the real one comes after the groups
+        attribute_constant("group", "group_size"), node("Constant", [], ["axis0"], value_ints=[0]),
+        node("Unsqueeze", ["group", "axis0"], ["group1"]),
+        node("Concat", ["zero", "zero", "minus1", "group1"], ["group_shape"], axis=0),  # [B, T, groups, group_size]
+        node("Sigmoid", ["z"], ["z_sigmoid"]), node("Mul", ["z", "z_sigmoid"], ["silu"]),
+        node("Mul", ["x", "silu"], ["gated"]), node("Reshape", ["gated", "group_shape"], ["gated4"]),
+        *rms_nodes("gated4", "one", "unit4"), node("Shape", ["gated"], ["x_shape"]),
+        node("Reshape", ["unit4", "x_shape"], ["unit"]), node("Mul", ["unit", "weight"], ["y"]),
+    ]
     imports = [helper.make_opsetid("", opsets.get("", 18))]
-    return helper.make_function(DOMAIN, GATE_FIRST, list(INPUTS), list(OUTPUTS), body, imports, attributes=["epsilon"])
+    return helper.make_function(DOMAIN, GATE_FIRST, list(INPUTS), list(OUTPUTS), body, imports,
+                                attributes=["epsilon", "group_size"])
 
 
 def _silu_of(graph: GraphIndex, name: str):
@@ -67,10 +80,28 @@ def _silu_of(graph: GraphIndex, name: str):
 
 
 def _match_gate_first(graph: GraphIndex, out: str):
-    """For out = RMSNorm(Mul(x, silu(z))) with no reshape between (one group): the fused node's inputs, its epsilon
-    and the nodes it replaces, or None."""
-    norm = rms_norm(graph, out)
-    gate = norm and graph.made_by(norm[0], "Mul")
+    """For out = Mul(norm core(Mul(x, silu(z))), w) (one group), or with the core between Reshape(gated -> [.., G,
+    group]) and a Reshape back to [.., .., width] (groups): the fused node's inputs, epsilon, group size and the nodes
+    it replaces, or None."""
+    mul = graph.made_by(out, "Mul")
+    weight = mul and [i for i in mul.input if i in graph.constants]
+    if not weight or len(weight) != 1:
+        return None
+    width, inner = graph.constants[weight[0]], next(i for i in mul.input if i != weight[0])
+    back = graph.made_by(inner, "Reshape")
+    core = rms_core(graph, back.input[0] if back else inner)
+    if not core:
+        return None
+    grouped, epsilon, core_nodes = core
+    reshapes, group = [], width
+    if back:  # the groups' Reshapes: into [..., groups, group] and back to [..., ..., width]
+        split = graph.made_by(grouped, "Reshape")
+        into, out_shape = split and reshape_shape(graph, split), reshape_shape(graph, back)
+        if not into or not out_shape or len(out_shape) != 3 or out_shape[-1] != width or into[-1] <= 0 \
+                or width % into[-1]:
+            return None
+        grouped, group, reshapes = split.input[0], into[-1], [split, back]
+    gate = graph.made_by(grouped, "Mul")
     if not gate or len(gate.input) != 2:
         return None
     for x, silu in (gate.input, gate.input[::-1]):
@@ -80,11 +111,10 @@ def _match_gate_first(graph: GraphIndex, out: str):
     else:
         return None
     z, silu_nodes = found
-    _, weight, epsilon, _, norm_nodes = norm
-    replaced = [*silu_nodes, gate, *norm_nodes]
+    replaced = [*silu_nodes, gate, *reshapes, *core_nodes, mul]
     if not graph.closed(replaced, {out}):
         return None
-    return [x, z, weight], epsilon, replaced
+    return [x, z, weight[0]], epsilon, group, replaced
 
 
 def _match(graph: GraphIndex, gate):
@@ -132,9 +162,9 @@ def _fuse_gate_then_norm(proto, float_tensors: set[str]) -> int:
         found = _match_gate_first(graph, last.output[0])
         if found is None:
             continue
-        inputs, epsilon, replaced = found
+        inputs, epsilon, group, replaced = found
         fused[id(last)] = helper.make_node(GATE_FIRST, inputs, [last.output[0]], name=f"{last.name}.gate_then_norm",
-                                           domain=DOMAIN, epsilon=float(epsilon))
+                                           domain=DOMAIN, epsilon=float(epsilon), group_size=int(group))
         dropped |= {id(n) for n in replaced}
     return add_fused(proto, fused, dropped, gate_then_norm_function)
 

@@ -11,7 +11,7 @@ attention over the float32 static KV cache of --kv-cache static); before that, e
 its recurrence becomes one `ai.edgelin::SsdRecurrence` node (edgelin.export.onnx_ssd), each Gated DeltaNet
 layer's step into its recurrence one `ai.edgelin::GatedDeltaRecurrence` node (edgelin.export.onnx_gdn), its
 gated output norm one `ai.edgelin::GatedRmsNorm` (edgelin.export.onnx_gated_norm; Mamba2's, the gate first, one
-`ai.edgelin::GateThenRmsNorm`) and a gated MLP's silu(gate) * up
+`ai.edgelin::GateThenRmsNorm`, per group of the width) and a gated MLP's silu(gate) * up
 one `ai.edgelin::SiluGate` (edgelin.export.onnx_silu_gate). The graph gains, per routed op
 type, one ONNX function `ai.edgelin::<op>` whose body is the original node with the caller's attributes (attribute
 references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a session

@@ -114,7 +114,17 @@ def rms_norm(graph: GraphIndex, out: str):
     (x, weight, eps, the weight's size, its nodes) or None."""
     mul = graph.made_by(out, "Mul")
     weight = mul and [i for i in mul.input if i in graph.constants]
-    div = weight and len(weight) == 1 and graph.made_by(next(i for i in mul.input if i != weight[0]), "Div")
+    core = weight and len(weight) == 1 and rms_core(graph, next(i for i in mul.input if i != weight[0]))
+    if not core:
+        return None
+    x, epsilon, nodes = core
+    return x, weight[0], epsilon, graph.constants[weight[0]], [mul, *nodes]
+
+
+def rms_core(graph: GraphIndex, out: str):
+    """`out` = Div(x, Sqrt(Add(ReduceMean(Pow(x, 2), last axis), eps))), the norm without its weight: (x, eps, its
+    nodes) or None."""
+    div = graph.made_by(out, "Div")
     sqrt = div and graph.made_by(div.input[1], "Sqrt")
     add = sqrt and graph.made_by(sqrt.input[0], "Add")
     pair = add and graph.pair(add, 1)
@@ -125,8 +135,7 @@ def rms_norm(graph: GraphIndex, out: str):
     power = graph.made_by(mean.input[0], "Pow")
     if not power or power.input[0] != div.input[0] or graph.values(power.input[1]) != [2.0]:
         return None
-    return div.input[0], weight[0], graph.values(pair[0])[0], graph.constants[weight[0]], [
-        mul, div, sqrt, add, mean, power]
+    return div.input[0], graph.values(pair[0])[0], [div, sqrt, add, mean, power]
 
 
 def reshape_shape(graph: GraphIndex, node) -> list[int] | None:

@@ -107,16 +107,19 @@ OrtStatus* edgelin_compute_gdn(void* kernel, OrtKernelContext* context) {
    where ONNX Runtime ran six (the reshapes, its fused norm, SiLU, the gate's Mul); the export's function body is
    the unfused nodes (onnx_gated_norm.py). Attribute: epsilon.
    ai.edgelin::GateThenRmsNorm: the gate first, then the norm (Mamba2's gated norm): y = g / sqrt(mean(g^2) +
-   epsilon) * w with g = x * silu(z), over the same groups; one node where the step ran nine. */
+   epsilon) * w with g = x * silu(z), over groups of `group_size` values (attribute; 0: w's size) within each row of
+   w's size, w spanning the row; one node where the step ran nine (one group) or eleven. */
 typedef struct {
   float epsilon;
-  int gate_first; /* GateThenRmsNorm */
+  int gate_first;     /* GateThenRmsNorm */
+  int64_t group_size; /* 0: the weight's size */
 } GatedNorm;
 
 static OrtStatus* create_norm(const OrtKernelInfo* info, int gate_first, void** out) {
   GatedNorm* norm = malloc(sizeof(GatedNorm));
   if (!norm) return fail("edgelin GatedRmsNorm: out of memory");
   norm->gate_first = gate_first;
+  norm->group_size = gate_first ? attribute_or(info, "group_size", 0) : 0;
   OrtStatus* status = ORT_CALL(g_api, KernelInfoGetAttribute_float)(info, "epsilon", &norm->epsilon);
   if (!status && !(norm->epsilon >= 0.0f)) status = fail("edgelin GatedRmsNorm: needs epsilon >= 0");
   if (status) {
@@ -151,21 +154,25 @@ OrtStatus* edgelin_compute_gated_norm(void* kernel, OrtKernelContext* context) {
   OrtStatus* status = inputs_of(context, 3, in, d, r);
   if (status) return status;
   int64_t n = count_of(d[0], r[0]), dv = count_of(d[2], r[2]);
+  int64_t group = norm->group_size > 0 ? norm->group_size : dv;
   int same = r[0] == r[1] && r[0] >= 1;
   for (size_t i = 0; same && i < r[0]; ++i) same = d[0][i] == d[1][i];
-  if (!same || dv <= 0 || d[0][r[0] - 1] % dv)
-    return fail("edgelin GatedRmsNorm: expected x and z of one shape [..., N], weight of dv values dividing N");
+  if (!same || dv <= 0 || d[0][r[0] - 1] % dv || dv % group)
+    return fail("edgelin GatedRmsNorm: expected x and z of one shape [..., N], weight of dv values dividing N "
+                "(and group_size dividing dv)");
   OrtValue* y = NULL;
   status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, d[0], r[0], &y);
   if (status) return status;
   const float *x = data_of(in[0]), *z = data_of(in[1]), *w = data_of(in[2]);
   float* out = data_of(y);
-  for (int64_t g = 0; g < n / dv; ++g) {
-    if (norm->gate_first) {  /* the gated group into y, then normalised in place (rms_norm reads each value first) */
-      for (int64_t j = g * dv; j < (g + 1) * dv; ++j) out[j] = x[j] * silu(z[j]);
-      rms_norm(out + g * dv, w, dv, norm->epsilon, out + g * dv);
-      continue;
+  if (norm->gate_first) {  /* each gated group into y, then normalised in place (rms_norm reads each value first) */
+    for (int64_t g = 0; g < n / group; ++g) {
+      for (int64_t j = g * group; j < (g + 1) * group; ++j) out[j] = x[j] * silu(z[j]);
+      rms_norm(out + g * group, w + (g * group) % dv, group, norm->epsilon, out + g * group);
     }
+    return NULL;
+  }
+  for (int64_t g = 0; g < n / dv; ++g) {
     rms_norm(x + g * dv, w, dv, norm->epsilon, out + g * dv);
     for (int64_t j = g * dv; j < (g + 1) * dv; ++j) out[j] *= silu(z[j]);
   }
