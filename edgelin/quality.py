@@ -97,11 +97,11 @@ def precision_key(manifest: "Manifest") -> str:
 
 def threshold_key(manifest: "Manifest") -> str:
     """What the parity threshold (reference_vectors.THRESHOLDS) is chosen by: precision_key's answer, but fp32 for
-    --quantize fp16 on float32 graphs, whose parity reference carries the export's own float16 weights while both
-    sides compute in float32 (measured ~1e-5 of the logits' scale: fp16's 2e-2 would not notice a wrong kernel)."""
-    key = precision_key(manifest)
-    return "fp32" if key == "fp16" and quantization_of(manifest.extra) == "fp16" and manifest.precision == "fp32" \
-        else key
+    --quantize fp16 on float32 graphs with a float32 cache, whose parity reference carries the export's own float16
+    weights while both sides compute in float32 (measured ~1e-5 of the logits' scale: fp16's 2e-2 would not notice a
+    wrong kernel). A float16 KV cache (--kv-dtype fp16) rounds what the reference keeps in float32: fp16's."""
+    weights_only = manifest.precision == "fp32" and manifest.kv_dtype != "float16"
+    return "fp32" if weights_only and quantization_of(manifest.extra) == "fp16" else precision_key(manifest)
 
 
 def resolve_bounds(key: str, min_top1: float | None = None, max_ppl_change: float | None = None) -> Bounds:

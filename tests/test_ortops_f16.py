@@ -81,6 +81,21 @@ def test_the_pass_converts_each_weight_once_and_leaves_other_graphs_alone():
     assert [f.name for f in model.functions] == [F16_OP]
 
 
+@pytest.mark.parametrize("kv_dtype, want", [("float32", "fp32"), ("float16", "fp16")])
+def test_float16_weights_take_fp32s_parity_threshold_unless_the_cache_is_float16(kv_dtype, want):
+    """The parity reference carries the export's own float16 weights, so both sides compute in float32; a float16
+    KV cache rounds what the reference keeps in float32 (Qwen3.5's fp16-cache export: 1.8e-3 of the keys' scale)."""
+    from types import SimpleNamespace
+
+    from edgelin.quality import precision_key, threshold_key
+
+    manifest = SimpleNamespace(precision="fp32", kv_dtype=kv_dtype,
+                               extra={"quantization": {"bits": 16, "block_size": None}})
+    assert (precision_key(manifest), threshold_key(manifest)) == ("fp16", want)
+    graph = SimpleNamespace(precision="fp16", kv_dtype=None, extra={})  # an fp16 graph: fp16's threshold
+    assert threshold_key(graph) == "fp16"
+
+
 # ---- a --quantize fp16 export -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def f16_exports(tmp_path_factory) -> dict[str, Path]:

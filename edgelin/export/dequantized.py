@@ -11,8 +11,8 @@ quantisation costs, and whether the runtime computes this artifact right. edgeli
   threshold)--> the artifact
 
 The second reference is built here: every quantised tensor of the graphs (MatMulNBits weights,
-GatherBlockQuantized tables, --quantize fp16's float16 weights and tables) is unpacked to float in numpy, and each 2-D parameter or buffer of the
-model takes the rows that match it within half a quantisation step (round-to-nearest's bound),
+GatherBlockQuantized tables, --quantize fp16's float16 weights and tables) is unpacked to float in numpy, and
+each 2-D parameter or buffer of the model takes the rows that match it within half a quantisation step (round-to-nearest's bound),
 found by value, so fused matmuls (several modules' weights side by side), transposed heads and tied
 tables need no name bookkeeping. What stays between this reference and the artifact is the runtime's
 own arithmetic (MatMulNBits at accuracy_level 4 also rounds activations to int8 blocks: measured on
@@ -79,7 +79,7 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
     from onnx import numpy_helper
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    from edgelin.export.quantize import F16_OP, QUANTIZED_OPS, _half_tables
+    from edgelin.export.quantize import F16_OP, QUANTIZED_OPS, half_tables
 
     found: dict[str, Dequantized] = {}
     for file in graph_files:
@@ -93,7 +93,7 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
                 load_external_data_for_tensor(tensor, str(folder))
             return numpy_helper.to_array(tensor)
 
-        tables = _half_tables(graph)
+        tables = half_tables(graph)
         for node in graph.node:
             half = node.input[1] if node.op_type == F16_OP else node.input[0] if node.op_type == "Gather" \
                 and node.input and node.input[0] in tables else None

@@ -56,7 +56,8 @@ def gate_then_norm_function(opsets: dict[str, int]):
     node = helper.make_node
     body = [
         *rms_constants(), node("Constant", [], ["zero"], value_ints=[0]),
-        node("Constant", [], ["minus1"], value_ints=[-1]), node("Constant", [], ["one"], value_float=1.0),  # the core's weight: the real one comes after the groups
+        node("Constant", [], ["minus1"], value_ints=[-1]),
+        node("Constant", [], ["one"], value_float=1.0),  # the core's weight: the real one comes after the groups
         attribute_constant("group", "group_size"), node("Constant", [], ["axis0"], value_ints=[0]),
         node("Unsqueeze", ["group", "axis0"], ["group1"]),
         node("Concat", ["zero", "zero", "minus1", "group1"], ["group_shape"], axis=0),  # [B, T, groups, group_size]

@@ -249,8 +249,8 @@ def _float16_weights(proto: Any, embeddings: bool) -> None:
     def half(name: str) -> str:
         if name not in halves:
             halves[name] = f"{name}_f16"
-            proto.graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(inits[name]).astype(np.float16),
-                                                                   halves[name]))
+            value = numpy_helper.to_array(inits[name]).astype(np.float16)
+            proto.graph.initializer.append(numpy_helper.from_array(value, halves[name]))
         return halves[name]
 
     def matrix(name: str) -> bool:
@@ -347,7 +347,7 @@ def quantized_weights(entry: dict[str, Any]) -> str:
     return f"{entry['bits']}-bit (block {entry['block_size']})"
 
 
-def _half_tables(graph: Any) -> set[str]:
+def half_tables(graph: Any) -> set[str]:
     """The float16 2-D initializers Gathers read in a --quantize fp16 graph (its embedding tables; none in a graph
     without MatMulF16 nodes: an fp16 graph's tables are float16 too, and not quantised)."""
     import onnx
@@ -368,7 +368,7 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
     for kind, file in graph_files.items():
         proto = onnx.load(str(Path(folder) / file), load_external_data=False)
         matrices = {t.name for t in proto.graph.initializer if len(t.dims) >= 2}
-        tables = _half_tables(proto.graph)
+        tables = half_tables(proto.graph)
         nodes = [n for n in proto.graph.node if n.op_type in (*QUANTIZED_OPS, F16_OP)
                  or (n.op_type == "Gather" and n.input and n.input[0] in tables)]
         taken = {id(n) for n in nodes}

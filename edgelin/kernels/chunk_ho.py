@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from edgelin.kernels.chunk import _ld_lower
+
 __all__ = ["_chunk_h_kernel", "_chunk_o_kernel"]
 
 
@@ -96,8 +98,7 @@ def _chunk_h_kernel(
                 b_ke = (b_ke * b_eb[:, None]).to(dt)
             b_x = tl.load(v + (t0 + rows[:, None]) * s_vt + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
             b_x = b_x * b_bt[:, None] - tl.dot(b_ke.to(dt), b_s.to(dt), input_precision=PREC)
-            b_t = tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :],  # T's blocks on and left of the diagonal
-                          mask=m_t[:, None] & (rows[:, None] // BC >= rows[None, :] // BC), other=0.0)
+            b_t = _ld_lower(A, row0, t0, length, H, BT, BC)  # T's blocks on and left of the diagonal
             b_u = tl.dot(b_t.to(dt), b_x.to(dt), input_precision=PREC)
             tl.store(U + (row0 + rows[:, None] * H) * V + o_v[None, :], b_u.to(U.dtype.element_ty), mask=m_tv)
         elif DELTA:  # (the delta rule's kernel holds all of K: BK >= K)

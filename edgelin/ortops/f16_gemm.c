@@ -8,26 +8,11 @@
    widened into an L1-resident float32 buffer once per panel while the piece's token rows pass over it. */
 #include "f16_gemm.h"
 
-#include <string.h>
-
-#include "attention.h"  /* edgelin_half_to_float */
+#include "rows_kernel.h"  /* and attention.h: edgelin_half_to_float */
 
 #define TILE_M 6   /* tokens per register tile of the prefill loop */
 #define TILE_N 16  /* columns per register tile (two 8-float registers) */
 #define KC 256     /* rows of W per packed panel (16 KiB of float32) */
-
-static void rows_portable(const float* x, int64_t M, int64_t K, int64_t N, const uint16_t* w, int64_t k0,
-                          int64_t k1, float* y) {
-  for (int64_t m = 0; m < M; ++m) {
-    float* ym = y + m * N;
-    memset(ym, 0, sizeof(float) * (size_t)N);
-    for (int64_t k = k0; k < k1; ++k) {
-      float xk = x[m * K + k];
-      const uint16_t* wk = w + k * N;
-      for (int64_t n = 0; n < N; ++n) ym[n] += xk * edgelin_half_to_float(wk[n]);
-    }
-  }
-}
 
 static void cols_portable(const float* x, int64_t M, int64_t K, int64_t N, const uint16_t* w, int64_t n0,
                           int64_t n1, float* y) {
@@ -40,7 +25,6 @@ static void cols_portable(const float* x, int64_t M, int64_t K, int64_t N, const
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
-#include "rows_kernel.h"
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
 
@@ -133,7 +117,7 @@ void edgelin_f16_rows(const float* x, int64_t M, int64_t K, int64_t N, const uin
     return;
   }
 #endif
-  rows_portable(x, M, K, N, weights, k0, k1, y);
+  edgelin_rows_portable(x, M, K, N, weights, k0, k1, 1, y);
 }
 
 void edgelin_f16_cols(const float* x, int64_t M, int64_t K, int64_t N, const uint16_t* weights, int64_t n0,

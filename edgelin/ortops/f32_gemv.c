@@ -6,24 +6,9 @@
    (rows_kernel.h, the loop the float16 product shares). */
 #include "f32_gemv.h"
 
-#include <string.h>
-
-static void rows_portable(const float* x, int64_t M, int64_t K, int64_t N, const float* w, int64_t k0, int64_t k1,
-                          float* y) {
-  for (int64_t m = 0; m < M; ++m) {
-    float* ym = y + m * N;
-    memset(ym, 0, sizeof(float) * (size_t)N);
-    for (int64_t k = k0; k < k1; ++k) {
-      float xk = x[m * K + k];
-      const float* wk = w + k * N;
-      for (int64_t n = 0; n < N; ++n) ym[n] += xk * wk[n];
-    }
-  }
-}
-
-#if defined(__x86_64__) || defined(_M_X64)
 #include "rows_kernel.h"
 
+#if defined(__x86_64__) || defined(_M_X64)
 __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const float* x, int64_t M, int64_t K, int64_t N,
                                                                const float* w, int64_t k0, int64_t k1, float* y) {
   edgelin_rows(x, M, K, N, w, k0, k1, 0, y);
@@ -38,5 +23,5 @@ void edgelin_f32_rows(const float* x, int64_t M, int64_t K, int64_t N, const flo
     return;
   }
 #endif
-  rows_portable(x, M, K, N, weights, k0, k1, y);
+  edgelin_rows_portable(x, M, K, N, weights, k0, k1, 0, y);
 }

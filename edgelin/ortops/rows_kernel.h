@@ -3,14 +3,34 @@
    eight rows at a time into each output row (which stays in L1): eight weight loads per output load and store, two
    accumulator chains (4 rows at a time: 15-16.8 GB/s on this 2-core EPYC, 8: 18-18.7, OpenBLAS's sgemv on one thread
    19-22, same process). `half` says W's element type (0: float32, 1: IEEE float16, widened with F16C as it is
-   read); each caller passes a constant, so the always-inlined functions specialise. x86-64 only. */
+   read); each caller passes a constant, so the always-inlined functions specialise. The portable loop (any CPU,
+   the AVX2 one's tested reference) first, then the AVX2 one (x86-64). */
 #ifndef EDGELIN_ROWS_KERNEL_H
 #define EDGELIN_ROWS_KERNEL_H
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "attention.h" /* edgelin_half_to_float */
+
+static inline float edgelin_load1(const void* w, int64_t i, int half) {
+  return half ? edgelin_half_to_float(((const uint16_t*)w)[i]) : ((const float*)w)[i];
+}
+
+/* y[m, :] = sum over k0 <= k < k1 of x[m, k] W[k, :] for M rows of x ([M, K]) into y ([M, N]), written. */
+static inline void edgelin_rows_portable(const float* x, int64_t M, int64_t K, int64_t N, const void* w, int64_t k0,
+                                         int64_t k1, int half, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* ym = y + m * N;
+    memset(ym, 0, sizeof(float) * (size_t)N);
+    for (int64_t k = k0; k < k1; ++k) {
+      float xk = x[m * K + k];
+      for (int64_t n = 0; n < N; ++n) ym[n] += xk * edgelin_load1(w, k * N + n, half);
+    }
+  }
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 
 #define EDGELIN_ROWS 8 /* weight rows per step */
 #define EDGELIN_INLINE_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline
@@ -19,10 +39,6 @@
 EDGELIN_INLINE_AVX2 __m256 edgelin_load8(const void* w, int64_t i, int half) {
   return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w + i)))
               : _mm256_loadu_ps((const float*)w + i);
-}
-
-EDGELIN_INLINE_AVX2 float edgelin_load1(const void* w, int64_t i, int half) {
-  return half ? edgelin_half_to_float(((const uint16_t*)w)[i]) : ((const float*)w)[i];
 }
 
 /* ym += sum over r < R of xm[r] W[k + r, :], for R rows of W from row k (R <= EDGELIN_ROWS; a constant where
@@ -64,4 +80,5 @@ EDGELIN_INLINE_AVX2 void edgelin_rows(const float* x, int64_t M, int64_t K, int6
   for (; k < k1; ++k)
     for (int64_t m = 0; m < M; ++m) edgelin_add_rows(x + m * K + k, w, k, N, 1, half, y + m * N);
 }
+#endif
 #endif
