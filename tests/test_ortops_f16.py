@@ -20,7 +20,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export.quantize import F16_OP, _float16_weights
+from edgelin.export.panels import F16_OP
+from edgelin.export.quantize import _float16_weights
 from edgelin.replay import replay
 from helpers import assert_close
 from ortops_fixtures import gdn_exports, kernel_path, library, rollouts, session  # noqa: F401 (fixtures)
@@ -40,7 +41,9 @@ A_SHAPES = [(1, 1), (3, 1), (1, 6), (2, 7), (1, 11)]
 
 
 def _f16_matmul(K: int, N: int) -> tuple[onnx.ModelProto, np.ndarray]:
-    """A MatMul graph on a [K, N] float32 weight after the float16 pass, and the weight as float16 stored it."""
+    """A MatMul graph on a [K, N] float32 weight after the float16 pass, and the weight rounded to float16 [K, N];
+    checks that the pass stored it in column panels: [ceil(N / 16), K, 16], panel p holding columns 16p.., zeros
+    past N."""
     weight = (np.random.default_rng(K * N).standard_normal((K, N)) * 0.05).astype(np.float32)
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", K])],
@@ -51,7 +54,14 @@ def _f16_matmul(K: int, N: int) -> tuple[onnx.ModelProto, np.ndarray]:
     (node,) = model.graph.node
     (half,) = model.graph.initializer
     assert (node.op_type, node.domain, half.data_type) == (F16_OP, ortops.DOMAIN, TensorProto.FLOAT16)
-    return model, numpy_helper.to_array(half)
+    assert [(a.name, a.i) for a in node.attribute] == [("n", N)]
+    panels, rounded = numpy_helper.to_array(half), weight.astype(np.float16)
+    assert panels.shape == (-(-N // 16), K, 16)
+    for p in range(panels.shape[0]):
+        columns = rounded[:, 16 * p:16 * p + 16]
+        np.testing.assert_array_equal(panels[p, :, :columns.shape[1]], columns)
+        assert not panels[p, :, columns.shape[1]:].any()
+    return model, rounded
 
 
 @pytest.mark.parametrize("K,N", SHAPES, ids=[f"K{k}-N{n}" for k, n in SHAPES])
@@ -66,6 +76,22 @@ def test_the_product_matches_float64_and_its_function_body(library, K, N, a_shap
     assert_close(got, session(model).run(None, {"x": x})[0], PRODUCT_RTOL, f"K={K} N={N} vs the function body")
 
 
+@pytest.mark.parametrize("a_shape", [(1, 1), (3, 1), (2, 7)], ids=["1x1", "3x1", "2x7"])
+def test_a_weight_in_onnx_layout_still_runs(library, a_shape, kernel_path):
+    """Exports made before the packed panels store MatMulF16's weight as ONNX's [K, N]; the library still takes it
+    (slices of its rows for decoding, of its columns for a prefill piece)."""
+    K, N = 300, 37
+    half = (np.random.default_rng(5).standard_normal((K, N)) * 0.05).astype(np.float16)
+    graph = helper.make_graph([helper.make_node(F16_OP, ["x", "W"], ["y"], domain=ortops.DOMAIN)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(half, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ortops.DOMAIN, 1)])
+    x = np.random.default_rng(6).standard_normal((*a_shape, K)).astype(np.float32)
+    got = session(model, library, 2).run(None, {"x": x})[0]
+    assert_close(got, x.astype(np.float64) @ half.astype(np.float64), PRODUCT_RTOL, f"{a_shape} vs float64")
+
+
 def test_the_pass_converts_each_weight_once_and_leaves_other_graphs_alone():
     """Two MatMuls on one weight share one float16 copy; a MatMul of two activations and a float16 graph's MatMul
     (already float16: --precision fp16) stay ONNX's."""
@@ -77,7 +103,7 @@ def test_the_pass_converts_each_weight_once_and_leaves_other_graphs_alone():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     _float16_weights(model, embeddings=True)
     assert [n.op_type for n in model.graph.node] == [F16_OP, F16_OP, "MatMul"]
-    assert [t.name for t in model.graph.initializer] == ["W_f16"]
+    assert [t.name for t in model.graph.initializer] == ["W_f16p"]
     assert [f.name for f in model.functions] == [F16_OP]
 
 

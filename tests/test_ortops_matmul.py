@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
 from edgelin.export.onnx_kernels import FLOAT_MATMUL, fallback_function
+from edgelin.export.panels import F32_OP, pack_float_weights
 from edgelin.replay import replay
 from helpers import assert_close
 from ortops_fixtures import float_gdn_exports, kernel_path, library, rollouts, session  # noqa: F401 (fixtures)
@@ -66,6 +67,47 @@ def test_the_product_matches_float64_and_onnxruntimes_matmul(library, K, N, a_sh
     assert_close(got, session(model).run(None, {"x": x})[0], PRODUCT_RTOL, f"K={K} N={N} vs ONNX Runtime")
 
 
+# rows of A: decoding (1, 3: a token at a time down each panel), prefill pieces (6: one token tile; 2 x 7 and 11:
+# tiles and a remainder of 2 and of 5)
+PANEL_A_SHAPES = [(1, 1), (3, 1), (1, 6), (2, 7), (1, 11)]
+# K past one 256-row pass of the tokens (300) and the step's shapes; N 16k + 12, a multiple of 16, below 16, 1
+PANEL_SHAPES = [(384, 1676), (300, 384), (65, 37), (7, 9), (33, 1)]
+
+
+@pytest.mark.parametrize("K,N", PANEL_SHAPES, ids=[f"K{k}-N{n}" for k, n in PANEL_SHAPES])
+@pytest.mark.parametrize("a_shape", PANEL_A_SHAPES, ids=[f"{b}x{t}" for b, t in PANEL_A_SHAPES])
+@pytest.mark.parametrize("threads", [1, 2], ids=["t1", "t2"])
+def test_the_packed_product_matches_float64_and_its_function_body(library, K, N, a_shape, threads, kernel_path):
+    """ai.edgelin::MatMulF32 on the weight packed in panels (edgelin.export.panels) == float64 on the weight as it
+    was, and == its function body (the panels unpacked for ONNX Runtime's MatMul)."""
+    model = _matmul(K, N, ["b", "t", K])
+    weight = numpy_helper.to_array(model.graph.initializer[0])
+    assert pack_float_weights(model) == 1
+    (packed,) = model.graph.initializer
+    assert list(packed.dims) == [-(-N // 16), K, 16] and model.graph.node[0].op_type == F32_OP
+    x = np.random.default_rng(K + N).standard_normal((*a_shape, K)).astype(np.float32)
+    got = session(model, library, threads).run(None, {"x": x})[0]
+    assert got.shape == (*a_shape, N)
+    assert_close(got, x.astype(np.float64) @ weight.astype(np.float64), PRODUCT_RTOL, f"K={K} N={N} vs float64")
+    assert_close(got, session(model).run(None, {"x": x})[0], PRODUCT_RTOL, f"K={K} N={N} vs the function body")
+
+
+def test_a_packed_weight_of_the_wrong_shape_is_refused_in_one_line(library):
+    """A MatMulF32 whose B is not [ceil(n / 16), K, 16] for A's K: the op's one-line error, not a wrong product."""
+    graph = helper.make_graph([helper.make_node(F32_OP, ["x", "W"], ["y"], domain=ortops.DOMAIN, n=20)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "k"]),
+                               helper.make_tensor_value_info("W", TensorProto.FLOAT, ["p", "k", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(ortops.DOMAIN, 1)])
+    run = session(model, library)
+    with pytest.raises(Exception, match="expected A .* and B packed as"):
+        run.run(None, {"x": np.ones((1, 8), np.float32), "W": np.ones((2, 9, 16), np.float32)})
+    with pytest.raises(Exception, match="expected A .* and B packed as"):  # n = 20 needs 2 panels, not 3
+        run.run(None, {"x": np.ones((1, 9), np.float32), "W": np.ones((3, 9, 16), np.float32)})
+    good = run.run(None, {"x": np.ones((1, 9), np.float32), "W": np.ones((2, 9, 16), np.float32)})[0]
+    np.testing.assert_array_equal(good, np.full((1, 20), 9.0, np.float32))
+
+
 def test_the_function_fallback_is_onnxs_matmul_bit_for_bit():
     """Without the library the routed node runs its function body: ONNX Runtime's MatMul, same bytes."""
     model = _matmul(384, 200, ["b", 384])
@@ -90,19 +132,37 @@ def float_exports(tmp_path_factory) -> dict[str, Path]:
     return float_gdn_exports(tmp_path_factory.mktemp("step-ops-edgelin-fp32"))
 
 
-def test_the_export_routes_every_float_step_product(float_exports):
-    routed = onnx.load(str(float_exports["edgelin"] / "step.onnx"), load_external_data=False)
-    plain = onnx.load(str(float_exports["contrib"] / "step.onnx"), load_external_data=False)
-    weights = {t.name for t in plain.graph.initializer if len(t.dims) == 2}
-    products = sum(n.op_type == "MatMul" and n.input[1] in weights for n in plain.graph.node)
-    assert products >= 6  # per layer at least the input and output projections
-    assert sum(n.domain == ortops.DOMAIN and n.op_type == "MatMul" for n in routed.graph.node) == products
-    assert not any(n.op_type == "MatMul" and n.domain == "" and n.input[1] in weights for n in routed.graph.node)
-    assert f"{ortops.DOMAIN}::MatMul" in {f"{f.domain}::{f.name}" for f in routed.functions}
-    prefill = onnx.load(str(float_exports["edgelin"] / "prefill.onnx"), load_external_data=False)
-    assert not any(n.domain == ortops.DOMAIN for n in prefill.graph.node)
+def test_the_export_packs_every_float_product_of_both_graphs(float_exports):
+    """Each ONNX MatMul by a float32 weight is ai.edgelin::MatMulF32 on that weight packed in panels, in the step and
+    the prefill, which read the same packed tensor (one copy in weights.bin)."""
+    packed = {}
+    for kind in ("step", "prefill"):
+        routed = onnx.load(str(float_exports["edgelin"] / f"{kind}.onnx"), load_external_data=False)
+        plain = onnx.load(str(float_exports["contrib"] / f"{kind}.onnx"), load_external_data=False)
+        weights = {t.name: list(t.dims) for t in plain.graph.initializer if len(t.dims) == 2}
+        products = [n for n in plain.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+        assert len(products) >= 6, kind  # per layer at least the input and output projections
+        inits = {t.name: t for t in routed.graph.initializer}
+        ours = [n for n in routed.graph.node if n.domain == ortops.DOMAIN and n.op_type == F32_OP]
+        assert len(ours) == len(products), kind
+        assert not any(n.op_type == "MatMul" and n.domain == "" and n.input[1] in inits for n in routed.graph.node)
+        for node in ours:
+            (n,) = [a.i for a in node.attribute if a.name == "n"]
+            dims = list(inits[node.input[1]].dims)
+            assert dims[0] == -(-n // 16) and dims[2] == 16 and inits[node.input[1]].data_type == TensorProto.FLOAT
+        assert sorted([dims_k_n(inits, node) for node in ours]) == sorted(weights[n.input[1]] for n in products)
+        assert f"{ortops.DOMAIN}::{F32_OP}" in {f"{f.domain}::{f.name}" for f in routed.functions}
+        places = [{e.key: e.value for e in inits[node.input[1]].external_data} for node in ours]
+        packed[kind] = {(place["location"], place["offset"]) for place in places}
+    assert packed["step"] == packed["prefill"]  # the same bytes of weights.bin
     manifest = json.loads((float_exports["edgelin"] / "manifest.json").read_text())
-    assert manifest["extra"]["ort_ops"]["step_nodes"] == sum(n.domain == ortops.DOMAIN for n in routed.graph.node)
+    step = onnx.load(str(float_exports["edgelin"] / "step.onnx"), load_external_data=False)
+    assert manifest["extra"]["ort_ops"]["step_nodes"] == sum(n.domain == ortops.DOMAIN for n in step.graph.node)
+
+
+def dims_k_n(inits: dict, node) -> list[int]:
+    """[K, N] of a MatMulF32 node: its packed weight's K and its attribute n."""
+    return [inits[node.input[1]].dims[1], next(a.i for a in node.attribute if a.name == "n")]
 
 
 @pytest.mark.parametrize("setting", ["library", "off"])

@@ -79,7 +79,8 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
     from onnx import numpy_helper
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    from edgelin.export.quantize import F16_OP, QUANTIZED_OPS, half_tables
+    from edgelin.export.panels import F16_OP, panel_columns, unpack_panels
+    from edgelin.export.quantize import QUANTIZED_OPS, half_tables
 
     found: dict[str, Dequantized] = {}
     for file in graph_files:
@@ -99,7 +100,8 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
                 and node.input and node.input[0] in tables else None
             if half is not None and half in inits and half not in found:  # --quantize fp16: a float16 weight
                 values = array(half).astype(np.float32)
-                values = values.T if node.op_type == F16_OP else values  # MatMul's [K, N] -> the module's [N, K]
+                if node.op_type == F16_OP:  # MatMul's [K, N] (packed in panels: [P, K, 16]) -> the module's [N, K]
+                    values = (unpack_panels(values, panel_columns(node, values)) if values.ndim == 3 else values).T
                 # half a float16 step of each element (np.spacing: that element's step; subnormals included)
                 steps = np.spacing(np.abs(values).astype(np.float16)).astype(np.float32)
                 found[half] = Dequantized(half, np.ascontiguousarray(values), 0.5 * SLACK * steps + 1e-12)

@@ -4,7 +4,8 @@ fallback inside the same file.
 
 Each step-graph node the library's kernels take moves from the `com.microsoft` domain (ONNX's, for `MatMul`) to
 `ai.edgelin`, inputs, attributes and weights unchanged: `MatMul` of float32 activations by a float32 [K, N] weight
-(a float export's products), `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
+(none in edgelin's exports now: finish_graphs packs a float export's products in panels first, as
+ai.edgelin::MatMulF32 in both graphs; edgelin.export.panels), `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
 int4 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU),
 `LinearAttention` (the recurrence; float32 graphs, every update rule) and `GroupQueryAttention` (full-context
 attention over the float32 static KV cache of --kv-cache static); before that, each Mamba2 layer's step around

@@ -266,3 +266,24 @@ def add_fused(proto, fused: dict[int, object], dropped: set[int], function) -> i
     replace_in_place(proto, fused, dropped)
     proto.functions.append(function({o.domain: o.version for o in proto.opset_import}))
     return len(fused)
+
+
+def drop_unread(proto) -> None:
+    """Initializers no node reads any more (a tied table once both its users are quantised), subgraphs included."""
+    import onnx
+
+    read: set[str] = set()
+
+    def visit(graph) -> None:
+        for node in graph.node:
+            read.update(node.input)
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    visit(attribute.g)
+                for sub in attribute.graphs:
+                    visit(sub)
+
+    visit(proto.graph)
+    read.update(o.name for o in proto.graph.output)
+    for tensor in [t for t in proto.graph.initializer if t.name not in read]:
+        proto.graph.initializer.remove(tensor)

@@ -70,6 +70,12 @@ def prepack_choice(manifest: Manifest, prepack: bool | None = None, library: boo
 # rows: peak RSS after a 32k prompt 442 MiB in pieces of 256, 257 in 128, 191 in 64 (the float32 cache: 193),
 # prefill at 8k-12k 1,152 -> 1,006 tok/s (the float32 cache's 1,083); docs/benchmarks.md, issue 13.
 HALF_CACHE_PREFILL_PIECE = 64
+# Prefill pieces of a constant-memory model (no KV cache): ONNX Runtime's arena keeps the largest piece's
+# activations. With the weight products on packed panels a piece of 128 prefills as fast as one of 256 and holds
+# half the activations: Mamba2 peer, 2,048-token prompt, peak RSS 125.0 -> 116.2 MiB (float16 weights) and
+# 108.3 -> 100.1 (int4), prefill 2,650 vs 2,643 tok/s at 1 thread, 4,273 vs 4,281 at 2; pieces of 64 save
+# another 4.5 MiB for 7% of the speed (docs/benchmarks.md, issue 13).
+CONSTANT_MEMORY_PREFILL_PIECE = 128
 
 # "0" turns off the one shared mapping of weights.bin (each session then maps the file itself; for A/B runs).
 SHARED_ENV = "EDGELIN_ORT_SHARED_WEIGHTS"
@@ -241,6 +247,8 @@ class OnnxRunner(Runner):
         feeds = outputs_by_input(manifest.graphs["step"].outputs)  # the manifest checked prefill's agree
         self.present_names = [feeds[name] for name in self.state_names]
         self.capacity = manifest.kv_capacity  # a static KV cache: its buffers' length (None: none)
+        if manifest.constant_memory:
+            self.prefill_piece = CONSTANT_MEMORY_PREFILL_PIECE
         if self.capacity is not None:
             _check_capacity(self.sessions, self.capacity)
             if manifest.kv_dtype == "float16":

@@ -205,8 +205,9 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the graph as
     written), with `contrib_ops` (--step-ops contrib or edgelin) the step's residual Adds + RMSNorms and, given
     `rotary_positions` (a static KV cache's capacity), its rotary as ONNX Runtime's contrib ops
-    (edgelin.export.onnx_kernels.fuse_contrib_steps), and with `edgelin_ops` (--step-ops edgelin) the step's nodes
-    for edgelin's kernels (edgelin.export.onnx_kernels). Returns the files it adds ({"weights": "weights.bin"} or
+    (edgelin.export.onnx_kernels.fuse_contrib_steps), and with `edgelin_ops` (--step-ops edgelin) the float32
+    weight products of both graphs on packed panels (edgelin.export.panels) and the step's nodes for edgelin's
+    kernels (edgelin.export.onnx_kernels). Returns the files it adds ({"weights": "weights.bin"} or
     nothing)."""
     from edgelin.export.fuse_matmuls import fuse_matmuls
     from edgelin.export.weights import WEIGHTS_KEY, share_weights
@@ -219,6 +220,11 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
 
         for file in graphs:
             quantize_graph(folder / file, settings.quantize, settings.block_size, embeddings)
+    elif edgelin_ops:  # float32 weights packed in panels for edgelin's products, in both graphs (one copy shared)
+        from edgelin.export.panels import pack_float_products
+
+        for file in graphs:
+            pack_float_products(folder / file)
     added = {WEIGHTS_KEY: share_weights(folder, graphs)} if share else {}
     if step_outputs is not None:
         mark_in_place_states(folder / files["step"], step_outputs)

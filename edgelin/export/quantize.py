@@ -2,9 +2,9 @@
 ONNX Runtime's own tool: `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`.
 
 --quantize fp16 (weight-only float16 storage, float32 arithmetic: what llama.cpp's f16 files hold) is edgelin's
-own pass: every constant-weight MatMul becomes `ai.edgelin::MatMulF16` on a float16 copy of its weight (edgelin's
-kernel widens the halves as it reads them: edgelin.ortops; its ONNX function body, Cast + MatMul, runs where the
-library is not loaded), the LM head likewise, and the embedding lookup a Gather on the float16 table and a Cast.
+own pass: every constant-weight MatMul becomes `ai.edgelin::MatMulF16` on a float16 copy of its weight packed in
+column panels (edgelin.export.panels; edgelin's kernel widens the halves as it reads them: edgelin.ortops; its ONNX
+function body, Cast, unpacking and MatMul, runs where the library is not loaded), the LM head likewise, and the embedding lookup a Gather on the float16 table and a Cast.
 ONNX Runtime's x86 CPU provider has no float16 MatMul, so an fp16 graph (--precision fp16) runs through Casts that
 it folds into float32 copies of every weight, per session.
 
@@ -36,12 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from edgelin.errors import EdgelinError, environment_fault, one_line
+from edgelin.export.onnx_patterns import drop_unread
+from edgelin.export.panels import F16_OP, pack_panels, to_panel_op
 
 BITS = {"int8": 8, "int4": 4}
 HALF = "fp16"  # --quantize fp16: weight-only float16 storage (_float16_weights)
-F16_OP = "MatMulF16"  # edgelin's op for it: float32 activations by a float16 [K, N] weight
 METHOD_F16 = ("edgelin weight-only float16: each constant-weight MatMul as ai.edgelin::MatMulF16 on a float16 "
-              "copy of its weight (float32 arithmetic; function body Cast + MatMul), embedding lookups as Gather "
+              "copy of its weight packed in column panels (float32 arithmetic; function body Cast, unpacking, "
+              "MatMul), embedding lookups as Gather "
               "on the float16 table + Cast")
 # MatMulNBits' accuracy_level 4: the CPU kernel multiplies int8-quantised activation blocks (float
 # accumulation). Measured on the shipped model (docs/benchmarks.md): int8 steps 18x faster than with the
@@ -208,50 +210,30 @@ def _quantize_gathers(proto: Any, tables: dict[str, Any], scheme: str, bits: int
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
 
 
-def _drop_unread(proto: Any) -> None:
-    """Initializers no node reads any more (a tied table once both its users are quantised), subgraphs included."""
-    import onnx
-
-    read: set[str] = set()
-
-    def visit(graph: Any) -> None:
-        for node in graph.node:
-            read.update(node.input)
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    visit(attribute.g)
-                for sub in attribute.graphs:
-                    visit(sub)
-
-    visit(proto.graph)
-    read.update(o.name for o in proto.graph.output)
-    for tensor in [t for t in proto.graph.initializer if t.name not in read]:
-        proto.graph.initializer.remove(tensor)
-
-
 def _float16_weights(proto: Any, embeddings: bool) -> None:
     """--quantize fp16, in place: each MatMul of ONNX's on a constant 2-D float32 weight becomes ai.edgelin::MatMulF16
-    on a float16 copy of it (each weight converted once however many nodes read it); with `embeddings` also the LM
+    on a float16 copy of it packed in column panels (edgelin.export.panels; each weight converted once however many
+    nodes read it); with `embeddings` also the LM
     head (untied to its own transposed weight first, as for int4) and each Gather on a 2-D float32 table, which
     reads the float16 table and casts its rows back to float32. Unread float32 weights are dropped."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
 
-    from edgelin.export.onnx_patterns import use_domain
-    from edgelin.ortops import DOMAIN
-
     if embeddings:
         _untie_heads(proto)
     inits = {t.name: t for t in proto.graph.initializer}
-    halves: dict[str, str] = {}
+    halves: dict[tuple[str, bool], str] = {}
 
-    def half(name: str) -> str:
-        if name not in halves:
-            halves[name] = f"{name}_f16"
+    def half(name: str, panels: bool) -> str:
+        """The float16 copy of weight `name` (once per layout): packed in column panels for MatMulF16, as is for a
+        Gather's table."""
+        if (name, panels) not in halves:
+            halves[name, panels] = f"{name}_f16p" if panels else f"{name}_f16"
             value = numpy_helper.to_array(inits[name]).astype(np.float16)
-            proto.graph.initializer.append(numpy_helper.from_array(value, halves[name]))
-        return halves[name]
+            value = pack_panels(value) if panels else value
+            proto.graph.initializer.append(numpy_helper.from_array(value, halves[name, panels]))
+        return halves[name, panels]
 
     def matrix(name: str) -> bool:
         tensor = inits.get(name)
@@ -260,11 +242,10 @@ def _float16_weights(proto: Any, embeddings: bool) -> None:
     nodes = []
     for node in proto.graph.node:
         if node.domain == "" and node.op_type == "MatMul" and len(node.input) == 2 and matrix(node.input[1]):
-            node.op_type, node.domain = F16_OP, DOMAIN
-            node.input[1] = half(node.input[1])
+            to_panel_op(proto, node, F16_OP, half(node.input[1], panels=True), inits[node.input[1]].dims[1])
         elif embeddings and node.op_type == "Gather" and node.input and matrix(node.input[0]) \
                 and _attrs(node).get("axis", 0) == 0:
-            node.input[0], out = half(node.input[0]), node.output[0]
+            node.input[0], out = half(node.input[0], panels=False), node.output[0]
             node.output[0] = f"{out}_f16"
             nodes.append(node)
             node = helper.make_node("Cast", [node.output[0]], [out], name=f"{node.name}_to_float",
@@ -272,24 +253,7 @@ def _float16_weights(proto: Any, embeddings: bool) -> None:
         nodes.append(node)
     del proto.graph.node[:]
     proto.graph.node.extend(nodes)
-    if any(node.op_type == F16_OP and node.domain == DOMAIN for node in nodes):
-        use_domain(proto, DOMAIN)
-        if not any(f.domain == DOMAIN and f.name == F16_OP for f in proto.functions):
-            proto.functions.append(_f16_function(proto))
-    _drop_unread(proto)
-
-
-def _f16_function(proto: Any) -> Any:
-    """ai.edgelin::MatMulF16 as ONNX ops (what runs without edgelin's library): Cast(B) to float32, then MatMul."""
-    import onnx
-    from onnx import helper
-
-    from edgelin.ortops import DOMAIN
-
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 18)
-    body = [helper.make_node("Cast", ["B"], ["B_float"], to=onnx.TensorProto.FLOAT),
-            helper.make_node("MatMul", ["A", "B_float"], ["Y"])]
-    return helper.make_function(DOMAIN, F16_OP, ["A", "B"], ["Y"], body, [helper.make_opsetid("", opset)])
+    drop_unread(proto)
 
 
 def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = True) -> list[str]:
@@ -323,7 +287,7 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
               for node in proto.graph.node if node.op_type == "MatMul"}
     quantized = _run_tool(proto, scheme, bits, block_size, Path(path).name)
     if embeddings:
-        _drop_unread(quantized)
+        drop_unread(quantized)
     names = []
     for node in quantized.graph.node:
         if node.op_type == "MatMulNBits":

@@ -8,14 +8,17 @@ with `SessionOptions.register_custom_ops_library`.
   int8 per 32-block, as accuracy level 4 does); on AVX2 it multiplies two blocks per 256-bit step and four
   weight rows at once, and on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and later) four blocks per 512-bit step with
   vpdpbusd (docs/benchmarks.md, issue 13).
-- `ai.edgelin::MatMul` (ops_matmul.c, f32_gemv.c): the float32 weight products of one-token decoding (ONNX MatMul
-  by a [K, N] initializer, read where it is mapped): each of ONNX Runtime's threads takes slices of the weight's
-  rows, contiguous memory, instead of MLAS's column split (Mamba2 12 M, 2 threads: its 24 products 2.24 -> 1.48 ms).
-- `ai.edgelin::MatMulF16` (ops_matmul.c, f16_gemm.c): float32 activations by float16 weights (`--quantize fp16`:
-  weight-only float16 storage), in the step and the prefill graphs, the halves widened in registers as they stream
-  in from the mapped weights file (ONNX Runtime's x86 CPU provider has no float16 MatMul: it folds the graph's Casts
-  into float32 copies of the weights per session). Decoding as MatMul; a prefill piece in 6-token x 16-column
-  register tiles over column slices. An edgelin op: its function body is Cast + ONNX MatMul.
+- `ai.edgelin::MatMul` (ops_matmul.c, f32_gemv.c): the float32 weight products of one-token decoding on ONNX's
+  [K, N] layout (exports made before the packed panels below, whose steps still run it): each of ONNX Runtime's
+  threads takes slices of the weight's rows instead of MLAS's column split.
+- `ai.edgelin::MatMulF32` and `ai.edgelin::MatMulF16` (ops_matmul.c, panels.c): float32 activations by a float32
+  or float16 weight (`--quantize fp16`: weight-only float16 storage) packed in column panels of 16 ([ceil(N / 16),
+  K, 16], attribute n: N), in the step and the prefill graphs, read from the mapped weights file (the halves
+  widened in registers as they stream in: ONNX Runtime's x86 CPU provider has no float16 MatMul, and folds a
+  graph's Casts into float32 copies of the weights per session). Each thread takes a slice of the panels; decoding
+  streams each panel as one piece of memory, a prefill piece runs 6-token x 16-column register tiles over it.
+  edgelin ops: the function body unpacks the panels for ONNX's MatMul. MatMulF16 also takes ONNX's [K, N] layout
+  (exports made before the panels; f16_gemm.c).
 - `ai.edgelin::SsdRecurrence` (ops_ssd.c): Mamba2's step around its recurrence (the dt path, the key groups
   broadcast to the heads, the value x softplus(dt), the skip D x) in one node, where the graph had ~20 small ones;
   an edgelin op, whose function body is those ONNX ops around `com.microsoft::LinearAttention`
@@ -63,9 +66,10 @@ from pathlib import Path
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
 SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "ops_mlp.c", "glue.c", "q4_gemv.c",
-           "q4_gemm.c", "f32_gemv.c", "f16_gemm.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
+           "q4_gemm.c", "f32_gemv.c", "f16_gemm.c", "panels.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
 HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "f32_gemv.h", "f16_gemm.h", "conv.h",
-           "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h", "rows_kernel.h")
+           "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h", "rows_kernel.h",
+           "tiles_kernel.h", "panels.h")
 LIBRARY = "libedgelin_ortops.so"
 _HERE = Path(__file__).resolve().parent
 _CFLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden")

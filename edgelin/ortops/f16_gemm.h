@@ -1,6 +1,6 @@
 /* edgelin's products of float32 activations by float16 weights (--quantize fp16: weight-only float16 storage,
-   float32 arithmetic), on ONNX's MatMul layout as stored: weights [K, N] row-major IEEE half, read straight from
-   the export's mapped weights file (no float32 copy). */
+   float32 arithmetic) on ONNX's MatMul layout as stored by exports made before the packed panels (panels.h):
+   weights [K, N] row-major IEEE half, read straight from the export's mapped weights file (no float32 copy). */
 #ifndef EDGELIN_F16_GEMM_H
 #define EDGELIN_F16_GEMM_H
 #include <stddef.h>

@@ -41,8 +41,10 @@ void edgelin_destroy_attention(void* kernel);
 OrtStatus* edgelin_create_matmul(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
 OrtStatus* edgelin_compute_matmul(void* kernel, OrtKernelContext* context);
 void edgelin_destroy_matmul(void* kernel);
-/* ai.edgelin::MatMulF16 (ops_matmul.c): B float16 (created and destroyed as MatMul) */
+/* ai.edgelin::MatMulF16 and MatMulF32 (ops_matmul.c): B float16 / float32 in packed panels (MatMulF16 also [K, N]);
+   created and destroyed as MatMul */
 OrtStatus* edgelin_compute_matmul_f16(void* kernel, OrtKernelContext* context);
+OrtStatus* edgelin_compute_matmul_f32(void* kernel, OrtKernelContext* context);
 
 /* ai.edgelin::SsdRecurrence (ops_ssd.c) */
 OrtStatus* edgelin_create_ssd(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);

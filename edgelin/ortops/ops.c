@@ -9,8 +9,9 @@
    - ai.edgelin::MatMul: ONNX MatMul's float32 weight products, slices of the weights' rows per thread
      (ops_matmul.c, f32_gemv.c);
    - ai.edgelin::GateThenRmsNorm: Mamba2's gated norm, RMSNorm(x * silu(z)) * w (ops_gdn.c; an edgelin op);
-   - ai.edgelin::MatMulF16: float32 activations by float16 weights (--quantize fp16), both graphs (ops_matmul.c,
-     f16_gemm.c; an edgelin op: its function body is Cast + ONNX MatMul);
+   - ai.edgelin::MatMulF32 / MatMulF16: float32 activations by float32 / float16 weights (--quantize fp16) packed in
+     column panels, both graphs (ops_matmul.c, panels.c; MatMulF16 also on ONNX's [K, N], f16_gemm.c; edgelin ops:
+     their function bodies unpack the panels for ONNX's MatMul);
    - ai.edgelin::SsdRecurrence: Mamba2's step around the recurrence (dt path, shared keys, skip) in one node
      (ops_ssd.c; an edgelin op: its function body is ONNX ops around com.microsoft::LinearAttention);
    - ai.edgelin::GatedDeltaRecurrence: a Gated DeltaNet layer's step into its recurrence (q / k norms, key heads,
@@ -276,6 +277,7 @@ static size_t three_outputs(const OrtCustomOp* op) { (void)op; return 3; }
 
 static const char* name_f32_matmul(const OrtCustomOp* op) { (void)op; return "MatMul"; }
 static const char* name_f16_matmul(const OrtCustomOp* op) { (void)op; return "MatMulF16"; }
+static const char* name_panel_matmul(const OrtCustomOp* op) { (void)op; return "MatMulF32"; }
 static int input_type_f16_matmul(const OrtCustomOp* op, size_t i) { (void)op; return i ? ORT_TYPE_FLOAT16 : ORT_TYPE_FLOAT; }
 static size_t two_inputs(const OrtCustomOp* op) { (void)op; return 2; }
 static const char* name_ssd(const OrtCustomOp* op) { (void)op; return "SsdRecurrence"; }
@@ -322,7 +324,7 @@ static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input
   return op;
 }
 
-static OrtCustomOp g_ops[12];
+static OrtCustomOp g_ops[13];
 
 /* ONNX Runtime's entry point (register_custom_ops_library), once per session that loads the library. */
 EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
@@ -356,6 +358,8 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
                          edgelin_create_matmul, edgelin_compute_matmul_f16, edgelin_destroy_matmul);
     g_ops[11] = describe(name_gate_then_norm, all_float, three_inputs, all_required, outputs_matmul,
                          edgelin_create_gate_then_norm, edgelin_compute_gated_norm, edgelin_destroy_fused);
+    g_ops[12] = describe(name_panel_matmul, all_float, two_inputs, all_required, outputs_matmul,
+                         edgelin_create_matmul, edgelin_compute_matmul_f32, edgelin_destroy_matmul);
   }
   /* Only where the AVX2 kernels run (measured faster there: docs/benchmarks.md, issue 13). Elsewhere (ARM boards)
      nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):

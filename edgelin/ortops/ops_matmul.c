@@ -1,26 +1,33 @@
-/* ai.edgelin::MatMul: ONNX MatMul for the step graph's float32 weight products, A [..., K] times an initializer B
-   [K, N] (f32_gemv.c). ONNX Runtime's kernel splits the columns across its threads; here each task takes a slice
-   of B's rows (a contiguous piece of the mapped weights file) into its own partial row, and the partial rows are
-   summed after: the same sums in another order (float32 rounding, within the validate thresholds).
-   ai.edgelin::MatMulF16: the same with B float16 (--quantize fp16; f16_gemm.c), in both graphs: a prefill piece
-   (M >= TILE_TOKENS rows of A) takes slices of B's columns instead, each task writing its own columns of Y. */
+/* edgelin's weight products, ONNX MatMul of float32 activations A [..., K] by a constant weight B.
+   ai.edgelin::MatMulF32 / MatMulF16 (what exports write): B float32 / float16 packed in column panels [P, K, 16]
+   (attribute n: N, the columns that are not padding; panels.c): each task takes a slice of the panels and writes
+   its own columns of Y, whatever M.
+   Exports made before the panels: ai.edgelin::MatMul, B float32 [K, N] (f32_gemv.c; ONNX Runtime's kernel splits
+   the columns across its threads, here each task takes a slice of B's rows, a contiguous piece of the mapped
+   weights file, into its own partial row, and the partial rows are summed after: the same sums in another order),
+   and MatMulF16 on a float16 [K, N] (f16_gemm.c; decoding as MatMul, a prefill piece of M >= TILE_TOKENS rows of A
+   in slices of B's columns). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "f16_gemm.h"
 #include "f32_gemv.h"
+#include "panels.h"
 #include "glue.h"
 
 #define ROWS_PER_TASK 64  /* 384 rows: 6 tasks, for ONNX Runtime's threads to share unevenly if one core is busy */
 #define COLS_PER_TASK 64  /* a prefill piece's column slices (4 register tiles) */
 #define TILE_TOKENS 6     /* from 6 rows of A on, the column-slice path (f16_gemm.c's register tiles) */
+#define PANELS_PER_TASK 4 /* packed panels of 16 columns per task: 64 columns */
 
 OrtStatus* edgelin_create_matmul(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   (void)op;
   (void)api;
-  (void)info;
-  *out = calloc(1, 1);  /* no state of its own */
-  return *out ? NULL : fail("edgelin MatMul: out of memory");
+  int64_t* n = calloc(1, sizeof(int64_t));
+  if (!n) return fail("edgelin MatMul: out of memory");
+  *n = attribute_or(info, "n", 0); /* packed panels: the columns that are not padding (0: all) */
+  *out = n;
+  return NULL;
 }
 
 typedef struct {
@@ -44,13 +51,48 @@ static void run_task(void* data, size_t index) {
   rows_of(t, k0, k1, t->partial + (int64_t)index * t->M * t->N);
 }
 
+static void run_panels_task(void* data, size_t index) {
+  const Task* t = data;
+  int64_t p0 = (int64_t)index * PANELS_PER_TASK, panels = (t->N + 15) / 16;
+  int64_t p1 = p0 + PANELS_PER_TASK < panels ? p0 + PANELS_PER_TASK : panels;
+  if (t->half)
+    edgelin_f16_panels(t->x, t->M, t->K, t->N, t->w, p0, p1, t->partial);
+  else
+    edgelin_f32_panels(t->x, t->M, t->K, t->N, t->w, p0, p1, t->partial);
+}
+
 static void run_cols_task(void* data, size_t index) {
   const Task* t = data;
   int64_t n0 = (int64_t)index * COLS_PER_TASK, n1 = n0 + COLS_PER_TASK < t->N ? n0 + COLS_PER_TASK : t->N;
   edgelin_f16_cols(t->x, t->M, t->K, t->N, t->w, n0, n1, t->partial);
 }
 
-static OrtStatus* compute(OrtKernelContext* context, int half) {
+/* Y = A B for B (float16 if `half`) packed in column panels [P, K, 16] holding N columns (`n`; 0: 16 P). */
+static OrtStatus* compute_panels(OrtKernelContext* context, const OrtValue* a, int64_t* ad, size_t ar, const OrtValue* b,
+                                 const int64_t* bd, int64_t n, int half) {
+  int64_t M = 1, K = bd[1], P = bd[0], N = n ? n : 16 * P;
+  if (ar < 1 || ad[ar - 1] != K || bd[2] != 16 || N > 16 * P || N <= 16 * (P - 1))
+    return fail("edgelin MatMulF16 / MatMulF32: expected A [..., K] and B packed as [ceil(n / 16), K, 16] (re-export "
+                "the model)");
+  for (size_t i = 0; i + 1 < ar; ++i) M *= ad[i];
+  ad[ar - 1] = N;
+  OrtValue* y = NULL;
+  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, ad, ar, &y);
+  if (status || M == 0 || N == 0) return status;
+  Task task = {data_of(a), data_of(b), M, K, N, data_of(y), half};
+  if (K == 0) {  /* an empty sum (ONNX's MatMul gives zeros) */
+    memset(task.partial, 0, sizeof(float) * (size_t)(M * N));
+    return NULL;
+  }
+  if (!g_parallel_for || P <= PANELS_PER_TASK) {
+    run_panels_task(&task, 0);
+    return NULL;
+  }
+  size_t tasks = (size_t)((P + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
+  return ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_panels_task, tasks, 0, &task);
+}
+
+static OrtStatus* compute(OrtKernelContext* context, int half, int64_t n) {
   const OrtValue *a = NULL, *b = NULL;
   int64_t ad[8], bd[8];
   size_t ar = 0, br = 0;
@@ -59,6 +101,7 @@ static OrtStatus* compute(OrtKernelContext* context, int half) {
   if (!status) status = shape_of(a, ad, &ar);
   if (!status) status = shape_of(b, bd, &br);
   if (status) return status;
+  if (br == 3) return compute_panels(context, a, ad, ar, b, bd, n, half);
   if (ar < 1 || br != 2 || ad[ar - 1] != bd[0])
     return fail("edgelin MatMul: expected A [..., K] and B [K, N] (or use ONNX's MatMul)");
   int64_t M = 1, K = bd[0], N = bd[1];
@@ -104,12 +147,15 @@ static OrtStatus* compute(OrtKernelContext* context, int half) {
 
 OrtStatus* edgelin_compute_matmul(void* kernel, OrtKernelContext* context) {
   (void)kernel;
-  return compute(context, 0);
+  return compute(context, 0, 0);
+}
+
+OrtStatus* edgelin_compute_matmul_f32(void* kernel, OrtKernelContext* context) {
+  return compute(context, 0, *(const int64_t*)kernel);
 }
 
 OrtStatus* edgelin_compute_matmul_f16(void* kernel, OrtKernelContext* context) {
-  (void)kernel;
-  return compute(context, 1);
+  return compute(context, 1, *(const int64_t*)kernel);
 }
 
 void edgelin_destroy_matmul(void* kernel) { free(kernel); }

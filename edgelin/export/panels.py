@@ -1,0 +1,123 @@
+"""Weights packed in column panels for edgelin's weight products (ai.edgelin::MatMulF32 and MatMulF16;
+edgelin/ortops/panels.c).
+
+ONNX's MatMul stores a weight [K, N] row-major. Decoding reads every weight once per token, so a step's products
+run at the rate the weights stream in, and in that layout a slice of rows is many short streams N values apart.
+Packed as [ceil(N / 16), K, 16] (panel p: columns 16p .. 16p + 15, zeros past N) each panel is one contiguous piece
+of memory and the panels follow one another: the hardware prefetchers' best case (on the Mamba2 peer's float16
+step: 2.2 -> 1.1 ms; docs/benchmarks.md, issue 13). Both graphs read the packed weight (one copy in weights.bin);
+each node carries `n` (N) and an ONNX function body that unpacks the panels for ONNX's MatMul, which runs where
+edgelin's library is not loaded.
+
+Export-side module: imports onnx and numpy inside its functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PANEL = 16  # columns per panel (TILE_N in edgelin/ortops/tiles_kernel.h)
+F32_OP = "MatMulF32"  # float32 activations by a float32 weight in panels
+F16_OP = "MatMulF16"  # float32 activations by a float16 weight in panels (--quantize fp16)
+
+
+def pack_panels(weight: Any) -> Any:
+    """A MatMul weight [K, N] as the panel ops read it: [ceil(N / 16), K, 16], zeros past N."""
+    import numpy as np
+
+    rows, cols = weight.shape
+    padded = np.zeros((rows, -(-cols // PANEL) * PANEL), weight.dtype)
+    padded[:, :cols] = weight
+    return np.ascontiguousarray(padded.reshape(rows, -1, PANEL).transpose(1, 0, 2))
+
+
+def unpack_panels(panels: Any, cols: int) -> Any:
+    """pack_panels' inverse: [P, K, 16] -> [K, cols]."""
+    return panels.transpose(1, 0, 2).reshape(panels.shape[1], -1)[:, :cols]
+
+
+def panel_columns(node: Any, panels: Any) -> int:
+    """N of a panel op's node whose weight is `panels` ([P, K, 16]): its attribute n (0 or absent: 16 P)."""
+    return next((a.i for a in node.attribute if a.name == "n" and a.i), PANEL * panels.shape[0])
+
+
+def panel_function(name: str, opsets: dict[str, int]) -> Any:
+    """ai.edgelin::<name> (F32_OP or F16_OP) as ONNX ops: B's panels [P, K, 16] (cast to float32), laid out as
+    [K, 16 P], ONNX's MatMul, then the first n columns."""
+    import onnx
+    from onnx import helper
+
+    from edgelin.ortops import DOMAIN
+
+    n_value = helper.make_node("Constant", [], ["n"])  # the calling node's attribute n, as a scalar
+    n_value.attribute.append(helper.make_attribute_ref("value_int", onnx.AttributeProto.INT, ref_attr_name="n"))
+    cast = [helper.make_node("Cast", ["B"], ["B_float"], to=onnx.TensorProto.FLOAT)] if name == F16_OP else []
+    body = [*cast,
+            helper.make_node("Transpose", ["B_float" if cast else "B"], ["B_rows"], perm=[1, 0, 2]),
+            helper.make_node("Constant", [], ["flat"], value_ints=[0, -1]),
+            helper.make_node("Reshape", ["B_rows", "flat"], ["B_matrix"]),
+            helper.make_node("MatMul", ["A", "B_matrix"], ["Y_padded"]),
+            n_value,
+            helper.make_node("Constant", [], ["zero"], value_ints=[0]),
+            helper.make_node("Constant", [], ["last"], value_ints=[-1]),
+            helper.make_node("Unsqueeze", ["n", "zero"], ["end"]),
+            helper.make_node("Slice", ["Y_padded", "zero", "end", "last"], ["Y"])]
+    return helper.make_function(DOMAIN, name, ["A", "B"], ["Y"], body,
+                                [helper.make_opsetid("", opsets.get("", opsets.get("ai.onnx", 18)))],
+                                attributes=["n"])
+
+
+def to_panel_op(proto: Any, node: Any, name: str, packed_weight: str, columns: int) -> None:
+    """Turn ONNX MatMul `node` into ai.edgelin::<name> reading `packed_weight` (N = `columns`), in place, adding
+    the op's function and domain to `proto` once."""
+    from onnx import helper
+
+    from edgelin.export.onnx_patterns import use_domain
+    from edgelin.ortops import DOMAIN
+
+    node.op_type, node.domain = name, DOMAIN
+    node.attribute.append(helper.make_attribute("n", columns))
+    node.input[1] = packed_weight
+    use_domain(proto, DOMAIN)
+    if not any(f.domain == DOMAIN and f.name == name for f in proto.functions):
+        proto.functions.append(panel_function(name, {o.domain: o.version for o in proto.opset_import}))
+
+
+def pack_float_products(path: Any) -> int:
+    """--step-ops edgelin on a float32 export: pack_float_weights on the graph at `path`, saved only when something
+    changed; returns how many nodes."""
+    import onnx
+
+    proto = onnx.load(str(path))
+    count = pack_float_weights(proto)
+    if count:
+        onnx.save(proto, str(path))
+    return count
+
+
+def pack_float_weights(proto: Any) -> int:
+    """In place: each ONNX MatMul on a constant 2-D float32 weight becomes ai.edgelin::MatMulF32 on the weight packed
+    in panels (each weight packed once however many nodes read it; the unpacked copy dropped when nothing else reads
+    it). Returns how many nodes."""
+    import onnx
+    from onnx import numpy_helper
+
+    from edgelin.export.onnx_patterns import drop_unread
+
+    inits = {t.name: t for t in proto.graph.initializer}
+    packed: dict[str, str] = {}
+    count = 0
+    for node in proto.graph.node:
+        weight = node.input[1] if node.domain == "" and node.op_type == "MatMul" and len(node.input) == 2 else None
+        tensor = inits.get(weight) if weight else None
+        if tensor is None or len(tensor.dims) != 2 or tensor.data_type != onnx.TensorProto.FLOAT:
+            continue
+        if weight not in packed:
+            packed[weight] = f"{weight}_p{PANEL}"
+            proto.graph.initializer.append(numpy_helper.from_array(pack_panels(numpy_helper.to_array(tensor)),
+                                                                   packed[weight]))
+        to_panel_op(proto, node, F32_OP, packed[weight], tensor.dims[1])
+        count += 1
+    if count:
+        drop_unread(proto)
+    return count
