@@ -3,8 +3,8 @@
     python bench/step_share.py EXPORT_DIR [--threads 1] [--prefill 256] [--steps 600] [--runs 3]
 
 Builds, from the export's step.onnx, a graph holding only its weight products (every MatMulNBits, and
-every MatMul, MatMulF16 or Gemm whose second input is an initializer), each fed a random activation of its own
-shape [1, K], with the step's own weights, in the runner's step session options (prepacked or not).
+every MatMul, MatMulF16, MatMulF32 or Gemm whose second input is an initializer), each fed a random activation of
+its own shape [1, K], with the step's own weights, in the runner's step session options (prepacked or not).
 Then alternates one runner step (B=1, after a prefill) and one run of that graph, and prints both medians
 and the median over pairs of matmuls / step: the weight products' share of the step, the part a faster
 quantised or float matmul kernel could cut. Not a test; a step after a prefill of --prefill tokens.
@@ -40,9 +40,10 @@ def weights_only(step: Path) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "MatMulNBits":
             k = attrs["K"]
-        elif node.op_type in ("MatMul", "MatMulF16", "Gemm") and len(node.input) > 1 and node.input[1] in inits:
-            dims = inits[node.input[1]].dims
-            k = dims[1] if node.op_type == "Gemm" and attrs.get("transB") else dims[0]
+        elif node.op_type in ("MatMul", "MatMulF16", "MatMulF32", "Gemm") and len(node.input) > 1 \
+                and node.input[1] in inits:
+            dims = inits[node.input[1]].dims  # [K, N]; packed panels [P, K, 16]; Gemm transB [N, K]
+            k = dims[1] if (node.op_type == "Gemm" and attrs.get("transB")) or len(dims) == 3 else dims[0]
         else:
             continue
         name = f"x{len(nodes)}"

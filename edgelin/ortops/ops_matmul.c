@@ -68,8 +68,8 @@ static void run_cols_task(void* data, size_t index) {
 }
 
 /* Y = A B for B (float16 if `half`) packed in column panels [P, K, 16] holding N columns (`n`; 0: 16 P). */
-static OrtStatus* compute_panels(OrtKernelContext* context, const OrtValue* a, int64_t* ad, size_t ar, const OrtValue* b,
-                                 const int64_t* bd, int64_t n, int half) {
+static OrtStatus* compute_panels(OrtKernelContext* context, const OrtValue* a, int64_t* ad, size_t ar,
+                                 const OrtValue* b, const int64_t* bd, int64_t n, int half) {
   int64_t M = 1, K = bd[1], P = bd[0], N = n ? n : 16 * P;
   if (ar < 1 || ad[ar - 1] != K || bd[2] != 16 || N > 16 * P || N <= 16 * (P - 1))
     return fail("edgelin MatMulF16 / MatMulF32: expected A [..., K] and B packed as [ceil(n / 16), K, 16] (re-export "
