@@ -1,10 +1,11 @@
-"""ai.edgelin::MatMul, the step graph's float32 weight products (edgelin/ortops/f32_gemv.c, ops_matmul.c).
+"""edgelin's float32 weight products: ai.edgelin::MatMulF32 on weights packed in column panels (what exports write;
+edgelin/ortops/panels.c, ops_matmul.c) and ai.edgelin::MatMul on ONNX's [K, N] (exports made before; f32_gemv.c).
 
 The chain of trust: the kernel inside an ONNX Runtime session == a float64 product of the same numbers (an
-independent reference) and == ONNX Runtime's own MatMul (MLAS), at shapes that take every path (whole passes of
-eight weight rows and a remainder, N's last columns past a multiple of 16, one and several row slices per task),
-at two batch shapes and thread counts; the export's function fallback == ONNX's MatMul bit for bit; a float32
---step-ops edgelin export routes every step product, validates with and without the library, and its step
+independent reference) and == ONNX Runtime's own MatMul (MLAS) or the op's function body, at shapes that take every
+path (decoding rows and prefill tiles, remainders of K and of N's 16 columns, one and several tasks), at several
+batch shapes and thread counts; the legacy op's function fallback == ONNX's MatMul bit for bit; a float32
+--step-ops edgelin export packs every product of both graphs, validates with and without the library, and its step
 rollout with the library == without it."""
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export.onnx_kernels import FLOAT_MATMUL, fallback_function
-from edgelin.export.panels import F32_OP, pack_float_weights
+from edgelin.export.onnx_kernels import RoutedOp, fallback_function
+from edgelin.export.panels import F32_OP, pack_products
 from edgelin.replay import replay
 from helpers import assert_close
 from ortops_fixtures import float_gdn_exports, kernel_path, library, rollouts, session  # noqa: F401 (fixtures)
@@ -36,6 +37,10 @@ PRODUCT_RTOL = 1e-5
 SHAPES = [(384, 1676), (768, 384), (65, 17), (100, 37), (7, 1)]
 
 
+# ai.edgelin::MatMul as exports made before the packed panels wrote it: ONNX's MatMul on [K, N], same inputs
+LEGACY_MATMUL = RoutedOp("MatMul", ("A", "B"), ("Y",), (), domain="")
+
+
 def _matmul(K: int, N: int, a_shape: list) -> onnx.ModelProto:
     weight = (np.random.default_rng(K * N).standard_normal((K, N)) * 0.05).astype(np.float32)
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
@@ -50,7 +55,7 @@ def _routed(model: onnx.ModelProto) -> onnx.ModelProto:
     routed.CopyFrom(model)
     routed.graph.node[0].domain = ortops.DOMAIN
     routed.opset_import.append(helper.make_opsetid(ortops.DOMAIN, 1))
-    routed.functions.append(fallback_function(FLOAT_MATMUL, {"": 18}))
+    routed.functions.append(fallback_function(LEGACY_MATMUL, {"": 18}))
     return routed
 
 
@@ -82,7 +87,7 @@ def test_the_packed_product_matches_float64_and_its_function_body(library, K, N,
     was, and == its function body (the panels unpacked for ONNX Runtime's MatMul)."""
     model = _matmul(K, N, ["b", "t", K])
     weight = numpy_helper.to_array(model.graph.initializer[0])
-    assert pack_float_weights(model) == 1
+    assert pack_products(model) == 1
     (packed,) = model.graph.initializer
     assert list(packed.dims) == [-(-N // 16), K, 16] and model.graph.node[0].op_type == F32_OP
     x = np.random.default_rng(K + N).standard_normal((*a_shape, K)).astype(np.float32)

@@ -1,11 +1,9 @@
-"""--step-ops edgelin: the step graph's weight products (4-bit and float32), short convs, recurrences and KV-cache
-attention routed to edgelin's ONNX Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the
+"""--step-ops edgelin: the step graph's 4-bit weight products, short convs, recurrences and KV-cache attention
+routed to edgelin's ONNX Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the
 fallback inside the same file.
 
-Each step-graph node the library's kernels take moves from the `com.microsoft` domain (ONNX's, for `MatMul`) to
-`ai.edgelin`, inputs, attributes and weights unchanged: `MatMul` of float32 activations by a float32 [K, N] weight
-(none in edgelin's exports now: finish_graphs packs a float export's products in panels first, as
-ai.edgelin::MatMulF32 in both graphs; edgelin.export.panels), `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
+Each step-graph node the library's kernels take moves from the `com.microsoft` domain to `ai.edgelin`, inputs,
+attributes and weights unchanged: `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
 int4 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU),
 `LinearAttention` (the recurrence; float32 graphs, every update rule) and `GroupQueryAttention` (full-context
 attention over the float32 static KV cache of --kv-cache static); before that, each Mamba2 layer's step around
@@ -64,26 +62,16 @@ ATTENTION = RoutedOp("GroupQueryAttention", ("query", "key", "value", "past_key"
                                              "total_sequence_length"), ("output", "present_key", "present_value"),
                      (("num_heads", _INT), ("kv_num_heads", _INT), ("scale", _ATTR_FLOAT), ("do_rotary", _INT),
                       ("local_window_size", _INT), ("softcap", _ATTR_FLOAT), ("smooth_softmax", _INT)))
-FLOAT_MATMUL = RoutedOp("MatMul", ("A", "B"), ("Y",), (), domain="")
 
 
-def _float_weight_product(node, float_inputs: set[str], matrices: frozenset[str]) -> bool:
-    """ONNX MatMul of float32 activations by a float32 [K, N] initializer (a --quantize none export's products)."""
-    return node.domain == "" and node.op_type == FLOAT_MATMUL.name and len(node.input) == 2 \
-        and node.input[0] in float_inputs and node.input[1] in matrices
-
-
-def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str] = frozenset(),
-           matrices: frozenset[str] = frozenset()) -> RoutedOp | None:
-    """The op edgelin's kernels compute this node as, else None. MatMul: float32 activations by one of `matrices`
-    (the graph's float32 rank-2 initializers). MatMulNBits: 4 bits, blocks of 32, float32
+def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str] = frozenset()) -> RoutedOp | None:
+    """The op edgelin's kernels compute this node as, else None (float32 weight products are not routed: they are
+    packed first, edgelin.export.panels). MatMulNBits: 4 bits, blocks of 32, float32
     activations, no group index or bias (inputs past the zero points). CausalConvWithState: float32, SiLU,
     one spatial dimension, a past state. LinearAttention: float32, a past state, an explicit non-zero scale and
     none of the prefill attributes (chunk_size, state_window). GroupQueryAttention: float32, or float16 (an fp16
     KV cache: the library's float16 kernel of the op), separate query, key and value, a past KV cache, no rotary,
     local window, softcap or smooth softmax (edgelin's static-cache export)."""
-    if _float_weight_product(node, float_inputs, matrices):
-        return FLOAT_MATMUL
     typed = node.input and (node.input[0] in float_inputs
                             or (node.op_type == ATTENTION.name and node.input[0] in half_inputs))
     if node.domain != "com.microsoft" or not typed:
@@ -149,7 +137,6 @@ def route_graph(proto, products_only: bool = False) -> int:
     floats = float_tensor_names(proto)
     # float16 inputs only matter to the attention node, which a products-only pass does not route
     halves = frozenset() if products_only else frozenset(float_tensor_names(proto, _FLOAT16))
-    matrices = frozenset(t.name for t in proto.graph.initializer if t.data_type == _FLOAT and len(t.dims) == 2)
     routed: dict[str, RoutedOp] = {}
     count = 0
     if not products_only:  # each Mamba2 and Gated DeltaNet step around its recurrence first, the gated output norms
@@ -157,7 +144,7 @@ def route_graph(proto, products_only: bool = False) -> int:
         count = fuse_ssd_steps(proto, floats) + fuse_gated_delta_steps(proto, floats)
         count += fuse_gated_norms(proto, floats) + fuse_silu_gates(proto, floats)
     for node in proto.graph.node:
-        op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats, halves, matrices)
+        op = _takes(node, {a.name: helper.get_attribute_value(a) for a in node.attribute}, floats, halves)
         if op is not None and (op is MATMUL or not products_only):
             node.domain = DOMAIN
             routed[op.name] = op

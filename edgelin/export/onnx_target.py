@@ -220,7 +220,7 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
 
         for file in graphs:
             quantize_graph(folder / file, settings.quantize, settings.block_size, embeddings)
-    elif edgelin_ops:  # float32 weights packed in panels for edgelin's products, in both graphs (one copy shared)
+    if edgelin_ops:  # the float32 products left (all of a float export's) on packed panels, in both graphs
         from edgelin.export.panels import pack_float_products
 
         for file in graphs:

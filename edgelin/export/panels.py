@@ -84,21 +84,22 @@ def to_panel_op(proto: Any, node: Any, name: str, packed_weight: str, columns: i
 
 
 def pack_float_products(path: Any) -> int:
-    """--step-ops edgelin on a float32 export: pack_float_weights on the graph at `path`, saved only when something
-    changed; returns how many nodes."""
+    """--step-ops edgelin: pack_products on the graph at `path` (the float products --quantize left, or all of a
+    float export's), saved only when something changed; returns how many nodes."""
     import onnx
 
     proto = onnx.load(str(path))
-    count = pack_float_weights(proto)
+    count = pack_products(proto)
     if count:
         onnx.save(proto, str(path))
     return count
 
 
-def pack_float_weights(proto: Any) -> int:
-    """In place: each ONNX MatMul on a constant 2-D float32 weight becomes ai.edgelin::MatMulF32 on the weight packed
-    in panels (each weight packed once however many nodes read it; the unpacked copy dropped when nothing else reads
-    it). Returns how many nodes."""
+def pack_products(proto: Any, half: bool = False) -> int:
+    """In place: each ONNX MatMul on a constant 2-D float32 weight becomes ai.edgelin::MatMulF32 on the weight
+    packed in panels (`half`: ai.edgelin::MatMulF16 on a float16 copy, --quantize fp16), each weight packed once
+    however many nodes read it; the unpacked weights nothing else reads are dropped. Returns how many nodes."""
+    import numpy as np
     import onnx
     from onnx import numpy_helper
 
@@ -113,10 +114,11 @@ def pack_float_weights(proto: Any) -> int:
         if tensor is None or len(tensor.dims) != 2 or tensor.data_type != onnx.TensorProto.FLOAT:
             continue
         if weight not in packed:
-            packed[weight] = f"{weight}_p{PANEL}"
-            proto.graph.initializer.append(numpy_helper.from_array(pack_panels(numpy_helper.to_array(tensor)),
-                                                                   packed[weight]))
-        to_panel_op(proto, node, F32_OP, packed[weight], tensor.dims[1])
+            packed[weight] = f"{weight}_f16p" if half else f"{weight}_p{PANEL}"
+            value = numpy_helper.to_array(tensor)
+            value = pack_panels(value.astype(np.float16) if half else value)
+            proto.graph.initializer.append(numpy_helper.from_array(value, packed[weight]))
+        to_panel_op(proto, node, F16_OP if half else F32_OP, packed[weight], tensor.dims[1])
         count += 1
     if count:
         drop_unread(proto)

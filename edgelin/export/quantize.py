@@ -37,7 +37,7 @@ from typing import Any
 
 from edgelin.errors import EdgelinError, environment_fault, one_line
 from edgelin.export.onnx_patterns import drop_unread
-from edgelin.export.panels import F16_OP, pack_panels, to_panel_op
+from edgelin.export.panels import F16_OP, pack_products
 
 BITS = {"int8": 8, "int4": 4}
 HALF = "fp16"  # --quantize fp16: weight-only float16 storage (_float16_weights)
@@ -212,40 +212,28 @@ def _quantize_gathers(proto: Any, tables: dict[str, Any], scheme: str, bits: int
 
 def _float16_weights(proto: Any, embeddings: bool) -> None:
     """--quantize fp16, in place: each MatMul of ONNX's on a constant 2-D float32 weight becomes ai.edgelin::MatMulF16
-    on a float16 copy of it packed in column panels (edgelin.export.panels; each weight converted once however many
-    nodes read it); with `embeddings` also the LM
-    head (untied to its own transposed weight first, as for int4) and each Gather on a 2-D float32 table, which
-    reads the float16 table and casts its rows back to float32. Unread float32 weights are dropped."""
+    on a float16 copy of it packed in column panels (edgelin.export.panels.pack_products); with `embeddings` also the
+    LM head (untied to its own transposed weight first, as for int4) and each Gather on a 2-D float32 table, which
+    reads a float16 copy of the table and casts its rows back to float32. Unread float32 weights are dropped."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
 
     if embeddings:
         _untie_heads(proto)
+    pack_products(proto, half=True)
     inits = {t.name: t for t in proto.graph.initializer}
-    halves: dict[tuple[str, bool], str] = {}
-
-    def half(name: str, panels: bool) -> str:
-        """The float16 copy of weight `name` (once per layout): packed in column panels for MatMulF16, as is for a
-        Gather's table."""
-        if (name, panels) not in halves:
-            halves[name, panels] = f"{name}_f16p" if panels else f"{name}_f16"
-            value = numpy_helper.to_array(inits[name]).astype(np.float16)
-            value = pack_panels(value) if panels else value
-            proto.graph.initializer.append(numpy_helper.from_array(value, halves[name, panels]))
-        return halves[name, panels]
-
-    def matrix(name: str) -> bool:
-        tensor = inits.get(name)
-        return tensor is not None and len(tensor.dims) == 2 and tensor.data_type == onnx.TensorProto.FLOAT
-
+    halves: dict[str, str] = {}
     nodes = []
     for node in proto.graph.node:
-        if node.domain == "" and node.op_type == "MatMul" and len(node.input) == 2 and matrix(node.input[1]):
-            to_panel_op(proto, node, F16_OP, half(node.input[1], panels=True), inits[node.input[1]].dims[1])
-        elif embeddings and node.op_type == "Gather" and node.input and matrix(node.input[0]) \
+        table = inits.get(node.input[0]) if embeddings and node.op_type == "Gather" and node.input else None
+        if table is not None and len(table.dims) == 2 and table.data_type == onnx.TensorProto.FLOAT \
                 and _attrs(node).get("axis", 0) == 0:
-            node.input[0], out = half(node.input[0], panels=False), node.output[0]
+            if table.name not in halves:  # each table converted once however many lookups read it
+                halves[table.name] = f"{table.name}_f16"
+                value = numpy_helper.to_array(table).astype(np.float16)
+                proto.graph.initializer.append(numpy_helper.from_array(value, halves[table.name]))
+            node.input[0], out = halves[table.name], node.output[0]
             node.output[0] = f"{out}_f16"
             nodes.append(node)
             node = helper.make_node("Cast", [node.output[0]], [out], name=f"{node.name}_to_float",

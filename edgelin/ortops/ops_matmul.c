@@ -34,7 +34,7 @@ typedef struct {
   const float* x;
   const void* w;
   int64_t M, K, N;
-  float* partial;  /* [tasks, M, N]; the column-slice path: Y itself */
+  float* partial;  /* [tasks, M, N]; the column-slice and panel paths: Y itself */
   int half;        /* B is float16 */
 } Task;
 
@@ -67,44 +67,23 @@ static void run_cols_task(void* data, size_t index) {
   edgelin_f16_cols(t->x, t->M, t->K, t->N, t->w, n0, n1, t->partial);
 }
 
-/* Y = A B for B (float16 if `half`) packed in column panels [P, K, 16] holding N columns (`n`; 0: 16 P). */
-static OrtStatus* compute_panels(OrtKernelContext* context, const OrtValue* a, int64_t* ad, size_t ar,
-                                 const OrtValue* b, const int64_t* bd, int64_t n, int half) {
-  int64_t M = 1, K = bd[1], P = bd[0], N = n ? n : 16 * P;
-  if (ar < 1 || ad[ar - 1] != K || bd[2] != 16 || N > 16 * P || N <= 16 * (P - 1))
-    return fail("edgelin MatMulF16 / MatMulF32: expected A [..., K] and B packed as [ceil(n / 16), K, 16] (re-export "
-                "the model)");
-  for (size_t i = 0; i + 1 < ar; ++i) M *= ad[i];
-  ad[ar - 1] = N;
-  OrtValue* y = NULL;
-  OrtStatus* status = ORT_CALL(g_api, KernelContext_GetOutput)(context, 0, ad, ar, &y);
-  if (status || M == 0 || N == 0) return status;
-  Task task = {data_of(a), data_of(b), M, K, N, data_of(y), half};
-  if (K == 0) {  /* an empty sum (ONNX's MatMul gives zeros) */
-    memset(task.partial, 0, sizeof(float) * (size_t)(M * N));
-    return NULL;
-  }
-  if (!g_parallel_for || P <= PANELS_PER_TASK) {
-    run_panels_task(&task, 0);
-    return NULL;
-  }
-  size_t tasks = (size_t)((P + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
-  return ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_panels_task, tasks, 0, &task);
-}
-
+/* Y = A B; B (float16 if `half`) packed in column panels [P, K, 16] holding N columns (`n`; 0: 16 P), or [K, N]. */
 static OrtStatus* compute(OrtKernelContext* context, int half, int64_t n) {
   const OrtValue *a = NULL, *b = NULL;
-  int64_t ad[8], bd[8];
+  int64_t ad[8], bd[8] = {0};
   size_t ar = 0, br = 0;
   OrtStatus* status = ORT_CALL(g_api, KernelContext_GetInput)(context, 0, &a);
   if (!status) status = ORT_CALL(g_api, KernelContext_GetInput)(context, 1, &b);
   if (!status) status = shape_of(a, ad, &ar);
   if (!status) status = shape_of(b, bd, &br);
   if (status) return status;
-  if (br == 3) return compute_panels(context, a, ad, ar, b, bd, n, half);
-  if (ar < 1 || br != 2 || ad[ar - 1] != bd[0])
+  int packed = br == 3;
+  int64_t M = 1, K = packed ? bd[1] : bd[0], P = packed ? bd[0] : 0, N = packed ? (n ? n : 16 * P) : bd[1];
+  if (packed && (ar < 1 || ad[ar - 1] != K || bd[2] != 16 || N > 16 * P || N <= 16 * (P - 1)))
+    return fail("edgelin MatMulF16 / MatMulF32: expected A [..., K] and B packed as [ceil(n / 16), K, 16] (re-export "
+                "the model)");
+  if (!packed && (ar < 1 || br != 2 || ad[ar - 1] != K))
     return fail("edgelin MatMul: expected A [..., K] and B [K, N] (or use ONNX's MatMul)");
-  int64_t M = 1, K = bd[0], N = bd[1];
   for (size_t i = 0; i + 1 < ar; ++i) M *= ad[i];
   ad[ar - 1] = N;
   OrtValue* y = NULL;
@@ -114,6 +93,15 @@ static OrtStatus* compute(OrtKernelContext* context, int half, int64_t n) {
   if (K == 0) {  /* an empty sum (ONNX's MatMul gives zeros) */
     memset(out, 0, sizeof(float) * (size_t)(M * N));
     return NULL;
+  }
+  if (packed) {  /* each task a slice of the panels, writing its own columns of Y */
+    Task task = {data_of(a), data_of(b), M, K, N, out, half};
+    size_t tasks = (size_t)((P + PANELS_PER_TASK - 1) / PANELS_PER_TASK);
+    if (!g_parallel_for || tasks < 2) {
+      run_panels_task(&task, 0);
+      return NULL;
+    }
+    return ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_panels_task, tasks, 0, &task);
   }
   if (half && M >= TILE_TOKENS) {  /* a prefill piece: column slices, each task writing its own columns */
     Task task = {data_of(a), data_of(b), M, K, N, out, 1};
