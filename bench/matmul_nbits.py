@@ -1,10 +1,12 @@
 """ONNX Runtime's quantised weight products at one decode step's shapes, variants side by side in one process.
 
-    python bench/matmul_nbits.py [--variants 4:32:asym:4,4:32:sym:4,...] [--rounds 400] [--threads 1]
+    python bench/matmul_nbits.py [--variants 4:32:asym:4,4:32:sym:4,...] [--rounds 400] [--threads 1] [--tokens 1]
 
 The model: --layers x (a [d, n_in] product, a nonlinearity, a [d_inner, d] product, a residual add) and a
-[d, vocab] head, at M = 1 (one token), float32 weights N(0, 0.05) quantised by ONNX Runtime's own
-MatMulNBitsQuantizer for every variant `bits:block:sym|asym:accuracy_level`, plus `dynamic` (ONNX Runtime's
+[d, vocab] head, at M = --tokens (1: a decode step; 128: a prefill piece), float32 weights N(0, 0.05) quantised by ONNX Runtime's own
+MatMulNBitsQuantizer for every variant `bits:block:sym|asym:accuracy_level[:edgelin]` (`:edgelin`: the products on
+edgelin's operator library, edgelin.ortops, reading the weights as stored; else ONNX Runtime's, prepacked), plus
+`dynamic` (ONNX Runtime's
 quantize_dynamic: per-channel int8 weights, int8 activations quantised at run time) and `fp32` (the float
 MatMuls). The defaults are the Mamba2 peer checkpoint's step (bench/peer_checkpoints.py: 12 layers, d 384,
 the fused in-projection 384 -> 1676, the out-projection 768 -> 384, vocab 2048). Every variant is one session;
@@ -47,8 +49,8 @@ def float_model(layers: int, d: int, n_in: int, d_inner: int, vocab: int) -> onn
         x = f"r{i}"
     inits.append(weight("head", d, vocab))
     nodes.append(helper.make_node("MatMul", [x, "head"], ["logits"]))
-    graph = helper.make_graph(nodes, "step_products", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, d])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, vocab])], inits)
+    graph = helper.make_graph(nodes, "step_products", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", d])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["m", vocab])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
@@ -63,11 +65,27 @@ def variant(spec: str, fp32: onnx.ModelProto, scratch: Path) -> onnx.ModelProto:
         return onnx.load(str(scratch / "dynamic.onnx"))
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    bits, block, symmetric, level = spec.split(":")
+    bits, block, symmetric, level, *library = spec.split(":")
     quantizer = MatMulNBitsQuantizer(onnx.ModelProto.FromString(fp32.SerializeToString()), bits=int(bits),
                                      block_size=int(block), is_symmetric=symmetric == "sym", accuracy_level=int(level))
     quantizer.process()
-    return quantizer.model.model
+    model = quantizer.model.model
+    if library == ["edgelin"]:
+        from edgelin.export.onnx_kernels import route_graph
+
+        if not route_graph(model, products_only=True):
+            raise SystemExit(f"{spec}: edgelin's library takes none of these products (bits 4 or 8, block 32)")
+    return model
+
+
+def options_for(spec: str, threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.log_severity_level = threads, 3
+    if spec.endswith(":edgelin"):
+        from edgelin.ortops import register
+
+        register(options)
+    return options
 
 
 def main() -> None:
@@ -78,17 +96,17 @@ def main() -> None:
     parser.add_argument("--shape", default="384,1676,768,2048", help="d, n_in, d_inner, vocab")
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=1, help="rows of x: 1 (a decode step), 128 (a prefill piece)")
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # the quantiser's per-node log lines
     d, n_in, d_inner, vocab = (int(v) for v in args.shape.split(","))
     fp32 = float_model(args.layers, d, n_in, d_inner, vocab)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads, options.log_severity_level = args.threads, 3
     specs = args.variants.split(",")
     with tempfile.TemporaryDirectory() as scratch:
-        sessions = [ort.InferenceSession(variant(s, fp32, Path(scratch)).SerializeToString(), options,
-                                         providers=["CPUExecutionProvider"]) for s in specs]
-    feed = {"x": np.random.default_rng(1).standard_normal((1, d)).astype(np.float32)}
+        sessions = [ort.InferenceSession(variant(s, fp32, Path(scratch)).SerializeToString(),
+                                         options_for(s, args.threads), providers=["CPUExecutionProvider"])
+                    for s in specs]
+    feed = {"x": np.random.default_rng(1).standard_normal((args.tokens, d)).astype(np.float32)}
     for session in sessions:
         for _ in range(50):
             session.run(None, feed)
@@ -98,7 +116,8 @@ def main() -> None:
             began = time.perf_counter()
             sessions[i].run(None, feed)
             times[r, i] = time.perf_counter() - began
-    print(f"{args.layers} layers, d {d}, n_in {n_in}, d_inner {d_inner}, vocab {vocab}; {args.threads} thread(s), "
+    print(f"{args.layers} layers, d {d}, n_in {n_in}, d_inner {d_inner}, vocab {vocab}; {args.tokens} token(s), "
+          f"{args.threads} thread(s), "
           f"{args.rounds} rounds; ratio = median over rounds of variant / {specs[0]}")
     for i, spec in enumerate(specs):
         print(f"{spec:14s} {np.median(times[:, i]) * 1e3:7.3f} ms  x{np.median(times[:, i] / times[:, 0]):.3f}")

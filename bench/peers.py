@@ -52,7 +52,9 @@ RUNTIMES = ["edgelin-fp32", "edgelin-fp32-prepack", "edgelin-fp16", "edgelin-f16
 # "-kv16" (e.g. edgelin-int4-kv16): a static KV cache in float16 (--kv-dtype fp16; llama.cpp's cache is f16 too);
 # "-contrib" (edgelin-int4-contrib, in the default list): --step-ops contrib (ONNX Runtime's kernels only); "-ops":
 # --step-ops edgelin, which is also the default export since 2026-12-03 (the step's convs, recurrences and 4-bit
-# products through edgelin's own kernel library, edgelin.ortops, built here at first use).
+# products through edgelin's own kernel library, edgelin.ortops, built here at first use); "-e8" (edgelin-int4-e8):
+# the embedding table and LM head at 8 bits (--embeddings-bits 8: llama.cpp's Q4_0 keeps token_embd at Q8_0);
+# "-kef": both float (--keep-embeddings-float).
 # edgelin-f16w: --quantize fp16 (float16 weights, float32 arithmetic: what llama.cpp's f16 file holds);
 # edgelin-fp16: --precision fp16 (an fp16 graph, for GPU providers; ONNX Runtime's x86 CPU runs it through Casts)
 PRECISION = {"fp32": "fp32", "f32": "fp32", "fp16": "fp16", "f16w": "fp16", "f16": "fp16", "int8": "8-bit",
@@ -362,7 +364,8 @@ def prepare(kind: str, ckpt: Path, work: Path, context: int | None = None) -> tu
                     "int4": ["--quantize", "int4"],
                     "int4b64": ["--quantize", "int4", "--block-size", "64"]}[kind.split("-")[1]]
             flag += {"std": ["--step-ops", "standard"], "ops": ["--step-ops", "edgelin"],
-                     "contrib": ["--step-ops", "contrib"]}.get(kind.split("-")[-1], [])
+                     "contrib": ["--step-ops", "contrib"], "e8": ["--embeddings-bits", "8"],
+                     "kef": ["--keep-embeddings-float"]}.get(kind.split("-")[-1], [])
             flag += ["--kv-dtype", "fp16"] if static and kind.endswith("-kv16") else []
             flag += ["--kv-cache", "static", "--context", str(context)] if static else []
             ok, err = _run([str(Path(sys.executable).parent / "edgelin"), "export", str(ckpt), "--target", "onnx",

@@ -133,6 +133,9 @@ def export(
     keep_embeddings_float: bool = typer.Option(
         False, "--keep-embeddings-float", help="With --quantize: leave the embedding table and LM head float "
                                                "(quantise the other matmuls only)."),
+    embeddings_bits: Optional[int] = typer.Option(
+        None, "--embeddings-bits", help="With --quantize int4 / int8: the embedding table and LM head at 8 or 4 "
+                                        "bits (default: as --quantize; 8 with int4 is what llama.cpp's Q4_0 does)."),
     text: Optional[Path] = typer.Option(
         None, "--text", help="Held-out UTF-8 text for the recorded quality figures (perplexity; default: the "
                              "recipe's validation split)."),
@@ -167,7 +170,7 @@ def export(
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="onnx, with --kv-cache static: the cache's "
                                            "dtype, fp32 (default) or fp16 (half the bytes read per token)."),
     step_ops: Optional[str] = typer.Option(
-        None, "--step-ops", help="onnx: edgelin (default): the step's short convs, recurrences, 4-bit products "
+        None, "--step-ops", help="onnx: edgelin (default): the step's short convs, recurrences, 4-/8-bit products "
                                  "and static-KV-cache attention through edgelin's CPU kernel library where the "
                                  "runner loads it, ONNX Runtime's own ops elsewhere (same file); contrib: ONNX "
                                  "Runtime's contrib ops LinearAttention and CausalConvWithState (ONNX Runtime >= "
@@ -202,8 +205,14 @@ def export(
 
         read_text(text)  # empty, binary or not UTF-8: one line, before the checkpoint loads
     onnx_options: dict[str, Any] = {}  # OnnxOptions fields the flags set
+    if embeddings_bits is not None and quantize not in ("int4", "int8"):
+        raise EdgelinError(f"--embeddings-bits {embeddings_bits} without --quantize int4 or int8", "only block-quantised "
+                           "exports store the embedding table and LM head in bits", "add --quantize int4, or drop "
+                           "--embeddings-bits")
     if keep_embeddings_float:  # --quantize is onnx-only (export_settings refused it for other targets)
         onnx_options["quantize_embeddings"] = False
+    if embeddings_bits is not None:
+        onnx_options["embedding_bits"] = embeddings_bits
     if kv_cache is not None or context is not None or kv_dtype is not None:
         if target != "onnx":
             raise EdgelinError(f"--kv-cache/--context/--kv-dtype apply to --target onnx only, not {target}",
@@ -423,8 +432,8 @@ def bench(
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
     prepack: Optional[bool] = typer.Option(
         None, "--prepack/--no-prepack", help="onnx: let ONNX Runtime prepack the weights (a private copy per "
-                                             "session; default: off for float exports and for int4 ones whose "
-                                             "4-bit products are all edgelin's kernel, on for other quantised "
+                                             "session; default: off for float exports and for int4 / int8 ones whose "
+                                             "4-/8-bit products are all edgelin's kernel, on for other quantised "
                                              "ones)."),
     as_json: bool = JSON,
 ) -> None:

@@ -32,29 +32,57 @@ def c_kernel(library: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     lib.edgelin_q4_scratch_bytes.restype = ctypes.c_size_t
     lib.edgelin_q4_scratch_bytes.argtypes = [ctypes.c_int64]
-    lib.edgelin_q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    lib.edgelin_q4_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.edgelin_q4_quantize_tokens.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.edgelin_q4_rows_tokens.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                           ctypes.c_void_p, ctypes.c_int64]
+    for bits in ("q4", "q8"):
+        getattr(lib, f"edgelin_{bits}_quantize").argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        getattr(lib, f"edgelin_{bits}_rows").argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                                         ctypes.c_int64, ctypes.c_void_p]
+        getattr(lib, f"edgelin_{bits}_quantize_tokens").argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                                    ctypes.c_void_p]
+        getattr(lib, f"edgelin_{bits}_rows_tokens").argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                                ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                                                ctypes.c_int64]
+        getattr(lib, f"edgelin_{bits}_tokens_scratch_bytes").restype = ctypes.c_size_t
+        getattr(lib, f"edgelin_{bits}_tokens_scratch_bytes").argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.edgelin_kernel_path.restype = ctypes.c_char_p
     lib.edgelin_q4_path.restype = ctypes.c_char_p
     return lib
 
 
-def activations(scratch: np.ndarray, K: int) -> np.ndarray:
-    """The int8 activation blocks times their scales, [nb, 32] in float64, read back from the scratch bytes."""
+def activations(scratch: np.ndarray, K: int, bits: int = 4) -> np.ndarray:
+    """The int8 activation blocks times their scales, [nb, 32] in float64, read back from the scratch bytes (the
+    4-bit product's layout, or the 8-bit one's: blocks in natural order)."""
     nb = (K + 31) // 32
     nb8 = (nb + 7) // 8 * 8
     scales = scratch[: 4 * nb8].view(np.float32)[:nb].astype(np.float64)
     values = scratch[8 * nb8:].view(np.int8)
+    if bits == 8:
+        return values[:nb * 32].reshape(nb, 32).astype(np.float64) * scales[:, None]
     acts = np.zeros((nb, 32))
     for b in range(nb):  # pairs of blocks: 32 even-position values (16 per block), then 32 odd ones
         base = (b // 2) * 64 + (b % 2) * 16
         acts[b, 0::2], acts[b, 1::2] = values[base:base + 16], values[base + 32:base + 48]
     return acts * scales[:, None]
+
+
+def random_codes(rng: np.random.Generator, N: int, K: int, bits: int, zero_points: bool):
+    """MatMulNBits' stored inputs for N rows of K weights in 32-blocks, random: (weights [N, nb, 16 or 32] uint8,
+    scales [N * nb], zero points as stored (None: the op's default), and the float64 weights they stand for,
+    (q - zero point) x scale [N, nb, 32], unpacked here from the codes as the op's definition says)."""
+    nb = (K + 31) // 32
+    weights = rng.integers(0, 256, (N, nb, 32 if bits == 8 else 16), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, N * nb).astype(np.float32)
+    if bits == 8:
+        points = rng.integers(0, 256, (N, nb), dtype=np.uint8) if zero_points else np.full((N, nb), 128, np.uint8)
+        stored, q = points, weights.astype(np.float64)
+    else:  # two codes per byte, low nibble first; zero points packed the same way, ceil(nb / 2) bytes per row
+        points = rng.integers(0, 16, (N, nb + nb % 2), dtype=np.uint8) if zero_points else \
+            np.full((N, nb + nb % 2), 8, np.uint8)
+        stored = (points[:, 0::2] | points[:, 1::2] << 4).astype(np.uint8)
+        q = np.stack([weights & 15, weights >> 4], -1).reshape(N, nb, 32).astype(np.float64)
+    dequantised = (q - points[:, :nb, None]) * scales.reshape(N, nb, 1).astype(np.float64)
+    return weights, scales, stored if zero_points else None, dequantised
 
 
 
@@ -121,16 +149,17 @@ def gdn_checkpoint(root: Path) -> Path:
                            hidden_size=96, intermediate_size=160, num_heads=4, num_k_heads=2)
 
 
-def gdn_exports(root: Path, kinds: dict[str, tuple[str, str | None]]) -> dict[str, Path]:
-    """`gdn_checkpoint` exported per kind: name -> (--step-ops, --quantize or None), block 32."""
+def gdn_exports(root: Path, kinds: dict[str, tuple]) -> dict[str, Path]:
+    """`gdn_checkpoint` exported per kind: name -> (--step-ops, --quantize or None[, more OnnxOptions fields]),
+    block 32."""
     from edgelin.devices import export_settings
     from edgelin.export.onnx_target import OnnxOptions
     from edgelin.export.pipeline import export_checkpoint
 
     ckpt = gdn_checkpoint(root)
-    return {name: export_checkpoint(ckpt, root / name, settings=export_settings(None, "onnx", "fp32", quantize, 32),
-                                    options=OnnxOptions(step_ops=ops)).folder
-            for name, (ops, quantize) in kinds.items()}
+    return {name: export_checkpoint(ckpt, root / name, settings=export_settings(None, "onnx", "fp32", kind[1], 32),
+                                    options=OnnxOptions(step_ops=kind[0], **(kind[2] if len(kind) > 2 else {}))).folder
+            for name, kind in kinds.items()}
 
 
 def float_gdn_exports(root: Path) -> dict[str, Path]:

@@ -410,6 +410,50 @@ def test_keep_embeddings_float_reaches_the_onnx_options_and_needs_quantize(tmp_p
     assert refused.exit_code == 2 and "--keep-embeddings-float without --quantize" in refused.stderr
 
 
+def test_embeddings_bits_reach_the_onnx_options_and_are_refused_where_they_mean_nothing(tmp_path, monkeypatch):
+    seen = _capture_export(monkeypatch)
+    base = ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(app, [*base, "--quantize", "int4", "--embeddings-bits", "8"])
+    assert result.exit_code == 2 and "captured" in result.stderr, result.output
+    assert seen["options"].embedding_bits == 8 and seen["options"].quantize_embeddings is True
+    for args, needle in ((["--embeddings-bits", "8"], "--embeddings-bits 8 without --quantize int4 or int8"),
+                         (["--quantize", "fp16", "--embeddings-bits", "8"], "without --quantize int4 or int8"),
+                         (["--quantize", "int4", "--embeddings-bits", "6"], "quantise to 4 or 8 bits"),
+                         (["--quantize", "int4", "--embeddings-bits", "8", "--keep-embeddings-float"],
+                          "--embeddings-bits with --keep-embeddings-float")):
+        refused = CliRunner().invoke(app, [*base, *args])
+        assert refused.exit_code == 2 and needle in refused.stderr, refused.output
+
+
+def test_quantize_graph_puts_the_table_and_head_at_the_embedding_bits(tmp_path):
+    """int4 with the embeddings at 8 bits: the lookup and the head 8-bit on one set of bytes, the body 4-bit;
+    `describe` reports the split; the table's rows within half an 8-bit step (range / 255) of the float table."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    path = tmp_path / "tied.onnx"
+    weights = _tied_graph(path)
+    quantize.quantize_graph(path, "int4", 16, embeddings=True, embedding_bits=8)
+    graph = onnx.load(str(path)).graph
+    bits = {n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute}["bits"] for n in graph.node}
+    heads = [n.name for n in graph.node if any(p.key == quantize.HEAD_KEY for p in n.metadata_props)]
+    gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
+    assert sorted(bits.values()) == [4, 8, 8] and bits[gather.name] == 8 and [bits[h] for h in heads] == [8]
+    inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    head = next(n for n in graph.node if n.name in heads)
+    assert np.array_equal(inits[gather.input[0]].reshape(-1), inits[head.input[1]].reshape(-1))  # the same bytes
+    assert quantize.describe(tmp_path, {"step": "tied.onnx"})["embedding_bits"] == 8
+    lookup = helper.make_model(helper.make_graph([gather], "lookup", [helper.make_tensor_value_info(
+        gather.input[1], onnx.TensorProto.INT64, ["n"])], [helper.make_tensor_value_info(
+        gather.output[0], onnx.TensorProto.FLOAT, None)], [t for t in graph.initializer if t.name in gather.input]),
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    rows = ort.InferenceSession(lookup.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {gather.input[1]: np.arange(64)})[0]
+    table = weights["table"].reshape(64, -1, 16)
+    step = np.repeat((table.max(-1) - table.min(-1)) / 255, 16, axis=1)
+    assert (np.abs(rows - weights["table"]) <= 0.5 * step + 1e-6).all()
+
+
 # ---- prepacking: a runner option ------------------------------------------------------------------------
 def test_prepacking_is_off_for_float_on_for_quantised_and_can_be_turned_on(exports, monkeypatch):
     from edgelin.export.onnx_runtime import PREPACK_ENV, OnnxRunner

@@ -1,10 +1,10 @@
-"""--step-ops edgelin: the step graph's 4-bit weight products, short convs, recurrences and KV-cache attention
-routed to edgelin's ONNX Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the
+"""--step-ops edgelin: the step graph's 4-bit and 8-bit weight products, short convs, recurrences and KV-cache
+attention routed to edgelin's ONNX Runtime operator library (edgelin.ortops), with ONNX Runtime's own op as the
 fallback inside the same file.
 
 Each step-graph node the library's kernels take moves from the `com.microsoft` domain to `ai.edgelin`, inputs,
-attributes and weights unchanged: `MatMulNBits` with 4 bits, 32-weight blocks and float32 activations (--quantize
-int4 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU),
+attributes and weights unchanged: `MatMulNBits` with 4 or 8 bits, 32-weight blocks and float32 activations
+(--quantize int4 / int8 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU),
 `LinearAttention` (the recurrence; float32 graphs, every update rule) and `GroupQueryAttention` (full-context
 attention over the float32 static KV cache of --kv-cache static); before that, each Mamba2 layer's step around
 its recurrence becomes one `ai.edgelin::SsdRecurrence` node (edgelin.export.onnx_ssd), each Gated DeltaNet
@@ -16,9 +16,9 @@ type, one ONNX function `ai.edgelin::<op>` whose body is the original node with 
 references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a session
 with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own kernels, bit
 for bit what a `--step-ops contrib` export computes (tests/test_ortops.py, test_ortops_matmul.py).
-The prefill graph keeps ONNX Runtime's kernels but for its 4-bit products (MatMulNBits), which take edgelin's
-kernel too (for all of a piece's tokens at once): ONNX Runtime prepacks its own MatMulNBits weights into a private
-copy per session, so the prefill held a second copy of every 4-bit weight beside the step's mapped one.
+The prefill graph keeps ONNX Runtime's kernels but for its 4-bit and 8-bit products (MatMulNBits), which take
+edgelin's kernel too (for all of a piece's tokens at once): ONNX Runtime prepacks its own MatMulNBits weights into a
+private copy per session, so each session held a copy of every quantised weight beside the mapped file.
 
 Export-side module: imports onnx inside its functions.
 """
@@ -66,7 +66,7 @@ ATTENTION = RoutedOp("GroupQueryAttention", ("query", "key", "value", "past_key"
 
 def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str] = frozenset()) -> RoutedOp | None:
     """The op edgelin's kernels compute this node as, else None (float32 weight products are not routed: they are
-    packed first, edgelin.export.panels). MatMulNBits: 4 bits, blocks of 32, float32
+    packed first, edgelin.export.panels). MatMulNBits: 4 or 8 bits, blocks of 32, float32
     activations, no group index or bias (inputs past the zero points). CausalConvWithState: float32, SiLU,
     one spatial dimension, a past state. LinearAttention: float32, a past state, an explicit non-zero scale and
     none of the prefill attributes (chunk_size, state_window). GroupQueryAttention: float32, or float16 (an fp16
@@ -76,7 +76,7 @@ def _takes(node, attrs: dict, float_inputs: set[str], half_inputs: frozenset[str
                             or (node.op_type == ATTENTION.name and node.input[0] in half_inputs))
     if node.domain != "com.microsoft" or not typed:
         return None
-    if node.op_type == MATMUL.name and attrs.get("bits") == 4 and attrs.get("block_size") == 32 \
+    if node.op_type == MATMUL.name and attrs.get("bits") in (4, 8) and attrs.get("block_size") == 32 \
             and len(node.input) <= len(MATMUL.inputs):
         return MATMUL
     if node.op_type == CONV.name and attrs.get("activation") in ("silu", b"silu") and attrs.get("ndim", 1) == 1 \
@@ -119,8 +119,8 @@ def fallback_function(op: RoutedOp, opsets: dict[str, int]):
 def route_to_edgelin_kernels(path: Path, products_only: bool = False) -> int:
     """Rewrite the graph at `path` (its weights stay where they are) as the module docstring says; returns how
     many nodes now run edgelin's kernels (0: the file is left as it was). `products_only` (the prefill graph):
-    its 4-bit weight products and nothing else, so that both graphs read one mapping of the weights instead of
-    ONNX Runtime prepacking a private copy for the prefill (peak RSS, docs/benchmarks.md, issue 13)."""
+    its 4-bit and 8-bit weight products and nothing else, so that both graphs read one mapping of the weights
+    instead of ONNX Runtime prepacking a private copy per session (peak RSS, docs/benchmarks.md, issue 13)."""
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)

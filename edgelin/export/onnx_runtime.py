@@ -198,8 +198,9 @@ class OnnxRunner(Runner):
         # private copy of every float matmul weight (+25 MiB for the shipped fp32 model) for ~9% faster fp32
         # steps (docs/benchmarks.md, "Precision and size"): off by default for float exports. MatMulNBits
         # (int8/int4) is another matter: unpacked it runs ~100x slower, so quantised exports keep it, unless every
-        # weight product of both graphs is edgelin's (an int4 export's, block 32), which reads the mapped weights.
-        # edgelin's operator library for a --step-ops edgelin export (the step's kernels, and the prefill's 4-bit
+        # weight product of both graphs is edgelin's (an int4 or int8 export's, block 32), which reads the mapped
+        # weights.
+        # edgelin's operator library for a --step-ops edgelin export (the step's kernels, and the prefill's 4-/8-bit
         # products): found or built here, or why not (None: the export names none of its ops). Without it the
         # graphs' function bodies run ONNX Runtime's own kernels.
         self.ort_ops: "OpsLibrary | None" = None

@@ -196,11 +196,13 @@ SHARED_WEIGHTS = ("onnx", "tensorrt")
 
 
 def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings", share: bool = True,
-                  embeddings: bool = True, step_outputs: list[TensorIO] | None = None,
+                  embeddings: bool = True, embedding_bits: int | None = None,
+                  step_outputs: list[TensorIO] | None = None,
                   edgelin_ops: bool = False, contrib_ops: bool = False,
                   rotary_positions: int | None = None) -> dict[str, str]:
     """After tracing: sibling MatMuls fused (edgelin.export.fuse_matmuls), --quantize (both graphs alike, so
-    their quantised weights still match; with `embeddings`, the embedding table and LM head too), then (with
+    their quantised weights still match; with `embeddings`, the embedding table and LM head too, at
+    `embedding_bits` when given), then (with
     `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data), given the step
     graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the graph as
     written), with `contrib_ops` (--step-ops contrib or edgelin) the step's residual Adds + RMSNorms and, given
@@ -219,7 +221,7 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
         from edgelin.export.quantize import quantize_graph
 
         for file in graphs:
-            quantize_graph(folder / file, settings.quantize, settings.block_size, embeddings)
+            quantize_graph(folder / file, settings.quantize, settings.block_size, embeddings, embedding_bits)
     if edgelin_ops:  # the float32 products left (all of a float export's) on packed panels, in both graphs
         from edgelin.export.panels import pack_float_products
 
@@ -248,6 +250,9 @@ class OnnxOptions:
     # --quantize: also quantise the embedding table and LM head (GatherBlockQuantized / MatMulNBits);
     # False: --keep-embeddings-float. No effect without --quantize.
     quantize_embeddings: bool = True
+    # --embeddings-bits: the embedding table and LM head at these bits (8 with --quantize int4: llama.cpp's Q4_0
+    # keeps its token table at Q8_0 too); None: the --quantize bits.
+    embedding_bits: int | None = None
     # --kv-cache static --context N: full-context attention layers export as GroupQueryAttention and the
     # runner keeps their KV cache in one buffer of N positions per tensor, updated in place (KV_CACHES).
     kv_cache: str = "growing"
@@ -258,7 +263,7 @@ class OnnxOptions:
     # --step-ops: the step graph's recurrence and short conv as ONNX Runtime's com.microsoft LinearAttention and
     # CausalConvWithState (one node each per linear layer; ONNX Runtime >= 1.32), or standard ONNX ops (any
     # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops. "edgelin" (the default): contrib, and
-    # the step's convs, recurrences, 4-bit products and static-cache attention as ai.edgelin ops for edgelin's
+    # the step's convs, recurrences, 4-/8-bit products and static-cache attention as ai.edgelin ops for edgelin's
     # operator library, ONNX Runtime's own op as each one's function body, so the file runs without the library too
     # (edgelin.export.onnx_kernels; edgelin.ortops).
     step_ops: str = "edgelin"
@@ -268,6 +273,12 @@ class OnnxOptions:
             raise EdgelinError(f"--step-ops {self.step_ops}", f"the ONNX step's ops are one of {', '.join(STEP_OPS)}",
                                "pass --step-ops contrib (ONNX Runtime >= 1.32), edgelin (contrib and edgelin's own "
                                "CPU kernels) or standard")
+        if self.embedding_bits not in (None, 4, 8):
+            raise EdgelinError(f"--embeddings-bits {self.embedding_bits}", "the embedding table and LM head quantise "
+                               "to 4 or 8 bits", "pass --embeddings-bits 8 (or 4)")
+        if self.embedding_bits is not None and not self.quantize_embeddings:
+            raise EdgelinError("--embeddings-bits with --keep-embeddings-float", "the embedding table and LM head "
+                               "stay float with --keep-embeddings-float", "drop one of the two")
         if self.kv_cache not in KV_CACHES:
             raise EdgelinError(f"--kv-cache {self.kv_cache}", f"the ONNX target's KV caches are {', '.join(KV_CACHES)}",
                                "pass --kv-cache growing or --kv-cache static --context N")
@@ -455,7 +466,8 @@ class OnnxTarget(Target):
                 files[kind], written[kind] = f"{kind}.onnx", outputs
                 export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)
         shared = finish_graphs(Path(folder), files, settings, share=self.name in SHARED_WEIGHTS,
-                               embeddings=options.quantize_embeddings, step_outputs=written["step"],
+                               embeddings=options.quantize_embeddings, embedding_bits=options.embedding_bits,
+                               step_outputs=written["step"],
                                contrib_ops=options.step_ops != "standard" and self.name == "onnx",
                                rotary_positions=options.context if static else None,
                                edgelin_ops=options.step_ops == "edgelin" and self.name == "onnx")  # (not TensorRT's)

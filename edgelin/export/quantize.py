@@ -18,7 +18,10 @@ which the tool quantises like the others, and the embedding lookup becomes ONNX 
 tool only emits that op for 4-bit, so the table is quantised by the tool as the head's MatMulNBits
 weight and reshaped: the same bytes (the two layouts agree, checked exactly against ORT's kernels),
 so a tied table is stored once in weights.bin however many ops read it. A table whose rows are not a
-whole number of blocks stays float. What stays float always: the norms, the decay parameters, and the
+whole number of blocks stays float. `--embeddings-bits 8` with --quantize int4 stores the table and the head at
+8 bits, the rest at 4 (what llama.cpp's Q4_0 files do with `token_embd`): the head's MatMulNBits is left out of
+the 4-bit pass and quantised by a second one at 8 bits, and marked (HEAD_KEY) so `describe` reports the split.
+What stays float always: the norms, the decay parameters, and the
 recurrence itself (state, decay, gates: its matmuls multiply activations, never constant weights).
 The step and prefill graphs are quantised alike, so identical weights quantise to identical bytes and
 still share one weights file (edgelin.export.weights).
@@ -54,6 +57,7 @@ METHOD = ("onnxruntime MatMulNBitsQuantizer: block-wise asymmetric round-to-near
           f"(MatMulNBits nodes, accuracy_level {ACCURACY_LEVEL}: int8 activation blocks in the CPU kernel; "
           "embedding lookups as GatherBlockQuantized on the same packed bytes)")
 _SCOPES = "pkg.torch.onnx.name_scopes"  # the exporter's module path of a node (kept by strip_trace_metadata)
+HEAD_KEY = "edgelin.lm_head"  # metadata_props of an LM head's MatMulNBits (its bits are the embeddings')
 _WRAPPERS = re.compile(r"^(?:inner\.)?model\.")  # the graph modules' own attributes before the model's names
 
 
@@ -83,8 +87,9 @@ def _modules_of(node: Any) -> list[str]:
     return (_module_of(node) or node.name).split("+")
 
 
-def _run_tool(proto: Any, scheme: str, bits: int, block_size: int, name: str) -> Any:
-    """`proto` with its constant-weight MatMuls quantised by ONNX Runtime's MatMulNBitsQuantizer, quietly."""
+def _run_tool(proto: Any, scheme: str, bits: int, block_size: int, name: str, exclude: tuple[str, ...] = ()) -> Any:
+    """`proto` with its constant-weight MatMuls (but the nodes named in `exclude`) quantised by ONNX Runtime's
+    MatMulNBitsQuantizer, quietly."""
     root = logging.getLogger()
     handlers, root_level = list(root.handlers), root.level
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -95,7 +100,7 @@ def _run_tool(proto: Any, scheme: str, bits: int, block_size: int, name: str) ->
         root.removeHandler(handler)
     root.setLevel(root_level)
     quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, is_symmetric=False,
-                                     accuracy_level=ACCURACY_LEVEL)
+                                     accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=list(exclude))
     logs = [logging.getLogger(name) for name in ("onnxruntime.quantization", "onnxruntime.quantization.matmul_nbits_quantizer",
                                                  "onnx_ir", "onnx_ir.passes.common.initializer_deduplication")]
     levels = [log.level for log in logs]
@@ -139,14 +144,16 @@ def _tables(proto: Any, block_size: int) -> dict[str, Any]:
     return found
 
 
-def _untie_heads(proto: Any) -> None:
+def _untie_heads(proto: Any) -> list[str]:
     """Every Gemm y = x W^T on a constant 2-D weight (the LM head, tied to the embedding table or not)
     becomes MatMul(x, W^T) on its own transposed initializer, which the tool then quantises; the Gemm's
-    module scope carries over. The table itself is left to the Gathers (or dropped when unread)."""
+    module scope carries over. The table itself is left to the Gathers (or dropped when unread). Returns the
+    MatMuls' names."""
     import numpy as np
     from onnx import helper, numpy_helper
 
     inits = {t.name: t for t in proto.graph.initializer}
+    heads = []
     for index, node in enumerate(list(proto.graph.node)):
         attrs = _attrs(node)
         weight = inits.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) == 2 else None
@@ -161,6 +168,8 @@ def _untie_heads(proto: Any) -> None:
         matmul.metadata_props.extend(node.metadata_props)
         proto.graph.node.remove(node)
         proto.graph.node.insert(index, matmul)
+        heads.append(matmul.name)
+    return heads
 
 
 def _quantize_table(table: Any, scheme: str, bits: int, block_size: int) -> tuple[Any, Any, Any]:
@@ -244,13 +253,14 @@ def _float16_weights(proto: Any, embeddings: bool) -> None:
     drop_unread(proto)
 
 
-def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = True) -> list[str]:
+def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = True,
+                   embedding_bits: int | None = None) -> list[str]:
     """Quantise the constant-weight MatMuls of the graph at `path` in place; returns the modules whose
     weights were quantised (checkpoint names), in graph order. Each MatMulNBits node keeps its MatMul's
     module scope, so `describe` can name the matrices from the file alone. `embeddings` (the default;
     off: --keep-embeddings-float): the LM head too, as a MatMulNBits on its own transposed copy, and
     the embedding lookup as a GatherBlockQuantized whose bytes equal the head's when they are tied
-    (so weights.bin stores them once)."""
+    (so weights.bin stores them once); both at `embedding_bits` (None: the scheme's bits) when given."""
     import onnx
 
     if scheme not in (*BITS, HALF):
@@ -265,21 +275,29 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
         return [name for node in proto.graph.node if node.op_type == F16_OP for name in _modules_of(node)]
 
     bits = BITS[scheme]
+    head_bits = embedding_bits or bits
     proto = onnx.load(str(path))
-    tables = {}
+    tables, heads = {}, []
     if embeddings:
         tables = _tables(proto, block_size)
-        _untie_heads(proto)
-        _quantize_gathers(proto, tables, scheme, bits, block_size)
+        heads = _untie_heads(proto)
+        _quantize_gathers(proto, tables, scheme, head_bits, block_size)
     scopes = {node.name: [p for p in node.metadata_props if p.key in (_SCOPES, FUSED_MODULES)]
               for node in proto.graph.node if node.op_type == "MatMul"}
-    quantized = _run_tool(proto, scheme, bits, block_size, Path(path).name)
+    if head_bits != bits and heads:  # the body at `bits`, then the heads (the only float MatMuls left) apart
+        quantized = _run_tool(proto, scheme, bits, block_size, Path(path).name, exclude=tuple(heads))
+        quantized = _run_tool(quantized, scheme, head_bits, block_size, f"{Path(path).name} (LM head)")
+    else:
+        quantized = _run_tool(proto, scheme, bits, block_size, Path(path).name)
     if embeddings:
         drop_unread(quantized)
     names = []
     for node in quantized.graph.node:
         if node.op_type == "MatMulNBits":
-            node.metadata_props.extend(scopes.get(node.name.removesuffix(f"_Q{bits}"), []))
+            plain = node.name.removesuffix(f"_Q{bits}").removesuffix(f"_Q{head_bits}")
+            node.metadata_props.extend(scopes.get(plain, []))
+            if plain in heads:
+                node.metadata_props.add(key=HEAD_KEY, value="1")
         if node.op_type in QUANTIZED_OPS:
             names.extend(_modules_of(node))
     onnx.save(quantized, str(path))
@@ -293,10 +311,13 @@ _WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "Conv")  # ops that read a weight mat
 
 
 def quantized_weights(entry: dict[str, Any]) -> str:
-    """A manifest's extra["quantization"] in words: "4-bit (block 32)", "float16"."""
+    """A manifest's extra["quantization"] in words: "4-bit (block 32)", "4-bit (block 32; embedding table and LM
+    head 8-bit)", "float16"."""
     if entry.get("bits") == 16:
         return "float16"
-    return f"{entry['bits']}-bit (block {entry['block_size']})"
+    apart = entry.get("embedding_bits")
+    return f"{entry['bits']}-bit (block {entry['block_size']}" + (
+        f"; embedding table and LM head {apart}-bit)" if apart else ")")
 
 
 def half_tables(graph: Any) -> set[str]:
@@ -328,7 +349,12 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
         attrs = [a if n.op_type in QUANTIZED_OPS else {"bits": 16, "block_size": None} for n, a in zip(nodes, attrs)]
         kept = {name for n in proto.graph.node if n.op_type in _WEIGHT_OPS and id(n) not in taken
                 and any(i in matrices for i in n.input) for name in _modules_of(n)}
-        found[kind] = {"bits": sorted({a["bits"] for a in attrs}),
+        # the embedding table and LM head (--embeddings-bits): their bits apart from the body's
+        apart = [n.op_type == "GatherBlockQuantized" or any(p.key == HEAD_KEY for p in n.metadata_props)
+                 for n in nodes]
+        body = [a for a, e in zip(attrs, apart) if not e] or attrs
+        found[kind] = {"bits": sorted({a["bits"] for a in body}),
+                       "embedding_bits": sorted({a["bits"] for a, e in zip(attrs, apart) if e}),
                        "block_size": sorted({a["block_size"] for a in attrs}, key=str),
                        "quantized": sorted({name for n in nodes for name in _modules_of(n)}), "kept_float": sorted(kept)}
     first_kind, first = next(iter(found.items()))
@@ -340,7 +366,14 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
             raise EdgelinError(f"the {kind} and {first_kind} graphs are not quantised alike",
                                f"bits {entry['bits']} / {first['bits']}, block sizes {entry['block_size']} / "
                                f"{first['block_size']}", "report this as an edgelin bug")
+        if entry["embedding_bits"] != first["embedding_bits"] or len(entry["embedding_bits"]) > 1:
+            raise EdgelinError(f"the {kind} and {first_kind} graphs' embeddings are not quantised alike",
+                               f"bits {entry['embedding_bits']} / {first['embedding_bits']}",
+                               "report this as an edgelin bug")
     matrices = sorted(set().union(*(entry["quantized"] for entry in found.values())))
     kept = sorted(set().union(*(entry["kept_float"] for entry in found.values())))
-    return {"method": METHOD_F16 if first["bits"][0] == 16 else METHOD, "bits": first["bits"][0],
-            "block_size": first["block_size"][0], "matrices": matrices, "kept_float": kept}
+    described = {"method": METHOD_F16 if first["bits"][0] == 16 else METHOD, "bits": first["bits"][0],
+                 "block_size": first["block_size"][0], "matrices": matrices, "kept_float": kept}
+    if first["embedding_bits"] and first["embedding_bits"][0] != described["bits"]:
+        described["embedding_bits"] = first["embedding_bits"][0]
+    return described

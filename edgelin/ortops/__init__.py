@@ -1,13 +1,15 @@
 """edgelin's ONNX Runtime operator library: CPU kernels that stock ONNX Runtime runs slower, loaded into a session
 with `SessionOptions.register_custom_ops_library`.
 
-- `ai.edgelin::MatMulNBits` (ops.c, q4_gemv.c): the 4-bit weight products of one-token decoding, and of the
-  prefill's pieces (each slice of weight rows for all of a piece's tokens; the weights read where they are
-  mapped, so the two graphs share one copy instead of ONNX Runtime prepacking its own per session). Same inputs,
-  attributes and packed weights as `com.microsoft::MatMulNBits` (bits 4, block 32; the activations rounded to
-  int8 per 32-block, as accuracy level 4 does); on AVX2 it multiplies two blocks per 256-bit step and four
-  weight rows at once, and on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and later) four blocks per 512-bit step with
-  vpdpbusd (docs/benchmarks.md, issue 13).
+- `ai.edgelin::MatMulNBits` (ops.c, q4_gemv.c, q8_gemv.c): the 4-bit and 8-bit weight products of one-token
+  decoding, and of the prefill's pieces (each slice of weight rows for all of a piece's tokens; the weights read
+  where they are mapped, so the two graphs share one copy instead of ONNX Runtime prepacking its own per session).
+  Same inputs, attributes and packed weights as `com.microsoft::MatMulNBits` (bits 4 or 8, block 32; the
+  activations rounded to int8 per 32-block, as accuracy level 4 does); on AVX2 it multiplies two 4-bit blocks (one
+  8-bit block) per 256-bit step and four weight rows at once, and on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and
+  later) four 4-bit blocks (two 8-bit ones) per 512-bit step with vpdpbusd; a prefill piece in tiles of 16 tokens,
+  one per 32-bit lane, each weight row's codes broadcast to all 16 (q8_gemm.c; the 4-bit codes unpacked to bytes
+  first, q4_gemm.c) (docs/benchmarks.md, issue 13).
 - `ai.edgelin::MatMul` (ops_matmul.c, f32_gemv.c): the float32 weight products of one-token decoding on ONNX's
   [K, N] layout (exports made before the packed panels below, whose steps still run it): each of ONNX Runtime's
   threads takes slices of the weight's rows instead of MLAS's column split.
@@ -66,8 +68,8 @@ from pathlib import Path
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
 SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "ops_mlp.c", "glue.c", "q4_gemv.c",
-           "q4_gemm.c", "f32_gemv.c", "f16_gemm.c", "panels.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
-HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "f32_gemv.h", "f16_gemm.h", "conv.h",
+           "q4_gemm.c", "q8_gemv.c", "q8_gemm.c", "f32_gemv.c", "f16_gemm.c", "panels.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
+HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "q8_gemv.h", "f32_gemv.h", "f16_gemm.h", "conv.h",
            "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h", "rows_kernel.h",
            "tiles_kernel.h", "panels.h")
 LIBRARY = "libedgelin_ortops.so"

@@ -1,7 +1,7 @@
 /* edgelin's ONNX Runtime operator library, for one-token decoding (and the prefill's 4-bit products), each op with
    the inputs, attributes and outputs of the com.microsoft op of the same name:
-   - ai.edgelin::MatMulNBits: the 4-bit weight products of the step and the prefill (q4_gemv.c; MatMulNBits' packed
-     weights as stored, so both graphs read one mapping of the weights file);
+   - ai.edgelin::MatMulNBits: the 4-bit and 8-bit weight products of the step and the prefill (q4_gemv.c,
+     q8_gemv.c; MatMulNBits' packed weights as stored, so both graphs read one mapping of the weights file);
    - ai.edgelin::CausalConvWithState: the short conv with its carried state, SiLU fused (conv.c);
    - ai.edgelin::LinearAttention: the recurrence's step, every update rule (linear_attention.c);
    - ai.edgelin::GroupQueryAttention: attention over a KV cache, each cached row read once per kv head
@@ -31,26 +31,28 @@
 #include "cpu.h"
 #include "linear_attention.h"
 #include "q4_gemv.h"
+#include "q8_gemv.h"
 
 #define DOMAIN "ai.edgelin"
 #define ROWS_PER_TASK 128
 
 typedef struct {
-  int64_t K, N;
+  int64_t K, N, bits;
 } Kernel;
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   (void)op;
   (void)api;
-  int64_t bits = 0, block = 0;
+  int64_t block = 0;
   Kernel* k = calloc(1, sizeof(Kernel));
   if (!k) return fail("edgelin MatMulNBits: out of memory");
   OrtStatus* status = attribute(info, "K", &k->K);
   if (!status) status = attribute(info, "N", &k->N);
-  if (!status) status = attribute(info, "bits", &bits);
+  if (!status) status = attribute(info, "bits", &k->bits);
   if (!status) status = attribute(info, "block_size", &block);
-  if (!status && (bits != 4 || block != 32 || k->K <= 0 || k->N <= 0))
-    status = fail("edgelin MatMulNBits: only bits 4 with block_size 32 (export with those, or use com.microsoft's)");
+  if (!status && ((k->bits != 4 && k->bits != 8) || block != 32 || k->K <= 0 || k->N <= 0))
+    status = fail("edgelin MatMulNBits: only bits 4 or 8 with block_size 32 (export with those, or use "
+                  "com.microsoft's)");
   if (status) {
     free(k);
     return status;
@@ -60,18 +62,28 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api, const 
 }
 
 typedef struct {
-  const void* scratch;  /* M scratches, one per token */
-  int64_t M, K, N;
+  const void* scratch;  /* the tokens' activation blocks (the kernel's layout) */
+  int64_t M, K, N, bits;
   const uint8_t* weights;
   const float* scales;
-  const uint8_t* zero_points;  /* NULL: 8 */
+  const uint8_t* zero_points;  /* NULL: the midpoint (8, 128) */
   float* y;
+  volatile int failed;  /* a task could not allocate its buffer (any task sets it; read after all have run) */
 } Task;
 
+static void rows_of(Task* t, int64_t n0, int64_t n1) {
+  if (t->bits == 8) {
+    edgelin_q8_rows_tokens(t->scratch, t->M, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y, t->N);
+  } else if (edgelin_q4_rows_tokens(t->scratch, t->M, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y,
+                                    t->N)) {
+    t->failed = 1;
+  }
+}
+
 static void run_task(void* data, size_t index) {
-  const Task* t = data;
+  Task* t = data;
   int64_t n0 = (int64_t)index * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < t->N ? n0 + ROWS_PER_TASK : t->N;
-  edgelin_q4_rows_tokens(t->scratch, t->M, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y, t->N);
+  rows_of(t, n0, n1);
 }
 
 static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
@@ -95,19 +107,25 @@ static OrtStatus* compute(void* kernel, OrtKernelContext* context) {
   if (status || rows == 0) return status;
   /* every token's int8 blocks first, then each task's slice of weight rows for all of them (a prefill piece reads
      the weights once per slice, not once per token) */
-  size_t stride = edgelin_q4_scratch_bytes(k->K);
-  char* scratch = malloc(stride * (size_t)rows);
+  size_t bytes = k->bits == 8 ? edgelin_q8_tokens_scratch_bytes(rows, k->K)
+                              : edgelin_q4_tokens_scratch_bytes(rows, k->K);
+  char* scratch = malloc(bytes);
   if (!scratch) return fail("edgelin MatMulNBits: out of memory");
-  edgelin_q4_quantize_tokens(data_of(a), rows, k->K, scratch);
-  Task task = {scratch, rows, k->K, k->N, data_of(b), data_of(scales), zero_points ? data_of(zero_points) : NULL,
-               data_of(y)};
+  if (k->bits == 8) {
+    edgelin_q8_quantize_tokens(data_of(a), rows, k->K, scratch);
+  } else {
+    edgelin_q4_quantize_tokens(data_of(a), rows, k->K, scratch);
+  }
+  Task task = {scratch, rows, k->K, k->N, k->bits, data_of(b), data_of(scales),
+               zero_points ? data_of(zero_points) : NULL, data_of(y), 0};
   size_t tasks = (size_t)((k->N + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
   if (g_parallel_for && tasks > 1) {
     status = ORT_CALL(g_api, KernelContext_ParallelFor)(context, run_task, tasks, 0, &task);
   } else {
-    edgelin_q4_rows_tokens(scratch, rows, k->K, task.weights, task.scales, task.zero_points, 0, k->N, task.y, k->N);
+    rows_of(&task, 0, k->N);
   }
   free(scratch);
+  if (!status && task.failed) status = fail("edgelin MatMulNBits: out of memory");
   return status;
 }
 

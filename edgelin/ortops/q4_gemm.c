@@ -1,151 +1,84 @@
 /* edgelin's 4-bit weight products for several tokens at once: a prefill piece, or a batch (see q4_gemv.h).
 
-   With AVX-512 VNNI and whole groups of four blocks (K a multiple of 128), four weight rows times four tokens per
-   step: each 64-byte load of a row's four blocks is unpacked to nibbles once and multiplied (vpdpbusd) by every
-   token's activations, so the unpacking is shared by four tokens. The tokens' activation blocks are laid out for
-   one 64-byte load per four blocks (edgelin_q4_quantize_tokens swaps the middle halves of each 128 bytes), read
-   straight from L1 by vpdpbusd. Per 128 weights, row and token: the two dot products, the int -> float conversion
-   and its scaling (~7.5 instructions), where the one-token path takes ~11. Otherwise each token goes through the
-   one-token path (edgelin_q4_rows), slice by slice of weight rows. */
+   With AVX-512 VNNI the 4-bit codes run on the 8-bit product's token tiles (q8_gemm.c: 16 tokens per register,
+   each row's codes broadcast to all 16, a block's dot scaled once per 16 tokens): each slice of up to 128 weight rows
+   is first unpacked to one code per byte (and its zero points to one per byte) in a buffer of its own, then
+   multiplied by every tile of tokens. The unpacking is ~1/20 of the products' work for a 128-token piece; the 4-bit
+   codes read into registers as nibbles (the earlier layout of this file: four rows by four tokens, each 64-byte
+   load unpacked per step) ran at 63-74 GMAC/s per core on the Mamba2 peer's shapes, the tiles at 126-136
+   (docs/benchmarks.md, issue 13, twenty-third session). Otherwise each token goes through the one-token path
+   (edgelin_q4_rows), slice by slice of weight rows. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "q4_gemv.h"
 #include "q4_scratch.h"
+#include "q8_gemv.h"
 
-#define ROWS 4
-#define TOKENS 4
-/* Weight rows per pass over the tokens: 16 rows of K = 768 are 6 KB of 4-bit weights, read from L1 by every token
-   after the first. One token after another over all N rows would stream the whole matrix once per token. */
+/* Weight rows per pass over the tokens on the one-token path: 16 rows of K = 768 are 6 KB of 4-bit weights, read
+   from L1 by every token after the first. One token after another over all N rows would stream the whole matrix
+   once per token. */
 #define TOKEN_ROWS 16
+/* Rows unpacked at once for the tiles: 128 rows of K = 768 are 96 KB of bytes, in L2. */
+#define SLICE 128
 
-/* The 4 x 4 path's condition; edgelin_q4_quantize_tokens and edgelin_q4_rows_tokens agree on it. */
-static int quads(int64_t M, int64_t K) {
-#if defined(__x86_64__) || defined(_M_X64)
-  return M > 1 && n_blocks(K) % 4 == 0 && edgelin_avx512_vnni();
-#else
-  (void)M;
-  (void)K;
-  return 0;
-#endif
+/* The tiled path's condition: the 8-bit product's, whose scratch it then uses. */
+static int tiled(int64_t M) { return edgelin_token_tiles(M); }
+
+size_t edgelin_q4_tokens_scratch_bytes(int64_t M, int64_t K) {
+  return tiled(M) ? edgelin_q8_tokens_scratch_bytes(M, K) : (size_t)M * edgelin_q4_scratch_bytes(K);
 }
 
 void edgelin_q4_quantize_tokens(const float* x, int64_t M, int64_t K, void* scratch) {
-  size_t stride = edgelin_q4_scratch_bytes(K);
-  int swap = quads(M, K);
-  for (int64_t m = 0; m < M; ++m) {
-    char* own = (char*)scratch + (size_t)m * stride;
-    edgelin_q4_quantize(x + m * K, K, own);
-    if (!swap) continue;
-    Scratch s = view(own, K);
-    for (int64_t q = 0; q < n_blocks(K) / 4; ++q) {  /* [E0 O0 E1 O1] -> [E0 E1 O0 O1], 32 bytes each */
-      int8_t t[32], *quad = s.qa + q * 128;
-      memcpy(t, quad + 32, 32);
-      memcpy(quad + 32, quad + 64, 32);
-      memcpy(quad + 64, t, 32);
-    }
-  }
-}
-
-#if defined(__x86_64__) || defined(_M_X64)
-/* Rows n .. n + R - 1 of tokens m .. m + T - 1 (R <= ROWS, T <= TOKENS; nb a multiple of 4). Always inlined, so that
-   constant R and T unroll the loops and keep the 16 accumulators in registers. */
-AVX512 static inline __attribute__((always_inline)) void quads_group(const char* scratch, size_t stride, int64_t K,
-                                                                     const uint8_t* w, const float* scales,
-                                                                     const uint8_t* zero_points, int64_t n, int R,
-                                                                     int64_t m, int T, float* y, int64_t N) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  /* lane l holds block l / 4's partial dot: its scales repeated four times */
-  const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  int64_t nb = n_blocks(K), zb = (nb + 1) / 2, row_bytes = nb * 16;
-  Scratch s[TOKENS];
-  for (int t = 0; t < T; ++t) s[t] = view(scratch + (size_t)(m + t) * stride, K);
-  const uint8_t* wr = w + n * row_bytes;
-  const float* sr = scales + n * nb;
-  const uint8_t* zr = zero_points ? zero_points + n * zb : NULL;
-  __m512 acc[ROWS][TOKENS];
-  for (int r = 0; r < ROWS; ++r)
-    for (int t = 0; t < TOKENS; ++t) acc[r][t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; b += 8) {
-    int64_t left = nb - b < 8 ? nb - b : 8;  /* 8, or 4 in a row's last group */
-    __m256i mask = mask_first(left);
-    /* the zero points' term, -(scale x zero point) x c per block, into the accumulators' low 8 lanes */
-    __m512 c[TOKENS];
-    for (int t = 0; t < T; ++t) c[t] = _mm512_zextps256_ps512(_mm256_maskload_ps(s[t].c + b, mask));
-    for (int r = 0; r < R; ++r) {
-      __m256 sw = _mm256_maskload_ps(sr + r * nb + b, mask);
-      __m512 offset = _mm512_zextps256_ps512(_mm256_mul_ps(sw, zero_points8(zr ? zr + r * zb : NULL, zb, b)));
-      for (int t = 0; t < T; ++t) acc[r][t] = _mm512_fnmadd_ps(offset, c[t], acc[r][t]);
-    }
-    for (int64_t bq = b; bq < b + left; bq += 4) {
-      __m512 sa[TOKENS];
-      for (int t = 0; t < T; ++t)
-        sa[t] = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(s[t].sa + bq)));
-      for (int r = 0; r < R; ++r) {
-        __m512 sw = _mm512_permutexvar_ps(quad, _mm512_castps128_ps512(_mm_loadu_ps(sr + r * nb + bq)));
-        __m512i wv = _mm512_loadu_si512((const void*)(wr + r * row_bytes + bq * 16));
-        __m512i lo = _mm512_and_si512(wv, low), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low);
-        for (int t = 0; t < T; ++t) {
-          const int8_t* a = s[t].qa + bq * 32;  /* 64 even-position values, then 64 odd ones */
-          __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(a)),
-                                            hi, _mm512_loadu_si512(a + 64));
-          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw, sa[t]), acc[r][t]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {  /* each row's four tokens: 512 -> 256 bits, then the one-token path's hadd tree */
-    __m256 f[TOKENS];
-    for (int t = 0; t < TOKENS; ++t)
-      f[t] = _mm256_add_ps(_mm512_castps512_ps256(acc[r][t]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][t]), 1)));
-    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(f[0], f[1]), _mm256_hadd_ps(f[2], f[3]));
-    float out[TOKENS];
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    for (int t = 0; t < T; ++t) y[(m + t) * N + n + r] = out[t];
-  }
-}
-
-/* Every token for rows n .. n + R - 1, four at a time. */
-AVX512 static inline __attribute__((always_inline)) void quads_rows(const char* scratch, size_t stride, int64_t M,
-                                                                    int64_t K, const uint8_t* w, const float* scales,
-                                                                    const uint8_t* zero_points, int64_t n, int R,
-                                                                    float* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + TOKENS <= M; m += TOKENS) quads_group(scratch, stride, K, w, scales, zero_points, n, R, m, TOKENS, y, N);
-  switch (M - m) {  /* constant T for each: unrolled */
-    case 3: quads_group(scratch, stride, K, w, scales, zero_points, n, R, m, 3, y, N); break;
-    case 2: quads_group(scratch, stride, K, w, scales, zero_points, n, R, m, 2, y, N); break;
-    case 1: quads_group(scratch, stride, K, w, scales, zero_points, n, R, m, 1, y, N); break;
-    default: break;
-  }
-}
-
-AVX512 static void rows_quads(const char* scratch, size_t stride, int64_t M, int64_t K, const uint8_t* w,
-                              const float* scales, const uint8_t* zero_points, int64_t n0, int64_t n1, float* y,
-                              int64_t N) {
-  int64_t n = n0;
-  for (; n + ROWS <= n1; n += ROWS) quads_rows(scratch, stride, M, K, w, scales, zero_points, n, ROWS, y, N);
-  switch (n1 - n) {
-    case 3: quads_rows(scratch, stride, M, K, w, scales, zero_points, n, 3, y, N); break;
-    case 2: quads_rows(scratch, stride, M, K, w, scales, zero_points, n, 2, y, N); break;
-    case 1: quads_rows(scratch, stride, M, K, w, scales, zero_points, n, 1, y, N); break;
-    default: break;
-  }
-}
-#endif
-
-void edgelin_q4_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights, const float* scales,
-                            const uint8_t* zero_points, int64_t n0, int64_t n1, float* y, int64_t N) {
-  size_t stride = edgelin_q4_scratch_bytes(K);
-#if defined(__x86_64__) || defined(_M_X64)
-  if (quads(M, K)) {
-    rows_quads(scratch, stride, M, K, weights, scales, zero_points, n0, n1, y, N);
+  if (tiled(M)) {
+    edgelin_q8_quantize_tokens(x, M, K, scratch);
     return;
   }
+  size_t stride = edgelin_q4_scratch_bytes(K);
+  for (int64_t m = 0; m < M; ++m) edgelin_q4_quantize(x + m * K, K, (char*)scratch + (size_t)m * stride);
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+/* rows [R, nb, 16] of packed codes (low nibble first) -> [R, nb, 32] bytes; zero points (NULL: 8) -> [R, nb]. */
+AVX2 static void unpack(const uint8_t* w, const uint8_t* zero_points, int64_t nb, int64_t n, int64_t R,
+                        uint8_t* codes, uint8_t* zeros) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const uint8_t* src = w + n * nb * 16;
+  for (int64_t i = 0; i < R * nb; ++i) {
+    __m128i v = _mm_loadu_si128((const __m128i*)(src + i * 16));
+    __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    _mm_storeu_si128((__m128i*)(codes + i * 32), _mm_unpacklo_epi8(lo, hi));
+    _mm_storeu_si128((__m128i*)(codes + i * 32 + 16), _mm_unpackhi_epi8(lo, hi));
+  }
+  int64_t zb = (nb + 1) / 2;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < nb; ++b)
+      zeros[r * nb + b] = zero_points ? (zero_points[(n + r) * zb + b / 2] >> (4 * (b % 2))) & 15 : 8;
+}
 #endif
+
+int edgelin_q4_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights, const float* scales,
+                           const uint8_t* zero_points, int64_t n0, int64_t n1, float* y, int64_t N) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (tiled(M)) {
+    int64_t nb = n_blocks(K);
+    uint8_t* codes = malloc((size_t)SLICE * (size_t)nb * (BLOCK + 1));
+    if (!codes) return -1;
+    uint8_t* zeros = codes + (size_t)SLICE * (size_t)nb * BLOCK;
+    for (int64_t n = n0; n < n1; n += SLICE) {
+      int64_t rows = n1 - n < SLICE ? n1 - n : SLICE;
+      unpack(weights, zero_points, nb, n, rows, codes, zeros);
+      edgelin_q8_rows_tokens(scratch, M, K, codes, scales + n * nb, zeros, 0, rows, y + n, N);
+    }
+    free(codes);
+    return 0;
+  }
+#endif
+  size_t stride = edgelin_q4_scratch_bytes(K);
   for (int64_t n = n0; n < n1; n += TOKEN_ROWS) {
     int64_t end = n + TOKEN_ROWS < n1 ? n + TOKEN_ROWS : n1;
     for (int64_t m = 0; m < M; ++m)
       edgelin_q4_rows((const char*)scratch + (size_t)m * stride, K, weights, scales, zero_points, n, end, y + m * N);
   }
+  return 0;
 }

@@ -5,10 +5,10 @@
    accumulator chains: one row at a time is latency-bound, 43 vs 20 us for 1676 x 384 on a Zen 3 core), and adds
    each block's zero-point term once per row through the block's activation sum (offset x c), not per element.
    The activations of a pair of blocks are stored even positions first, odd ones after, to match the nibbles
-   (low = even). (An 8-bit kernel of the same design, the sign trick for q - 128, measured no faster than
-   ONNX Runtime's own 8-bit MatMulNBits on that core, 41.8 vs 40.4 us at 1676 x 384: not shipped.) */
+   (low = even). The 8-bit product (q8_gemv.c) shares the activation blocks, in their natural order there. */
 #include "q4_gemv.h"
 #include "q4_scratch.h"
+#include "q8_gemv.h"
 
 #include <math.h>
 #include <string.h>
@@ -20,11 +20,14 @@ size_t edgelin_q4_scratch_bytes(int64_t K) {
   return (size_t)(2 * padded8(nb) * sizeof(float) + (nb + 1) / 2 * 64 + 64);
 }
 
-/* Where value j (0..31) of block b goes in the scratch. */
-static int8_t* slot(Scratch s, int64_t b, int j) { return s.qa + (b / 2) * 64 + (j % 2) * 32 + (b % 2) * 16 + j / 2; }
+/* Where value j (0..31) of block b goes in the scratch: the 4-bit layout (per pair of blocks, even positions
+   first, to match the nibbles), or the 8-bit one (natural: block b at 32 b, as the weight bytes are). */
+static int8_t* slot(Scratch s, int64_t b, int j, int natural) {
+  return natural ? s.qa + b * BLOCK + j : s.qa + (b / 2) * 64 + (j % 2) * 32 + (b % 2) * 16 + j / 2;
+}
 
 /* Block b of x (zero-padded past K): its int8 values, scale and scaled sum. */
-static void quantize_portable(const float* x, int64_t K, Scratch s, int64_t b) {
+static void quantize_portable(const float* x, int64_t K, Scratch s, int64_t b, int natural) {
   float xb[BLOCK], amax = 0.0f;
   for (int j = 0; j < BLOCK; ++j) {
     xb[j] = b * BLOCK + j < K ? x[b * BLOCK + j] : 0.0f;
@@ -34,7 +37,7 @@ static void quantize_portable(const float* x, int64_t K, Scratch s, int64_t b) {
   int sum = 0;
   for (int j = 0; j < BLOCK; ++j) {
     int q = (int)lrintf(xb[j] * inv);
-    *slot(s, b, j) = (int8_t)q;
+    *slot(s, b, j, natural) = (int8_t)q;
     sum += q;
   }
   s.sa[b] = amax / 127.0f;
@@ -53,7 +56,7 @@ static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* 
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* wb = w + (n * nb + b) * 16;
       int32_t dot = 0;
-      for (int j = 0; j < BLOCK; ++j) dot += ((wb[j / 2] >> (4 * (j % 2))) & 15) * *slot(s, b, j);
+      for (int j = 0; j < BLOCK; ++j) dot += ((wb[j / 2] >> (4 * (j % 2))) & 15) * *slot(s, b, j, 0);
       float offset = -(scales[n * nb + b] * (float)zero_point(zero_points ? zero_points + n * zb : NULL, b));
       acc += (float)dot * scales[n * nb + b] * s.sa[b] + offset * s.c[b];
     }
@@ -62,16 +65,20 @@ static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* 
 }
 
 #if defined(__x86_64__) || defined(_M_X64)
-AVX2 static inline int32_t hsum_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
+/* Block b's 32 int8 values (in order) into the 4-bit layout. */
+AVX2 static inline void store_split(__m256i q, Scratch s, int64_t b) {
+  /* even positions to each lane's low 8 bytes, odd to its high 8; then the two lanes' evens together */
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  q = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q, split), 0xD8);
+  int8_t* even = s.qa + (b / 2) * 64 + (b % 2) * 16;
+  _mm_storeu_si128((__m128i*)even, _mm256_castsi256_si128(q));
+  _mm_storeu_si128((__m128i*)(even + 32), _mm256_extracti128_si256(q, 1));
 }
 
 /* quantize_portable for a whole block: the same roundings (vcvtps2dq rounds as lrintf does, to nearest even
    under the default MXCSR), so both give the same bytes. */
-AVX2 static void quantize_avx2(const float* x, Scratch s, int64_t b) {
+AVX2 static void quantize_avx2(const float* x, Scratch s, int64_t b, int natural) {
   const float* xb = x + b * BLOCK;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
@@ -88,13 +95,11 @@ AVX2 static void quantize_avx2(const float* x, Scratch s, int64_t b) {
   /* int32 -> int8 (packs work per 128-bit lane: 4-byte groups come out as 0,2,4,6 | 1,3,5,7), back in order */
   __m256i q = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
   q = _mm256_permutevar8x32_epi32(q, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  /* even positions to each lane's low 8 bytes, odd to its high 8; then the two lanes' evens together */
-  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-  q = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q, split), 0xD8);
-  int8_t* even = s.qa + (b / 2) * 64 + (b % 2) * 16;
-  _mm_storeu_si128((__m128i*)even, _mm256_castsi256_si128(q));
-  _mm_storeu_si128((__m128i*)(even + 32), _mm256_extracti128_si256(q, 1));
+  if (natural) {
+    _mm256_storeu_si256((__m256i*)(s.qa + b * BLOCK), q);
+  } else {
+    store_split(q, s, b);
+  }
   s.sa[b] = amax / 127.0f;
   s.c[b] = s.sa[b] * (float)hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
 }
@@ -265,21 +270,25 @@ AVX512 static void rows_vnni(Scratch s, int64_t nb, const uint8_t* w, const floa
 }
 #endif
 
-void edgelin_q4_quantize(const float* x, int64_t K, void* scratch) {
+static void quantize(const float* x, int64_t K, void* scratch, int natural) {
   Scratch s = view(scratch, K);
   int64_t nb = n_blocks(K), nb8 = padded8(nb);
   for (int64_t b = nb; b < nb8; ++b) s.sa[b] = s.c[b] = 0.0f;
-  if (nb % 2) memset(s.qa + (nb / 2) * 64, 0, 64);  /* the lone last block's unused halves */
+  if (nb % 2 && !natural) memset(s.qa + (nb / 2) * 64, 0, 64);  /* the lone last block's unused halves */
   for (int64_t b = 0; b < nb; ++b) {
 #if defined(__x86_64__) || defined(_M_X64)
     if (edgelin_avx2() && (b + 1) * BLOCK <= K) {
-      quantize_avx2(x, s, b);
+      quantize_avx2(x, s, b, natural);
       continue;
     }
 #endif
-    quantize_portable(x, K, s, b);
+    quantize_portable(x, K, s, b, natural);
   }
 }
+
+void edgelin_q4_quantize(const float* x, int64_t K, void* scratch) { quantize(x, K, scratch, 0); }
+
+void edgelin_q8_quantize(const float* x, int64_t K, void* scratch) { quantize(x, K, scratch, 1); }
 
 void edgelin_q4_rows(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
                      const uint8_t* zero_points, int64_t n0, int64_t n1, float* y) {

@@ -20,12 +20,15 @@ EDGELIN_API void edgelin_q4_quantize(const float* x, int64_t K, void* scratch);
 EDGELIN_API void edgelin_q4_rows(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
                                  const uint8_t* zero_points, int64_t n0, int64_t n1, float* y);
 
-/* M tokens at once (a prefill piece, or a batch; q4_gemm.c): edgelin_q4_quantize_tokens fills `scratch`, M
-   scratches of edgelin_q4_scratch_bytes(K) one after another, from x [M, K] (the same int8 blocks as
-   edgelin_q4_quantize; their layout may differ); then y [M, N] gets rows n0 <= n < n1 of every token, any slice of
-   rows from the same scratch. The same integer dots as edgelin_q4_rows; the float sums may run in another order. */
+/* M tokens at once (a prefill piece, or a batch; q4_gemm.c): edgelin_q4_quantize_tokens fills `scratch`
+   (edgelin_q4_tokens_scratch_bytes(M, K) bytes; the layout is the kernel's: with AVX-512 VNNI the 8-bit product's
+   token tiles) from x [M, K] (the same int8 blocks as edgelin_q4_quantize); then y [M, N] gets rows n0 <= n < n1
+   of every token, any slice of rows from the same scratch: 0, or -1 when the buffer of unpacked codes could not be
+   allocated (y then incomplete). The same integer dots as edgelin_q4_rows; the float sums may run in another
+   order. */
+EDGELIN_API size_t edgelin_q4_tokens_scratch_bytes(int64_t M, int64_t K);
 EDGELIN_API void edgelin_q4_quantize_tokens(const float* x, int64_t M, int64_t K, void* scratch);
-EDGELIN_API void edgelin_q4_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights,
-                                        const float* scales, const uint8_t* zero_points, int64_t n0, int64_t n1,
-                                        float* y, int64_t N);
+EDGELIN_API int edgelin_q4_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights,
+                                       const float* scales, const uint8_t* zero_points, int64_t n0, int64_t n1,
+                                       float* y, int64_t N);
 #endif

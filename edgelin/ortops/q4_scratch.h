@@ -1,5 +1,5 @@
-/* The 4-bit products' private layout (q4_gemv.c, q4_gemm.c): one token's int8 activation blocks, and the AVX2
-   helpers both files read them with. Not part of the library's interface. */
+/* The 4-bit and 8-bit products' private layout (q4_gemv.c, q4_gemm.c, q8_gemv.c): one token's int8 activation
+   blocks, and the AVX2 helpers the files read them with. Not part of the library's interface. */
 #ifndef EDGELIN_Q4_SCRATCH_H
 #define EDGELIN_Q4_SCRATCH_H
 #include <stdint.h>
@@ -10,7 +10,8 @@
 typedef struct {
   float* sa;    /* [nb8] activation block scales */
   float* c;     /* [nb8] scale * sum of the block's int8 values */
-  int8_t* qa;   /* per pair of blocks (b, b+1): 32 even-position values, then 32 odd ones */
+  int8_t* qa;   /* 4-bit: per pair of blocks (b, b+1), 32 even-position values, then 32 odd ones;
+                   8-bit: block b's 32 values at 32 b */
 } Scratch;
 
 static inline int64_t n_blocks(int64_t K) { return (K + BLOCK - 1) / BLOCK; }
@@ -32,6 +33,14 @@ static inline Scratch view(const void* scratch, int64_t K) {
 
 AVX2 static inline __m256i mask_first(int64_t count) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* The sum of v's eight int32 lanes. */
+AVX2 static inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
 }
 
 /* Blocks b .. b + 7's zero points (b a multiple of 8) of a row whose packed zero points (zb bytes) start at zr, as
