@@ -425,24 +425,28 @@ def test_embeddings_bits_reach_the_onnx_options_and_are_refused_where_they_mean_
         assert refused.exit_code == 2 and needle in refused.stderr, refused.output
 
 
-def test_quantize_graph_puts_the_table_and_head_at_the_embedding_bits(tmp_path):
-    """int4 with the embeddings at 8 bits: the lookup and the head 8-bit on one set of bytes, the body 4-bit;
-    `describe` reports the split; the table's rows within half an 8-bit step (range / 255) of the float table."""
+@pytest.mark.parametrize("scheme, body, apart", [("int4", 4, 8), ("int8", 8, 4)])
+def test_quantize_graph_puts_the_table_and_head_at_the_embedding_bits(tmp_path, scheme, body, apart):
+    """The embeddings at other bits than the body (int4 with 8-bit ones, as llama.cpp's Q4_0; and the reverse): the
+    lookup and the head at `apart` bits on one set of bytes, the body at `body`; `describe` reports the split; the
+    table's rows within half a step (range / (2^bits - 1)) of the float table."""
     import onnxruntime as ort
     from onnx import helper, numpy_helper
 
     path = tmp_path / "tied.onnx"
     weights = _tied_graph(path)
-    quantize.quantize_graph(path, "int4", 16, embeddings=True, embedding_bits=8)
+    quantize.quantize_graph(path, scheme, 16, embeddings=True, embedding_bits=apart)
     graph = onnx.load(str(path)).graph
     bits = {n.name: {a.name: helper.get_attribute_value(a) for a in n.attribute}["bits"] for n in graph.node}
     heads = [n.name for n in graph.node if any(p.key == quantize.HEAD_KEY for p in n.metadata_props)]
     gather = next(n for n in graph.node if n.op_type == "GatherBlockQuantized")
-    assert sorted(bits.values()) == [4, 8, 8] and bits[gather.name] == 8 and [bits[h] for h in heads] == [8]
+    assert sorted(bits.values()) == sorted([body, apart, apart]) and bits[gather.name] == apart
+    assert [bits[h] for h in heads] == [apart]
     inits = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
     head = next(n for n in graph.node if n.name in heads)
     assert np.array_equal(inits[gather.input[0]].reshape(-1), inits[head.input[1]].reshape(-1))  # the same bytes
-    assert quantize.describe(tmp_path, {"step": "tied.onnx"})["embedding_bits"] == 8
+    described = quantize.describe(tmp_path, {"step": "tied.onnx"})
+    assert (described["bits"], described["embedding_bits"]) == (body, apart)
     lookup = helper.make_model(helper.make_graph([gather], "lookup", [helper.make_tensor_value_info(
         gather.input[1], onnx.TensorProto.INT64, ["n"])], [helper.make_tensor_value_info(
         gather.output[0], onnx.TensorProto.FLOAT, None)], [t for t in graph.initializer if t.name in gather.input]),
@@ -450,7 +454,7 @@ def test_quantize_graph_puts_the_table_and_head_at_the_embedding_bits(tmp_path):
     rows = ort.InferenceSession(lookup.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, {gather.input[1]: np.arange(64)})[0]
     table = weights["table"].reshape(64, -1, 16)
-    step = np.repeat((table.max(-1) - table.min(-1)) / 255, 16, axis=1)
+    step = np.repeat((table.max(-1) - table.min(-1)) / (2 ** apart - 1), 16, axis=1)
     assert (np.abs(rows - weights["table"]) <= 0.5 * step + 1e-6).all()
 
 
