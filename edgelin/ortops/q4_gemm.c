@@ -9,7 +9,6 @@
    (docs/benchmarks.md, issue 13, twenty-third session). Otherwise each token goes through the one-token path
    (edgelin_q4_rows), slice by slice of weight rows. */
 #include <stdlib.h>
-#include <string.h>
 
 #include "q4_gemv.h"
 #include "q4_scratch.h"
