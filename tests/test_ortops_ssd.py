@@ -164,22 +164,22 @@ def test_the_fused_step_rollout_matches_the_unfused_graphs(mamba2_exports, libra
     assert_close(logits["library"], logits["contrib"], SSD_RTOL, f"batch {batch}")
 
 
-def test_a_constant_memory_export_prefills_in_pieces_of_128(mamba2_exports, library, monkeypatch):
-    """ONNX Runtime's arena keeps the largest piece's activations; 128-token pieces (onnx_runtime's
+def test_a_constant_memory_export_prefills_in_pieces_of_64(mamba2_exports, library, monkeypatch):
+    """ONNX Runtime's arena keeps the largest piece's activations; 64-token pieces (onnx_runtime's
     CONSTANT_MEMORY_PREFILL_PIECE) give the logits of one whole-prompt piece."""
     from edgelin.export.onnx_runtime import CONSTANT_MEMORY_PREFILL_PIECE
     from edgelin.runtime import open_runner, prefill
 
     monkeypatch.setenv(ortops.ENV, str(library))
     runner = open_runner(mamba2_exports["edgelin"], threads=1)
-    assert runner.prefill_piece == CONSTANT_MEMORY_PREFILL_PIECE == 128
+    assert runner.prefill_piece == CONSTANT_MEMORY_PREFILL_PIECE == 64
     pieces = []
     inner = runner.prefill
     runner.prefill = lambda ids, state, start: pieces.append(ids.shape[1]) or inner(ids, state, start)
     ids = np.random.default_rng(3).integers(0, runner.manifest.vocab_size, (2, 300))
     logits, _ = prefill(runner, ids)
-    assert pieces == [128, 128, 44]
+    assert pieces == [64, 64, 64, 64, 44]
     runner.prefill_piece = 300
     whole, _ = prefill(runner, ids)
-    assert pieces[3:] == [300]
-    assert_close(logits, whole, SSD_RTOL, "128-token pieces vs one piece")
+    assert pieces[5:] == [300]
+    assert_close(logits, whole, SSD_RTOL, "64-token pieces vs one piece")

@@ -71,11 +71,11 @@ def prepack_choice(manifest: Manifest, prepack: bool | None = None, library: boo
 # prefill at 8k-12k 1,152 -> 1,006 tok/s (the float32 cache's 1,083); docs/benchmarks.md, issue 13.
 HALF_CACHE_PREFILL_PIECE = 64
 # Prefill pieces of a constant-memory model (no KV cache): ONNX Runtime's arena keeps the largest piece's
-# activations. With the weight products on packed panels a piece of 128 prefills as fast as one of 256 and holds
-# half the activations: Mamba2 peer, 2,048-token prompt, peak RSS 125.0 -> 116.2 MiB (float16 weights) and
-# 108.3 -> 100.1 (int4), prefill 2,650 vs 2,643 tok/s at 1 thread, 4,273 vs 4,281 at 2; pieces of 64 save
-# another 4.5 MiB for 7% of the speed (docs/benchmarks.md, issue 13).
-CONSTANT_MEMORY_PREFILL_PIECE = 128
+# activations. Mamba2 peer, 2,048-token prompt, 1 thread: 256 -> 128 tokens cost no speed and cut peak RSS
+# 125.0 -> 116.2 MiB (float16 weights), 108.3 -> 100.1 (int4); 128 -> 64 cut another ~5 MiB at every precision
+# (int8 106.0 -> 100.9, int4 100.2 -> 95.1, f16w 116.4 -> 111.6, fp32 138.3 -> 133.5) for 3-10% of the prefill
+# speed, which stays ahead of llama.cpp's; 32 saves 1.2 MiB more for 29% (docs/benchmarks.md, issue 13).
+CONSTANT_MEMORY_PREFILL_PIECE = 64
 
 # "0" turns off the one shared mapping of weights.bin (each session then maps the file itself; for A/B runs).
 SHARED_ENV = "EDGELIN_ORT_SHARED_WEIGHTS"
