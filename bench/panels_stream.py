@@ -30,8 +30,9 @@ def main() -> None:
     lib = ctypes.CDLL(str(ortops.build()))
     f32 = ctypes.POINTER(ctypes.c_float)
     i64 = ctypes.c_int64
-    for name in ("edgelin_f32_rows", "edgelin_f16_rows", "edgelin_f32_panels", "edgelin_f16_panels"):
+    for name in ("edgelin_f32_rows", "edgelin_f16_rows"):
         getattr(lib, name).argtypes = [f32, i64, i64, i64, ctypes.c_void_p, i64, i64, f32]
+    lib.edgelin_weight_panels.argtypes = [f32, i64, i64, i64, ctypes.c_void_p, ctypes.c_int, i64, i64, f32]
     lib.edgelin_kernel_path.restype = ctypes.c_char_p
     print(f"kernel path: {lib.edgelin_kernel_path().decode()}", flush=True)
     rng = np.random.default_rng(0)
@@ -42,13 +43,14 @@ def main() -> None:
             panels = [pack_panels(w) for w in rows]
             xs = [rng.standard_normal((1, s[0])).astype(np.float32) for s in shapes]
             ys = [np.empty((1, s[1]), np.float32) for s in shapes]
-            by_rows, by_panels = getattr(lib, f"edgelin_{kind}_rows"), getattr(lib, f"edgelin_{kind}_panels")
+            by_rows, half = getattr(lib, f"edgelin_{kind}_rows"), int(kind == "f16")
 
             def token(use_panels: bool) -> None:
                 for w, p, x, y in zip(rows, panels, xs, ys):
                     K, N = w.shape
                     if use_panels:
-                        by_panels(x.ctypes.data_as(f32), 1, K, N, p.ctypes.data, 0, p.shape[0], y.ctypes.data_as(f32))
+                        lib.edgelin_weight_panels(x.ctypes.data_as(f32), 1, K, N, p.ctypes.data, half, 0, p.shape[0],
+                                                  y.ctypes.data_as(f32))
                     else:
                         by_rows(x.ctypes.data_as(f32), 1, K, N, w.ctypes.data, 0, K, y.ctypes.data_as(f32))
 

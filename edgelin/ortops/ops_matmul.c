@@ -55,10 +55,7 @@ static void run_panels_task(void* data, size_t index) {
   const Task* t = data;
   int64_t p0 = (int64_t)index * PANELS_PER_TASK, panels = (t->N + 15) / 16;
   int64_t p1 = p0 + PANELS_PER_TASK < panels ? p0 + PANELS_PER_TASK : panels;
-  if (t->half)
-    edgelin_f16_panels(t->x, t->M, t->K, t->N, t->w, p0, p1, t->partial);
-  else
-    edgelin_f32_panels(t->x, t->M, t->K, t->N, t->w, p0, p1, t->partial);
+  edgelin_weight_panels(t->x, t->M, t->K, t->N, t->w, t->half, p0, p1, t->partial);
 }
 
 static void run_cols_task(void* data, size_t index) {

@@ -10,34 +10,27 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 __attribute__((target("avx2,fma,f16c"))) static void f32_avx2(const float* x, int64_t M, int64_t K, int64_t N,
-                                                              const float* w, int64_t p0, int64_t p1, float* y) {
+                                                              const void* w, int64_t p0, int64_t p1, float* y) {
   edgelin_panels(x, M, K, N, w, 0, p0, p1, y);
 }
 
 __attribute__((target("avx2,fma,f16c"))) static void f16_avx2(const float* x, int64_t M, int64_t K, int64_t N,
-                                                              const uint16_t* w, int64_t p0, int64_t p1, float* y) {
+                                                              const void* w, int64_t p0, int64_t p1, float* y) {
   edgelin_panels(x, M, K, N, w, 1, p0, p1, y);
 }
 #endif
 
-void edgelin_f32_panels(const float* x, int64_t M, int64_t K, int64_t N, const float* weights, int64_t p0,
-                        int64_t p1, float* y) {
+void edgelin_weight_panels(const float* x, int64_t M, int64_t K, int64_t N, const void* weights, int half,
+                           int64_t p0, int64_t p1, float* y) {
 #if defined(__x86_64__) || defined(_M_X64)
-  if (edgelin_avx2()) {
-    f32_avx2(x, M, K, N, weights, p0, p1, y);
+  if (edgelin_avx2()) {  /* each width its own specialisation of the inlined loops */
+    if (half) {
+      f16_avx2(x, M, K, N, weights, p0, p1, y);
+    } else {
+      f32_avx2(x, M, K, N, weights, p0, p1, y);
+    }
     return;
   }
 #endif
-  edgelin_panels_portable(x, M, K, N, weights, 0, p0, p1, y);
-}
-
-void edgelin_f16_panels(const float* x, int64_t M, int64_t K, int64_t N, const uint16_t* weights, int64_t p0,
-                        int64_t p1, float* y) {
-#if defined(__x86_64__) || defined(_M_X64)
-  if (edgelin_avx2()) {
-    f16_avx2(x, M, K, N, weights, p0, p1, y);
-    return;
-  }
-#endif
-  edgelin_panels_portable(x, M, K, N, weights, 1, p0, p1, y);
+  edgelin_panels_portable(x, M, K, N, weights, half, p0, p1, y);
 }

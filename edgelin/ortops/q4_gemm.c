@@ -3,8 +3,9 @@
    With AVX-512 VNNI the 4-bit codes run on the 8-bit product's token tiles (q8_gemm.c: 16 tokens per register,
    each row's codes broadcast to all 16, a block's dot scaled once per 16 tokens): each slice of up to 128 weight rows
    is first unpacked to one code per byte (and its zero points to one per byte) in a buffer of its own, then
-   multiplied by every tile of tokens. The unpacking is ~1/20 of the products' work for a 128-token piece; the 4-bit
-   codes read into registers as nibbles (the earlier layout of this file: four rows by four tokens, each 64-byte
+   multiplied by every tile of tokens: each code is unpacked once per piece and read by every tile (4 tiles for the
+   64-token pieces a constant-memory model prefills in, onnx_runtime.CONSTANT_MEMORY_PREFILL_PIECE). The 4-bit codes
+   read into registers as nibbles (the earlier layout of this file: four rows by four tokens, each 64-byte
    load unpacked per step) ran at 63-74 GMAC/s per core on the Mamba2 peer's shapes, the tiles at 126-136
    (docs/benchmarks.md, issue 13, twenty-third session). Otherwise each token goes through the one-token path
    (edgelin_q4_rows), slice by slice of weight rows. */
@@ -14,10 +15,6 @@
 #include "q4_scratch.h"
 #include "q8_gemv.h"
 
-/* Weight rows per pass over the tokens on the one-token path: 16 rows of K = 768 are 6 KB of 4-bit weights, read
-   from L1 by every token after the first. One token after another over all N rows would stream the whole matrix
-   once per token. */
-#define TOKEN_ROWS 16
 /* Rows unpacked at once for the tiles: 128 rows of K = 768 are 96 KB of bytes, in L2. */
 #define SLICE 128
 
@@ -73,11 +70,7 @@ int edgelin_q4_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint
     return 0;
   }
 #endif
-  size_t stride = edgelin_q4_scratch_bytes(K);
-  for (int64_t n = n0; n < n1; n += TOKEN_ROWS) {
-    int64_t end = n + TOKEN_ROWS < n1 ? n + TOKEN_ROWS : n1;
-    for (int64_t m = 0; m < M; ++m)
-      edgelin_q4_rows((const char*)scratch + (size_t)m * stride, K, weights, scales, zero_points, n, end, y + m * N);
-  }
+  token_by_token(edgelin_q4_rows, scratch, edgelin_q4_scratch_bytes(K), M, K, weights, scales, zero_points, n0, n1, y,
+                 N);
   return 0;
 }

@@ -26,6 +26,23 @@ static inline Scratch view(const void* scratch, int64_t K) {
   return s;
 }
 
+/* A one-token product's signature (edgelin_q4_rows, edgelin_q8_rows: q4_gemv.h, q8_gemv.h). */
+typedef void (*TokenRows)(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
+                          const uint8_t* zero_points, int64_t n0, int64_t n1, float* y);
+
+/* M tokens' scratches (one after another, `stride` bytes each) through a one-token product, 16 weight rows at a time:
+   a slice of K = 768 is 6 KB of 4-bit (12 KB of 8-bit) codes, read from L1 by every token after the first; one token
+   after another over all N rows would stream the whole matrix once per token. y [M, N], rows n0 <= n < n1. */
+static inline void token_by_token(TokenRows rows, const void* scratch, size_t stride, int64_t M, int64_t K,
+                                  const uint8_t* weights, const float* scales, const uint8_t* zero_points, int64_t n0,
+                                  int64_t n1, float* y, int64_t N) {
+  for (int64_t n = n0; n < n1; n += 16) {
+    int64_t end = n + 16 < n1 ? n + 16 : n1;
+    for (int64_t m = 0; m < M; ++m)
+      rows((const char*)scratch + (size_t)m * stride, K, weights, scales, zero_points, n, end, y + m * N);
+  }
+}
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define AVX2 __attribute__((target("avx2,fma")))

@@ -18,9 +18,6 @@
 #define TILE 16    /* tokens per tile: one per 32-bit lane of a 512-bit register */
 #define ROWS 8     /* weight rows per step: 8 independent vpdpbusd chains */
 #define GROUPS 8   /* 4-value groups per 32-value block */
-/* Weight rows per pass over the tokens on the one-token path: 16 rows of K = 768 are 12 KB of codes, read from
-   L1 by every token after the first. */
-#define TOKEN_ROWS 16
 
 /* The tiled path's condition; the scratch size, the quantisation and the products (8-bit and 4-bit) agree on it. */
 int edgelin_token_tiles(int64_t M) {
@@ -142,10 +139,6 @@ void edgelin_q8_rows_tokens(const void* scratch, int64_t M, int64_t K, const uin
     return;
   }
 #endif
-  size_t stride = edgelin_q4_scratch_bytes(K);
-  for (int64_t n = n0; n < n1; n += TOKEN_ROWS) {
-    int64_t end = n + TOKEN_ROWS < n1 ? n + TOKEN_ROWS : n1;
-    for (int64_t m = 0; m < M; ++m)
-      edgelin_q8_rows((const char*)scratch + (size_t)m * stride, K, weights, scales, zero_points, n, end, y + m * N);
-  }
+  token_by_token(edgelin_q8_rows, scratch, edgelin_q4_scratch_bytes(K), M, K, weights, scales, zero_points, n0, n1, y,
+                 N);
 }
