@@ -14,7 +14,9 @@ blocked). The peers live in their own venvs (bench/peers.md: `make peers-setup`)
 Per runtime and thread count: greedy continuation of the prompt (--new-tokens, token agreement with the
 transformers fp32 reference is printed), prefill tokens/s for a --prefill-token prompt (best of 2), decode
 latency p50/p99 over --iters timed steps at each position (reached by prefill in pieces of 2,048 from the
-empty state; step i of position p sits at p + 3 + i), peak RSS of the process, bytes on disk.
+empty state; step i of position p sits at p + 3 + i), peak RSS of the process, bytes on disk, and where the
+process's resident pages are at the end (anonymous; the artifact's mapped files; the runtime package's libraries;
+every other file's, e.g. Python's and numpy's).
 Protocol per runtime: reset (empty state), prefill(ids) -> last logits, step(token) -> logits; the same
 seeded random ids (numpy default_rng(0), vocabulary-wide) for every runtime.
 --rounds N times every runtime N times, whole rounds interleaved (the order reversed every other round), for a
@@ -203,6 +205,34 @@ class ExecuTorchSession:
         return self._forward([token])
 
 
+RUNTIME_PACKAGES = {"edgelin": "onnxruntime", "llama": "llama_cpp", "transformers": "torch", "executorch": "executorch"}
+
+
+def _resident_split(artifact: str, package: str) -> dict[str, float]:
+    """Where this process's resident pages are now, MiB (/proc/self/smaps; Linux): "anon" (heap, arenas, stacks,
+    and the written pages of file mappings), "model" (the other pages of the artifact's own files: mapped
+    weights), "runtime" (those of the files under the runtime's Python package: its libraries' code and read-only
+    data), "other" (every other file's: Python's, numpy's, the C library's)."""
+    root = str(Path(artifact).resolve())
+    lib = str(Path(sys.modules[package].__file__).resolve().parent) if package in sys.modules else "\0"
+    split = {"anon": 0, "model": 0, "runtime": 0, "other": 0}
+    name, rss = "", 0
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split(None, 5)
+            if head[0] == "Rss:":
+                rss = int(head[1])
+            elif head[0] == "Anonymous:":
+                split["anon"] += int(head[1])
+                if name.startswith("/"):  # a file's pages that are not anonymous
+                    kind = next((k for k, d in (("model", root), ("runtime", lib)) if name == d
+                                 or name.startswith(d + "/")), "other")
+                    split[kind] += rss - int(head[1])
+            elif not head[0].endswith(":"):  # a mapping's first line: range, perms, offset, dev, inode[, path]
+                name = head[5].strip() if len(head) > 5 else ""
+    return {k: round(v / 1024, 1) for k, v in split.items()}
+
+
 def _rss_mib() -> float:
     """This process's peak RSS (VmHWM: its own address space's high-water mark; ru_maxrss would keep the
     parent's peak across fork + exec, flooring every worker at the parent's size)."""
@@ -269,6 +299,7 @@ def worker(spec: dict) -> dict:
             res["latency"][str(p)] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
             break
     res["peak_rss_mib"] = round(_rss_mib(), 1)
+    res["resident_mib"] = _resident_split(spec["artifact"], RUNTIME_PACKAGES[kind.split("-")[0]])
     return res
 
 
@@ -542,8 +573,10 @@ def merged(results: list[dict]) -> dict:
             latency[pos] = {q: float(np.median([c[q] for c in cells])) for q in ("p50", "p99")}
         else:
             latency[pos] = next(c for c in cells if "p50" not in c)
+    resident = {k: float(np.median([r["resident_mib"][k] for r in ok])) for k in ok[0].get("resident_mib", {})
+                if all(k in r.get("resident_mib", {}) for r in ok)}
     return {**ok[0], "latency": latency, "prefill_tok_s": float(np.median([r["prefill_tok_s"] for r in ok])),
-            "peak_rss_mib": max(r["peak_rss_mib"] for r in ok), "rounds": len(ok)}
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in ok), "resident_mib": resident, "rounds": len(ok)}
 
 
 def run_worker(py: str, spec: dict, env: dict, timeout: float) -> dict:
@@ -611,13 +644,14 @@ def render(report: dict) -> str:
         ref = ((ref_row or {}).get("runs", {}).get(threads) or {}).get("greedy")
         positions = sorted({int(p) for r in rows for run in r["runs"].values() for p in run.get("latency", {})})
         lines += [f"\n**{threads} thread(s)** (decode ms per token p50 / p99)\n",
-                  "| runtime | disk MiB | peak RSS MiB | prefill tok/s | " + " | ".join(f"@{p}" for p in positions)
-                  + " | greedy agreement |", "|---" * (5 + len(positions)) + "|"]
+                  "| runtime | disk MiB | peak RSS MiB | resident at the end: anon / model / runtime / other MiB | "
+                  "prefill tok/s | " + " | ".join(f"@{p}" for p in positions) + " | greedy agreement |",
+                  "|---" * (6 + len(positions)) + "|"]
         for r in rows:
             run = r["runs"].get(threads)
             if run is None or "error" in run:
                 why = r["error"] or (run or {}).get("error", "")
-                lines.append(f"| {r['runtime']} | — | — | — | " + " | ".join("—" for _ in positions)
+                lines.append(f"| {r['runtime']} | — | — | — | — | " + " | ".join("—" for _ in positions)
                              + f" | cannot run: {why} |")
                 continue
             cells = []
@@ -626,8 +660,11 @@ def render(report: dict) -> str:
                 cells.append("not reached" if lat is None
                              else lat.get("error") or f"{lat['p50']:.2f} / {lat['p99']:.2f}")
             mark = " (*)" if run.get("note") else ""
+            split = run.get("resident_mib") or {}
+            resident = " / ".join(f"{split[k]:.1f}" for k in ("anon", "model", "runtime", "other")) if len(split) == 4 \
+                else "—"
             lines.append(f"| {r['runtime']}{mark} | {r['bytes_on_disk'] / 2**20:.1f} | {run['peak_rss_mib']:.0f} | "
-                         f"{run['prefill_tok_s']:,.0f} | " + " | ".join(cells)
+                         f"{resident} | {run['prefill_tok_s']:,.0f} | " + " | ".join(cells)
                          + f" | {_agreement(ref, run['greedy'])} |")
         notes = sorted({run["note"] for r in rows if (run := r["runs"].get(threads)) and run.get("note")})
         lines += [f"\n(*) {note}" for note in notes]
