@@ -214,7 +214,8 @@ def _resident_split(artifact: str, package: str) -> dict[str, float]:
     weights), "runtime" (those of the files under the runtime's Python package: its libraries' code and read-only
     data), "other" (every other file's: Python's, numpy's, the C library's)."""
     root = str(Path(artifact).resolve())
-    lib = str(Path(sys.modules[package].__file__).resolve().parent) if package in sys.modules else "\0"
+    places = list(getattr(sys.modules.get(package), "__path__", []))  # (executorch is a namespace package: no __file__)
+    lib = str(Path(places[0]).resolve()) if places else "\0"
     split = {"anon": 0, "model": 0, "runtime": 0, "other": 0}
     name, rss = "", 0
     with open("/proc/self/smaps") as fh:
