@@ -206,6 +206,7 @@ class ExecuTorchSession:
 
 
 RUNTIME_PACKAGES = {"edgelin": "onnxruntime", "llama": "llama_cpp", "transformers": "torch", "executorch": "executorch"}
+RESIDENT_PARTS = ("anon", "model", "runtime", "other")
 
 
 def _resident_split(artifact: str, package: str) -> dict[str, float]:
@@ -213,10 +214,13 @@ def _resident_split(artifact: str, package: str) -> dict[str, float]:
     and the written pages of file mappings), "model" (the other pages of the artifact's own files: mapped
     weights), "runtime" (those of the files under the runtime's Python package: its libraries' code and read-only
     data), "other" (every other file's: Python's, numpy's, the C library's)."""
+    def under(folder: str | None, path: str) -> bool:
+        return folder is not None and (path == folder or path.startswith(folder + "/"))
+
     root = str(Path(artifact).resolve())
     places = list(getattr(sys.modules.get(package), "__path__", []))  # (executorch is a namespace package: no __file__)
-    lib = str(Path(places[0]).resolve()) if places else "\0"
-    split = {"anon": 0, "model": 0, "runtime": 0, "other": 0}
+    lib = str(Path(places[0]).resolve()) if places else None
+    split = dict.fromkeys(RESIDENT_PARTS, 0)
     name, rss = "", 0
     with open("/proc/self/smaps") as fh:
         for line in fh:
@@ -226,8 +230,7 @@ def _resident_split(artifact: str, package: str) -> dict[str, float]:
             elif head[0] == "Anonymous:":
                 split["anon"] += int(head[1])
                 if name.startswith("/"):  # a file's pages that are not anonymous
-                    kind = next((k for k, d in (("model", root), ("runtime", lib)) if name == d
-                                 or name.startswith(d + "/")), "other")
+                    kind = "model" if under(root, name) else "runtime" if under(lib, name) else "other"
                     split[kind] += rss - int(head[1])
             elif not head[0].endswith(":"):  # a mapping's first line: range, perms, offset, dev, inode[, path]
                 name = head[5].strip() if len(head) > 5 else ""
@@ -662,7 +665,7 @@ def render(report: dict) -> str:
                              else lat.get("error") or f"{lat['p50']:.2f} / {lat['p99']:.2f}")
             mark = " (*)" if run.get("note") else ""
             split = run.get("resident_mib") or {}
-            resident = " / ".join(f"{split[k]:.1f}" for k in ("anon", "model", "runtime", "other")) if len(split) == 4 \
+            resident = " / ".join(f"{split[k]:.1f}" for k in RESIDENT_PARTS) if len(split) == len(RESIDENT_PARTS) \
                 else "—"
             lines.append(f"| {r['runtime']}{mark} | {r['bytes_on_disk'] / 2**20:.1f} | {run['peak_rss_mib']:.0f} | "
                          f"{resident} | {run['prefill_tok_s']:,.0f} | " + " | ".join(cells)
