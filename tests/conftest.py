@@ -123,7 +123,37 @@ CI_KEEPS = {
 }
 
 
-def pytest_collection_modifyitems(items):
+_GPU_LEFT_OUT = {"count": 0}
+
+
+def deselect_gpu_tests(config, items) -> None:
+    """GPU tests (marker `gpu`, tests/gpu/) are deselected, not skipped, where torch sees no CUDA device: the
+    summary's "skipped" count then holds only skips that say something about this machine, and the terminal
+    summary names how many GPU tests were left out. Under xdist each worker collects and deselects; the count
+    reaches the controller through the worker's output (pytest_testnodedown)."""
+    gpu = [] if torch.cuda.is_available() else [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        chosen = set(gpu)
+        items[:] = [item for item in items if item not in chosen]
+    _GPU_LEFT_OUT["count"] = len(gpu)
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["gpu_deselected"] = len(gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _GPU_LEFT_OUT["count"] = max(_GPU_LEFT_OUT["count"], getattr(node, "workeroutput", {}).get("gpu_deselected", 0))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _GPU_LEFT_OUT["count"]:
+        terminalreporter.write_line(f"{_GPU_LEFT_OUT['count']} GPU tests deselected: no CUDA device here "
+                                    "(they run on a GPU machine: pytest tests/gpu)")
+
+
+def pytest_collection_modifyitems(config, items):
+    deselect_gpu_tests(config, items)
     seen: dict[str, set[str]] = {}  # per CI_KEEPS test, the parametrisations collected
     for item in items:
         test = f"{item.path.name}::{item.originalname}"
