@@ -229,7 +229,7 @@ def clean_stale(where: Path) -> None:
             if _alive(int(match["pid"])) and time.time() - info.st_mtime < STALE_AGE_S:
                 continue
             os.unlink(entry.path)
-        except (FileNotFoundError, ValueError):
+        except (OSError, ValueError):  # gone meanwhile, or not ours to remove: the build goes on
             continue
 
 
