@@ -151,19 +151,13 @@ def _cached(compiler: list[str]) -> tuple[Path, str]:
     """(the cached library, its verified sha256), built here first if it is not there; see cache's docstring."""
     timeout = cache.build_timeout()
     where = cache.folder(_fingerprint(compiler))
-    found = cache.verified(where, LIBRARY)
+    found = _ready(where, timeout)
     if found is not None:
         return found
-    failure = cache.recorded_failure(where, timeout)
-    if failure is not None:
-        raise RuntimeError(failure)
     with cache.locked(where, timeout + 30):
-        found = cache.verified(where, LIBRARY)  # another process built it while this one waited
+        found = _ready(where, timeout)  # another process built it (or failed to) while this one waited
         if found is not None:
             return found
-        failure = cache.recorded_failure(where, timeout)
-        if failure is not None:
-            raise RuntimeError(failure)
         cache.clean_stale(where)
         print("progress: compiling edgelin's CPU kernels (once) ...", file=sys.stderr, flush=True)
         staged = cache.staged(where, LIBRARY)
@@ -179,6 +173,18 @@ def _cached(compiler: list[str]) -> tuple[Path, str]:
         finally:
             staged.unlink(missing_ok=True)
     return where / LIBRARY, sha
+
+
+def _ready(where: Path, timeout: float) -> tuple[Path, str] | None:
+    """The verified library in `where`, or None: a build is due. Raises CacheError (refused) or RuntimeError (an
+    earlier build of this fingerprint failed: not retried)."""
+    found = cache.verified(where, LIBRARY)
+    if found is not None:
+        return found
+    failure = cache.recorded_failure(where, timeout)
+    if failure is not None:
+        raise RuntimeError(failure)
+    return None
 
 
 def locate() -> OpsLibrary:

@@ -24,7 +24,6 @@ Runtime-side module: no torch, no onnx.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -251,6 +250,8 @@ def _alive(pid: int) -> bool:
 def locked(where: Path, wait: float) -> Iterator[None]:
     """One build per cache folder at a time: an exclusive flock on the folder (released when the process ends,
     however it ends), waited for up to `wait` seconds."""
+    import fcntl  # POSIX: imported here so that importing edgelin.ortops (its DOMAIN) works everywhere
+
     handle = os.open(where, os.O_RDONLY)
     try:
         deadline = time.monotonic() + wait
