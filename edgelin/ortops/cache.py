@@ -73,20 +73,20 @@ def build_timeout() -> float:
     return seconds
 
 
-def root() -> tuple[Path, Path]:
-    """(the base that must already exist, the cache root under it) per the rules in the module docstring."""
+def base() -> Path:
+    """The folder the cache goes under, per the rules in the module docstring: XDG_CACHE_HOME (already a folder)
+    when it is an absolute path, else ~/.cache under a HOME that is already a folder."""
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if os.path.isabs(xdg):
-        base = Path(xdg)
-        if not base.is_dir():
+        if not os.path.isdir(xdg):
             raise CacheError(f"no cache folder for the kernels: XDG_CACHE_HOME={xdg} is not a folder (edgelin does "
                              f"not create it): create it, set XDG_CACHE_HOME to a folder of yours, or {FIX}")
-        return base, base / "edgelin" / "ortops"
+        return Path(xdg)
     home = os.environ.get("HOME") or os.path.expanduser("~")
     if not os.path.isabs(home) or not os.path.isdir(home):
         raise CacheError(f"no cache folder for the kernels: HOME={home} is not a folder (edgelin does not create "
                          f"it): set XDG_CACHE_HOME to a folder of yours, or {FIX}")
-    return Path(home), Path(home) / ".cache" / "edgelin" / "ortops"
+    return Path(home) / ".cache"
 
 
 def check_private(path: Path, folder: bool) -> None:
@@ -112,20 +112,14 @@ def check_private(path: Path, folder: bool) -> None:
 
 def folder(fingerprint: str) -> Path:
     """The cache folder of one build fingerprint: created private where missing (never the base), checked."""
-    base, top = root()
-    cache = top.parent.parent  # ~/.cache (under HOME) or XDG_CACHE_HOME itself
-    if cache != base and not cache.is_dir():
-        try:  # the XDG default under an existing HOME
-            os.mkdir(cache, 0o700)
-        except FileExistsError:
-            pass
-    path = cache
+    path = base()
+    if not path.is_dir():  # ~/.cache under an existing HOME (XDG_CACHE_HOME is checked above): XDG's default
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
     for part in ("edgelin", "ortops", fingerprint):
         path = path / part
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
         check_private(path, folder=True)
     return path
 
