@@ -47,7 +47,10 @@ An export made with `--step-ops edgelin` (the ONNX default) names these ops in i
 function of the same name whose body is ONNX Runtime's own op: a runtime without the library runs the same file
 (bit for bit ONNX Runtime's numbers), one with it runs edgelin's kernels. The runner loads the library when the
 manifest lists these ops (`EDGELIN_ORT_OPS`: unset = build it here once with the C compiler and cache it,
-`0` = never, a path = that prebuilt library, e.g. cross-compiled for a board without a compiler).
+`0` = never, a path = that prebuilt library, e.g. cross-compiled for a board without a compiler: loaded as it is,
+the user's choice). A cached build is loaded only once verified against the sha256 edgelin recorded when it built
+it, in a private folder of this user's (edgelin.ortops.cache: where the cache lives, what is refused, the build's
+timeout and its recorded failures).
 
 The C sources need no ONNX Runtime headers (ort_abi.h declares the few C API slots they call) and nothing but a
 C11 compiler: `cc -O3 -std=gnu11 -shared -fPIC *.c -lm`. Runtime-side module: no torch, no onnx.
@@ -61,9 +64,11 @@ import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from edgelin.ortops import cache
 
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
@@ -79,10 +84,12 @@ _CFLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden")
 
 @dataclass(frozen=True)
 class OpsLibrary:
-    """Where the library is and why: `path` None when it is not loaded (`reason` says why)."""
+    """Where the library is and why: `path` None when it is not loaded (`reason` says why). `sha256`: the digest
+    it was verified against (a cached build), None for one the user named (EDGELIN_ORT_OPS=path)."""
 
     path: Path | None
     reason: str
+    sha256: str | None = None
 
     @property
     def loaded(self) -> bool:
@@ -94,63 +101,116 @@ def _compiler() -> list[str] | None:
     return shlex.split(cc) if cc else None
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "edgelin" / "ortops"
+def _compiler_identity(compiler: list[str]) -> str:
+    """The compiler binary's resolved path, size and mtime: a new or upgraded compiler is another fingerprint (a
+    failed build is retried with it)."""
+    found = shutil.which(compiler[0])
+    if found is None:
+        raise RuntimeError(f"no C compiler {compiler[0]!r} (set CC, or install gcc or clang)")
+    resolved = os.path.realpath(found)
+    info = os.stat(resolved)
+    return f"{resolved} {info.st_size} {info.st_mtime_ns}"
 
 
 def _fingerprint(compiler: list[str]) -> str:
-    digest = hashlib.sha256()
+    """The sources, the flags, the machine and the compiler (command and binary); format 2: since the build record."""
+    digest = hashlib.sha256(b"edgelin.ortops cache format 2\n")
     for name in (*SOURCES, *HEADERS):
         digest.update((_HERE / name).read_bytes())
     digest.update(" ".join((*compiler, *_CFLAGS, platform.machine())).encode())
+    digest.update(_compiler_identity(compiler).encode())
     return digest.hexdigest()[:16]
+
+
+def _command(compiler: list[str], out: Path) -> list[str]:
+    return [*compiler, *_CFLAGS, "-o", str(out), *(str(_HERE / s) for s in SOURCES), "-lm"]
 
 
 def build(out: Path | None = None) -> Path:
     """Compile the library (into the per-user cache unless `out` is given) and return its path; a cached build of
-    the same sources and compiler is reused. Written to a temporary file first, then renamed into place, so a
-    concurrent or interrupted build never leaves a partial library. Raises OSError/RuntimeError on failure."""
+    the same sources and compiler is reused once verified (edgelin.ortops.cache). Written to a temporary file
+    first, then renamed into place, so a concurrent or interrupted build never leaves a partial library. Raises
+    OSError/RuntimeError (cache.CacheError: the cache is unusable or its library refused) on failure."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (set CC, or install gcc or clang)")
-    target = out if out is not None else _cache_dir() / _fingerprint(compiler) / LIBRARY
-    if out is None and target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, staged = tempfile.mkstemp(prefix=f".{LIBRARY}.", suffix=".tmp", dir=target.parent)
-    os.close(handle)
+    if out is None:
+        return _cached(compiler)[0]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staged = cache.staged(out.parent, LIBRARY)
     try:
-        command = [*compiler, *_CFLAGS, "-o", staged, *(str(_HERE / s) for s in SOURCES), "-lm"]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            message = " ".join((done.stderr or done.stdout).split())[:300]
-            raise RuntimeError(f"{' '.join(compiler)} failed: {message}")
+        cache.run_compiler(_command(compiler, staged), cache.build_timeout())
         os.chmod(staged, 0o755)
-        os.replace(staged, target)
+        os.replace(staged, out)
     finally:
-        if os.path.exists(staged):
-            os.unlink(staged)
-    return target
+        staged.unlink(missing_ok=True)
+    return out
+
+
+def _cached(compiler: list[str]) -> tuple[Path, str]:
+    """(the cached library, its verified sha256), built here first if it is not there; see cache's docstring."""
+    timeout = cache.build_timeout()
+    where = cache.folder(_fingerprint(compiler))
+    found = _ready(where, timeout)
+    if found is not None:
+        return found
+    with cache.locked(where, timeout + 30):
+        found = _ready(where, timeout)  # another process built it (or failed to) while this one waited
+        if found is not None:
+            return found
+        cache.clean_stale(where)
+        print("progress: compiling edgelin's CPU kernels (once) ...", file=sys.stderr, flush=True)
+        staged = cache.staged(where, LIBRARY)
+        try:
+            try:
+                cache.run_compiler(_command(compiler, staged), timeout)
+            except cache.BuildFailed as exc:
+                cache.record_failure(where, exc, timeout)
+                raise RuntimeError(cache.recorded_failure(where, timeout) or str(exc)) from None
+            os.chmod(staged, 0o700)
+            sha = cache.write_record(where, staged, compiler)  # the record first: a library is never unrecorded
+            os.replace(staged, where / LIBRARY)
+        finally:
+            staged.unlink(missing_ok=True)
+    return where / LIBRARY, sha
+
+
+def _ready(where: Path, timeout: float) -> tuple[Path, str] | None:
+    """The verified library in `where`, or None: a build is due. Raises CacheError (refused) or RuntimeError (an
+    earlier build of this fingerprint failed: not retried)."""
+    found = cache.verified(where, LIBRARY)
+    if found is not None:
+        return found
+    failure = cache.recorded_failure(where, timeout)
+    if failure is not None:
+        raise RuntimeError(failure)
+    return None
 
 
 def locate() -> OpsLibrary:
-    """The library the runner should load, per EDGELIN_ORT_OPS (see the module docstring); never raises."""
+    """The library the runner should load, per EDGELIN_ORT_OPS (see the module docstring); never raises. A path
+    the user names is loaded as it is (their choice); a cached build only once verified (edgelin.ortops.cache)."""
     setting = os.environ.get(ENV, "").strip()
     if setting == "0":
         return OpsLibrary(None, f"{ENV}=0")
     if setting:
         path = Path(setting).expanduser()
         return OpsLibrary(path, f"{ENV}") if path.is_file() else OpsLibrary(None, f"{ENV}={setting}: no such file")
+    compiler = _compiler()
+    if compiler is None:
+        return OpsLibrary(None, "could not build it: no C compiler (set CC, or install gcc or clang)")
     try:
-        return OpsLibrary(build(), "built here")
+        path, sha = _cached(compiler)
+    except cache.CacheError as exc:  # one line of ours, with its fix: shown whole
+        return OpsLibrary(None, str(exc))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return OpsLibrary(None, f"could not build it: {' '.join(str(exc).split())[:200]}")
+        return OpsLibrary(None, f"could not build it: {' '.join(str(exc).split())[:400]}")
+    return OpsLibrary(path, "built here", sha)
 
 
 def kernel_path(library: Path) -> str:
     """Which path the library's kernels take on this CPU (cpu.h): "avx2", "portable" (forced by the tests) or
-    "none" (no AVX2: nothing registered)."""
+    "none" (no AVX2: nothing registered). `library`: one locate() or build() returned (verified, or the user's)."""
     import ctypes
 
     try:
@@ -161,13 +221,24 @@ def kernel_path(library: Path) -> str:
     return entry().decode()
 
 
+def _digest_or_none(path: Path) -> str | None:
+    try:
+        return cache.digest(path)
+    except OSError:
+        return None
+
+
 def register(options: object, found: OpsLibrary | None = None) -> OpsLibrary:
     """Register the library (`found`, else locate()'s) with an onnxruntime.SessionOptions; returns what was loaded
     (or why not). A library ONNX Runtime refuses (wrong architecture, damaged file) is reported, not raised: the
-    export's function bodies then run ONNX Runtime's own ops."""
+    export's function bodies then run ONNX Runtime's own ops. A cached build is checked against its verified
+    sha256 again first (it is loaded by path)."""
     found = locate() if found is None else found
     if found.path is None:
         return found
+    if found.sha256 is not None and _digest_or_none(found.path) != found.sha256:
+        return OpsLibrary(None, f"the cached library {found.path} changed after edgelin verified it, so it was not "
+                                f"loaded: remove its folder (edgelin rebuilds it) or {cache.FIX}")
     try:
         options.register_custom_ops_library(str(found.path))  # type: ignore[attr-defined]
     except Exception as exc:  # onnxruntime's own error types share no base class
