@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import threading
 import time
@@ -271,3 +272,10 @@ def test_a_library_the_user_names_is_their_choice(cached, tmp_path, monkeypatch)
     named.chmod(0o666)
     monkeypatch.setenv(ortops.ENV, str(named))
     assert ortops.locate() == ortops.OpsLibrary(named, ortops.ENV)
+
+
+def test_a_missing_xdg_cache_home_in_an_existing_folder_is_created_private(cached, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))  # the spec: create a missing base, 0700
+    library = ortops.build()
+    assert library.is_relative_to(tmp_path / "fresh" / "edgelin" / "ortops")
+    assert stat.S_IMODE(os.stat(tmp_path / "fresh").st_mode) == 0o700

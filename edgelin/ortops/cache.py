@@ -4,9 +4,10 @@ A cached library is native code that ctypes / ONNX Runtime dlopen (its construct
 the cache is loaded unverified:
 
 - Where: `$XDG_CACHE_HOME/edgelin/ortops/<fingerprint>/` when XDG_CACHE_HOME is an absolute path (a relative one
-  is ignored, as the XDG spec says), else `~/.cache/edgelin/ortops/<fingerprint>/`. The base (XDG_CACHE_HOME, or
-  HOME) must already be a folder: edgelin never creates it (an impossible HOME would otherwise grow a tree), and
-  with no usable base nothing is built. The folders below it are created private (0700).
+  is ignored, as the XDG spec says), else `~/.cache/edgelin/ortops/<fingerprint>/`. HOME must already be a
+  folder, and XDG_CACHE_HOME a folder or a missing one in an existing folder (created 0700, as the spec says):
+  edgelin never creates a tree above it (an impossible HOME would otherwise grow one), and with no usable base
+  nothing is built. The folders below it are created private (0700).
 - Who: the folders edgelin creates under the base and every file in them must be owned by this user, not be
   symbolic links, and not be writable by group or others; anything else is refused, not repaired.
 - What: the build writes `build.json` (the library's sha256 and size, the machine) atomically before it moves the
@@ -78,9 +79,13 @@ def base() -> Path:
     when it is an absolute path, else ~/.cache under a HOME that is already a folder."""
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if os.path.isabs(xdg):
+        if not os.path.isdir(xdg) and os.path.isdir(os.path.dirname(os.path.normpath(xdg))):
+            with contextlib.suppress(FileExistsError):  # XDG: create a missing base 0700, one level only
+                os.mkdir(xdg, 0o700)
         if not os.path.isdir(xdg):
-            raise CacheError(f"no cache folder for the kernels: XDG_CACHE_HOME={xdg} is not a folder (edgelin does "
-                             f"not create it): create it, set XDG_CACHE_HOME to a folder of yours, or {FIX}")
+            raise CacheError(f"no cache folder for the kernels: XDG_CACHE_HOME={xdg} is not a folder and its parent "
+                             f"is none either (edgelin creates one level only): create it, set XDG_CACHE_HOME to a "
+                             f"folder of yours, or {FIX}")
         return Path(xdg)
     home = os.environ.get("HOME") or os.path.expanduser("~")
     if not os.path.isabs(home) or not os.path.isdir(home):
