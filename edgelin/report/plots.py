@@ -22,7 +22,8 @@ def _pyplot() -> Any:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 10, "axes.titlesize": 12, "axes.titleweight": "bold",
+    # text.parse_math off: labels are text from results files (a file `cost_$5_vs_$10.json`), never TeX
+    plt.rcParams.update({"text.parse_math": False, "text.usetex": False, "font.size": 10, "axes.titlesize": 12, "axes.titleweight": "bold",
                          "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 9, "legend.framealpha": 0.9})
     return plt
 
