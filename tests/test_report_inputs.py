@@ -37,7 +37,16 @@ def escaped(field: str) -> str:
     return field.replace("_", "") + ESCAPED
 
 
-def test_text_from_results_files_is_escaped_in_markdown_and_html(tmp_path):
+def _no_plots(monkeypatch, *names: str) -> None:
+    """Skip drawing these plots (seconds each on the CI machine) where a test reads the text only."""
+    from edgelin.report import plots
+
+    for name in names:
+        monkeypatch.setattr(plots, name, lambda *args, **kwargs: False)
+
+
+def test_text_from_results_files_is_escaped_in_markdown_and_html(tmp_path, monkeypatch):
+    _no_plots(monkeypatch, "latency", "memory", "prefill", "parity")
     fields = ("device", "cpu", "os", "runtime", "runtime_version", "command", "target", "precision", "quantization")
     one = bench_result("a" * 64)
     one["environment"].update({key: hostile(key) for key in fields} | {"runner": hostile("runner")})
@@ -67,9 +76,10 @@ def test_text_from_results_files_is_escaped_in_markdown_and_html(tmp_path):
     assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;[click](javascript:alert(1))" in page
 
 
-def test_labels_are_plain_text_and_tell_same_named_files_apart(tmp_path):
+def test_labels_are_plain_text_and_tell_same_named_files_apart(tmp_path, monkeypatch):
     """Two files named `cost_$5_vs_$10.json` in two folders: labelled by their folders; matplotlib draws the
-    `$...$` as text (mathtext failed on it: "internal error")."""
+    `$...$` of the latency plot's legend as text (mathtext failed on it: "internal error")."""
+    _no_plots(monkeypatch, "memory", "prefill")
     name = "cost_$5_vs_$10.json"
     files = []
     for folder in ("x", "y"):
@@ -89,7 +99,8 @@ def test_file_names_tell_files_apart():
     assert file_names(paths) == ["a/x/bench.json", "b/x/bench.json", "c.json", "c.json (2)"]
 
 
-def test_artifacts_sharing_twelve_digits_stay_apart(tmp_path):
+def test_artifacts_sharing_twelve_digits_stay_apart(tmp_path, monkeypatch):
+    _no_plots(monkeypatch, "memory", "prefill")  # the latency plots show the file names
     first, second = "c" * 12 + "0" * 52, "c" * 12 + "1" * 52
     files = [write(tmp_path, "p.json", bench_result(first)), write(tmp_path, "q.json", bench_result(second))]
     result = run("report", *files, "--out", tmp_path / "rep")
@@ -197,13 +208,12 @@ def test_a_file_swapped_for_a_fifo_after_the_check_is_refused_without_blocking(t
         signal.alarm(0)
 
 
-def test_cli_refuses_a_fifo_and_a_device_with_exit_2(tmp_path):
-    """One real process: a FIFO with no writer and /dev/zero, each refused at once with exit 2."""
+def test_cli_refuses_a_fifo_at_once_with_exit_2(tmp_path):
+    """A real process (a hang would be one): a FIFO with no writer is refused, nothing written."""
     fifo = tmp_path / "pipe.json"
     os.mkfifo(fifo)
-    for bad, needle in ((fifo, "is a FIFO"), (Path("/dev/zero"), "is a character device")):
-        proc = subprocess.run([sys.executable, "-m", "edgelin.cli", "report", str(bad), "--out", str(tmp_path / "rep")],
-                              capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
-        assert "Traceback" not in proc.stderr and not (tmp_path / "rep").exists()
+    proc = subprocess.run([sys.executable, "-m", "edgelin.cli", "report", str(fifo), "--out", str(tmp_path / "rep")],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and f"{fifo} is a FIFO" in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["pipe.json"]

@@ -105,10 +105,6 @@ def short_hashes(hashes: list[str]) -> dict[str, str]:
     return {h: h[:width] for h in hashes}
 
 
-def _quantization(env: dict) -> Text:
-    return (", ", User(env["quantization"])) if env.get("quantization") else ""
-
-
 def _intro(results: list[Result], groups: list[Group], short: dict[str, str]) -> list[Block]:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     blocks: list[Block] = [Heading("edgelin report", 1),
@@ -128,7 +124,7 @@ def _intro(results: list[Result], groups: list[Group], short: dict[str, str]) ->
                          _fact(env, "cpu"), _fact(env, "gpu"), _fact(env, "os"),
                          (_fact(env, "runtime"), " ", _fact(env, "runtime_version")),
                          "default" if env.get("threads") is None else str(env.get("threads")),
-                         (_fact(env, "target"), " ", _fact(env, "precision")) + _tuple(_quantization(env)),
+                         _export(env),
                          short[r.artifact], _fact(env, "command")))
     blocks += [Heading("Results"), Table(("file", "kind", "series", "device", "CPU", "GPU", "OS", "runtime",
                                           "threads", "export", "artifact", "command"), tuple(rows))]
@@ -144,8 +140,10 @@ def _count(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
-def _tuple(text: Text) -> tuple:
-    return text if isinstance(text, tuple) else (text,)
+def _export(env: dict) -> tuple[str | User, ...]:
+    """Target, precision and weights' quantisation, as the tables and headings name an export."""
+    weights = (", ", User(env["quantization"])) if env.get("quantization") else ()
+    return (_fact(env, "target"), " ", _fact(env, "precision")) + weights
 
 
 def _section(g: Group, groups: list[Group], short: dict[str, str], folder: Path,
@@ -156,8 +154,7 @@ def _section(g: Group, groups: list[Group], short: dict[str, str], folder: Path,
     first = g.results[0].environment
     blocks: list[Block] = []
     if many:
-        blocks.append(Heading((f"Export {short[g.artifact]} (", _fact(first, "target"), " ",
-                               _fact(first, "precision")) + _tuple(_quantization(first)) + (")",)))
+        blocks.append(Heading((f"Export {short[g.artifact]} (", *_export(first), ")")))
     level = 3 if many else 2
     note = f"artifact {short[g.artifact]}"
     benches, validations = g.of("bench"), g.of("validate")

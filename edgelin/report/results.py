@@ -1,5 +1,6 @@
-"""Reading results files (`edgelin bench --json`, `edgelin validate --json`) for a report: each is checked
-(one EdgelinError line naming the file when it is not edgelin's, truncated or malformed), grouped by the
+"""Reading results files (`edgelin bench --json`, `edgelin validate --json`) for a report: each is checked,
+every field the report reads by JSON type and range (one EdgelinError line naming the file and the field
+when it is not edgelin's, truncated or malformed; inputs.py reads the bytes within limits), grouped by the
 artifact it measured, and labelled by what differs between the results plotted together (threads,
 device, target, ...)."""
 
@@ -30,8 +31,8 @@ MAX_TEXT = 4096  # characters of one name (a CPU model, a command line)
 MAX_NUMBER = 1e15  # beyond any byte count, position, token rate or millisecond figure a run measures
 MAX_INT_DIGITS = 40  # integer literals longer than this are refused (a float holds up to ~1e308)
 MAX_ROWS = 100_000  # positions or metrics of one result
-_SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_POINTS = 1 << 16  # per-step errors of one output (validate records at most 1,024)
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one, from a "\ud800" escape in the JSON
 
 
 @dataclass(frozen=True)
