@@ -172,7 +172,7 @@ HOSTILE_INPUTS = {  # id -> (how the file is made, what the error line says)
     "threads as text": (_edit(bench_result, _env(threads="2")), 'environment.threads is "2"'),
     "device a list": (_edit(bench_result, _env(device=["x"])), 'environment.device is ["x"]'),
     "cpu a lone surrogate": (_edit(bench_result, _env(cpu="\ud800")), "environment.cpu holds an unpaired"),
-    "command of 5000 characters": (_edit(bench_result, _env(command="x" * 5000)), "environment.command is"),
+    "command of 20000 characters": (_edit(bench_result, _env(command="x" * 20_000)), "environment.command is"),
     "UTF-16 without a mark": (_raw(GOOD.encode("utf-16-le")), "NUL characters"),
     "Latin-1": (_raw(GOOD.replace("Test CPU", "Test CPU \xe9").encode("latin-1")), "not UTF-8 text"),
     "a UTF-16 mark, then UTF-8": (_raw(codecs.BOM_UTF16_LE + b'{"a":1}'), "not valid UTF-16"),

@@ -27,7 +27,7 @@ DIFFERENCES = (("device", "device"), ("gpu", "GPU"), ("cpu", "CPU"), ("machine",
 # The environment's text fields (each text or null); threads and artifact are checked on their own.
 TEXTS = ("command", "device", "cpu", "gpu", "os", "machine", "python", "runtime", "runtime_version", "runner",
          "target", "precision", "quantization", "edgelin_version")
-MAX_TEXT = 4096  # characters of one name (a CPU model, a command line)
+MAX_TEXT = 16_384  # characters of one text field (a CPU model; a command line can be long)
 MAX_NUMBER = 1e15  # beyond any byte count, position, token rate or millisecond figure a run measures
 MAX_INT_DIGITS = 40  # integer literals longer than this are refused (a float holds up to ~1e308)
 MAX_ROWS = 100_000  # positions or metrics of one result
