@@ -47,7 +47,7 @@ def report(
 ) -> None:
     """A Markdown report and a self-contained HTML page with plots (latency and memory vs context position
     against the KV-cache baseline, prompt throughput, parity vs step), merging results across runs and devices."""
-    from edgelin.report import PLOTS, write_report
+    from edgelin.report import PLOTS, short_hashes, write_report
 
     with out.progress("writing the report", total=len(PLOTS) + 1) as update:
         summary = write_report(results, out_dir, force,
@@ -55,6 +55,6 @@ def report(
     out.result(summary.to_dict())
     if len(summary.groups) > 1:
         out.line(f"{len(summary.groups)} different exports among the results (artifact hashes "
-                 f"{', '.join(a[:12] for a in summary.groups)}): one section each")
+                 f"{', '.join(short_hashes(list(summary.groups)).values())}): one section each")
     out.line(f"wrote {out_dir}: {', '.join(summary.files)} from {summary.results} result file(s); open "
              f"{out_dir / 'report.html'} in a browser, or read {out_dir / 'report.md'}")

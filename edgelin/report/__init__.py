@@ -9,6 +9,7 @@ report.json lists every file). matplotlib is imported here only (`pip install 'e
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from typing import Callable
 from edgelin import __version__
 from edgelin.errors import EdgelinError
 from edgelin.outputs import OutputKind, claim_output
-from edgelin.report.render import Block, Heading, Image, Paragraph, Table, markdown, page
-from edgelin.report.results import Group, Result, group, load_result
+from edgelin.report.inputs import check_files
+from edgelin.report.render import Block, Heading, Image, Paragraph, Table, Text, User, markdown, page
+from edgelin.report.results import Group, Result, file_names, group, load_result
 
 INDEX = "report.json"
 FORMAT = "edgelin-report"
@@ -61,13 +63,16 @@ def write_report(paths: list[Path], out: Path, force: bool = False,
     if not paths:
         raise EdgelinError("no results files", "a report is made of bench/validate results",
                            "pass files written by `edgelin bench --json` or `edgelin validate --json`")
-    results = [load_result(Path(p)) for p in paths]
+    paths = [Path(p) for p in paths]
+    check_files(paths)  # all of them, by stat, before any is read
+    results = [dataclasses.replace(load_result(p), name=name) for p, name in zip(paths, file_names(paths))]
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
         raise EdgelinError("edgelin report needs matplotlib", "it draws the report's plots",
                            "pip install 'edgelin[report]'")
     groups = group(results)
+    short = short_hashes([g.artifact for g in groups])
     total = len(groups) * len(PLOTS) + 1
     done = 0
 
@@ -78,9 +83,9 @@ def write_report(paths: list[Path], out: Path, force: bool = False,
             on_progress(done, total, what)
 
     with claim_output(out, force, REPORT, protected=[Path(p) for p in paths]) as tmp:
-        blocks = _intro(results, groups)
+        blocks = _intro(results, groups, short)
         for g in groups:
-            blocks += _section(g, groups, tmp, tick)
+            blocks += _section(g, groups, short, tmp, tick)
         (tmp / "report.md").write_text(markdown(blocks))
         (tmp / "report.html").write_text(page(blocks, tmp, "edgelin report"))
         files = sorted(p.name for p in tmp.iterdir())
@@ -91,11 +96,16 @@ def write_report(paths: list[Path], out: Path, force: bool = False,
     return ReportSummary(Path(out), tuple(files + [INDEX]), len(results), tuple(g.artifact for g in groups))
 
 
-def _short(artifact: str) -> str:
-    return artifact[:12]
+def short_hashes(hashes: list[str]) -> dict[str, str]:
+    """Each artifact hash (64 hex digits, checked) shortened to 12 digits, or more where two exports share
+    the first 12: one section and one plot file name per export."""
+    width = 12
+    while len({h[:width] for h in hashes}) < len(hashes):
+        width += 1
+    return {h: h[:width] for h in hashes}
 
 
-def _intro(results: list[Result], groups: list[Group]) -> list[Block]:
+def _intro(results: list[Result], groups: list[Group], short: dict[str, str]) -> list[Block]:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     blocks: list[Block] = [Heading("edgelin report", 1),
                            Paragraph(f"{len(results)} result file(s), written by edgelin {__version__} on {now}. "
@@ -104,36 +114,51 @@ def _intro(results: list[Result], groups: list[Group]) -> list[Block]:
     if len(groups) > 1:
         blocks.append(Paragraph(
             f"These results measure {len(groups)} different exports (artifact hashes "
-            + ", ".join(_short(g.artifact) for g in groups) + "): they are grouped by artifact below, one section "
+            + ", ".join(short[g.artifact] for g in groups) + "): they are grouped by artifact below, one section "
             "each; only results of the same export are plotted together.", note=True))
     rows = []
     for g in groups:
         for r, label in zip(g.results, g.labels):
             env = r.environment
-            rows.append((r.path.name, r.kind, label or "-", env.get("device") or "-", str(env.get("cpu")),
-                         env.get("gpu") or "-", str(env.get("os")), f"{env.get('runtime')} {env.get('runtime_version')}",
+            rows.append((User(r.shown), r.kind, User(label) if label else "-", _fact(env, "device"),
+                         _fact(env, "cpu"), _fact(env, "gpu"), _fact(env, "os"),
+                         (_fact(env, "runtime"), " ", _fact(env, "runtime_version")),
                          "default" if env.get("threads") is None else str(env.get("threads")),
-                         f"{env.get('target')} {env.get('precision')}" + (f", {env['quantization']}"
-                                                                          if env.get("quantization") else ""),
-                         _short(r.artifact), str(env.get("command"))))
+                         _export(env),
+                         short[r.artifact], _fact(env, "command")))
     blocks += [Heading("Results"), Table(("file", "kind", "series", "device", "CPU", "GPU", "OS", "runtime",
                                           "threads", "export", "artifact", "command"), tuple(rows))]
     return blocks
 
 
-def _section(g: Group, groups: list[Group], folder: Path, tick: Callable[[str], None]) -> list[Block]:
+def _fact(env: dict, key: str) -> Text:
+    """An environment fact (text or null, checked) as the tables show it."""
+    return "-" if env.get(key) is None else User(env[key])
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _export(env: dict) -> tuple[str | User, ...]:
+    """Target, precision and weights' quantisation, as the tables and headings name an export."""
+    weights = (", ", User(env["quantization"])) if env.get("quantization") else ()
+    return (_fact(env, "target"), " ", _fact(env, "precision")) + weights
+
+
+def _section(g: Group, groups: list[Group], short: dict[str, str], folder: Path,
+             tick: Callable[[str], None]) -> list[Block]:
     from edgelin.report import plots
 
     many = len(groups) > 1
     first = g.results[0].environment
     blocks: list[Block] = []
     if many:
-        blocks.append(Heading(f"Export {_short(g.artifact)} ({first.get('target')} {first.get('precision')}"
-                              + (f", {first['quantization']}" if first.get("quantization") else "") + ")"))
+        blocks.append(Heading((f"Export {short[g.artifact]} (", *_export(first), ")")))
     level = 3 if many else 2
-    note = f"artifact {_short(g.artifact)}"
+    note = f"artifact {short[g.artifact]}"
     benches, validations = g.of("bench"), g.of("validate")
-    suffix = f"-{_short(g.artifact)}" if many else ""
+    suffix = f"-{short[g.artifact]}" if many else ""  # checked hex digits: never a file's text
     for name, draw, title, table in (
             ("latency", plots.latency, "Per-token latency vs context position", _latency_table),
             ("memory", plots.memory, "Memory vs context position", _memory_table),
@@ -157,9 +182,9 @@ def _section(g: Group, groups: list[Group], folder: Path, tick: Callable[[str], 
     return blocks
 
 
-def _series_name(model: str, label: str) -> str:
-    base = "KV-cache baseline" if model == "kv-baseline" else model
-    return f"{base} ({label})" if label else base
+def _series_name(model: str, label: str) -> Text:
+    base = "KV-cache baseline" if model == "kv-baseline" else User(model)
+    return (base, " (", User(label), ")") if label else base
 
 
 def _latency_table(benches: list[tuple[Result, str]]) -> Table:
@@ -177,7 +202,7 @@ def _memory_table(benches: list[tuple[Result, str]]) -> Table:
 
 
 def _prefill_table(benches: list[tuple[Result, str]]) -> Table | None:
-    rows = [(_series_name(model, label), str(result.data.get("prefill_tokens")), f"{tps:,.0f}",
+    rows = [(_series_name(model, label), _count(result.data.get("prefill_tokens")), f"{tps:,.0f}",
              f"{result.data['steps_tokens_per_s'].get(model, 0):,.0f}",
              f"{tps / max(result.data['steps_tokens_per_s'].get(model, 0), 1e-9):.1f}x")
             for result, label in benches for model, tps in result.data.get("prefill_tokens_per_s", {}).items()]
@@ -191,9 +216,10 @@ def _validate_table(validations: list[tuple[Result, str]]) -> Table:
         worst = max(metrics, key=lambda m: float(m["max_rel"]), default=None)
         quality = data.get("quality") or {}
         change = quality.get("perplexity_change")
-        rows.append((label or result.path.name, str(data.get("against")), f"{data.get('steps')}",
+        rows.append((User(label or result.shown), _fact(data, "against"), _count(data.get("steps")),
                      f"{sum(m['passed'] for m in metrics)}/{len(metrics)}",
-                     "-" if worst is None else f"{float(worst['max_rel']):.2e} ({worst['check']}/{worst['output']})",
+                     "-" if worst is None else (f"{float(worst['max_rel']):.2e} (", User(worst["check"]), "/",
+                                                User(worst["output"]), ")"),
                      f"{data.get('threshold'):g}" if isinstance(data.get("threshold"), (int, float)) else "-",
                      "-" if quality.get("top1") is None else f"{quality['top1']:.2%}",
                      "-" if change is None else f"{change:+.2%}",

@@ -4,9 +4,11 @@ solid; the KV-cache baseline is grey and dashed, so it reads as the reference at
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
+from edgelin.output import escape_controls
 from edgelin.report.results import Result
 
 DPI = 110
@@ -14,6 +16,7 @@ SIZE = (8.0, 4.6)
 BASELINE = "kv-baseline"
 GREYS = ("0.45", "0.65", "0.3", "0.75")
 MARKERS = ("o", "s", "^", "D", "v", "P")
+LABEL_CHARS = 80  # of a legend entry from a results file (the tables give it whole)
 
 
 def _pyplot() -> Any:
@@ -22,14 +25,21 @@ def _pyplot() -> Any:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 10, "axes.titlesize": 12, "axes.titleweight": "bold",
+    # text.parse_math off: labels are text from results files (a file `cost_$5_vs_$10.json`), never TeX
+    plt.rcParams.update({"text.parse_math": False, "text.usetex": False, "font.size": 10, "axes.titlesize": 12, "axes.titleweight": "bold",
                          "axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 9, "legend.framealpha": 0.9})
     return plt
 
 
+def _text(text: str) -> str:
+    """Text from a results file as a plot shows it: control characters escaped (no font has them), cut short."""
+    flat = escape_controls(text)
+    return flat if len(flat) <= LABEL_CHARS else flat[:LABEL_CHARS - 1] + "\u2026"
+
+
 def _name(model: str, label: str) -> str:
-    base = "KV-cache baseline" if model == BASELINE else ("edgelin" if model == "edgelin" else model)
-    return f"{base} ({label})" if label else base
+    base = "KV-cache baseline" if model == BASELINE else _text(model)
+    return f"{base} ({_text(label)})" if label else base
 
 
 def _series(benches: list[tuple[Result, str]]) -> list[tuple[str, str, int, list[dict]]]:
@@ -66,7 +76,9 @@ def _unit(values: list[float]) -> tuple[float, str]:
 def _finish(plt: Any, fig: Any, path: Path, note: str, bottom: float = 0.0) -> None:
     if note:
         fig.text(0.99, 0.01, note, ha="right", va="bottom", fontsize=7, color="0.4")
-    fig.tight_layout(rect=(0, bottom or (0.03 if note else 0), 1, 1))
+    with warnings.catch_warnings():  # long labels: savefig's bbox_inches="tight" still fits them in
+        warnings.filterwarnings("ignore", "Tight layout not applied")
+        fig.tight_layout(rect=(0, bottom or (0.03 if note else 0), 1, 1))
     fig.savefig(path, dpi=DPI, bbox_inches="tight")
     plt.close(fig)
 
@@ -186,7 +198,7 @@ def parity(validations: list[tuple[Result, str]], path: Path, note: str = "") ->
             width = series["steps_per_point"]
             ax.plot([i * width for i in range(len(series["max_rel"]))], [max(v, floor) for v in series["max_rel"]],
                     color=f"C{index % 10}", linestyle=style, linewidth=1.4,
-                    label=f"{output}" + (f" ({label})" if label else ""))
+                    label=output + (f" ({_text(label)})" if label else ""))
         thresholds.add(result.data.get("threshold"))
     for threshold in sorted(t for t in thresholds if t):
         ax.axhline(threshold, color="red", linestyle=":", linewidth=1.5, label=f"threshold {threshold:g}")

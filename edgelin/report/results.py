@@ -1,18 +1,21 @@
-"""Reading results files (`edgelin bench --json`, `edgelin validate --json`) for a report: each is checked
-(one EdgelinError line naming the file when it is not edgelin's, truncated or malformed), grouped by the
+"""Reading results files (`edgelin bench --json`, `edgelin validate --json`) for a report: each is checked,
+every field the report reads by JSON type and range (one EdgelinError line naming the file and the field
+when it is not edgelin's, truncated or malformed; inputs.py reads the bytes within limits), grouped by the
 artifact it measured, and labelled by what differs between the results plotted together (threads,
 device, target, ...)."""
 
 from __future__ import annotations
 
 import json
-import math
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edgelin.environment import RESULT_FORMAT, RESULT_VERSION
 from edgelin.errors import EdgelinError
+from edgelin.report.inputs import read_text
 
 KINDS = ("bench", "validate")
 FIX = "pass the JSON files that `edgelin bench --json` or `edgelin validate --json` wrote (this edgelin version)"
@@ -21,6 +24,15 @@ DIFFERENCES = (("device", "device"), ("gpu", "GPU"), ("cpu", "CPU"), ("machine",
                ("python", "Python"), ("runtime", "runtime"), ("runtime_version", "runtime"), ("runner", "runner"),
                ("target", "target"), ("precision", "precision"), ("quantization", "weights"),
                ("threads", "threads"), ("batch", "batch"), ("edgelin_version", "edgelin"))
+# The environment's text fields (each text or null); threads and artifact are checked on their own.
+TEXTS = ("command", "device", "cpu", "gpu", "os", "machine", "python", "runtime", "runtime_version", "runner",
+         "target", "precision", "quantization", "edgelin_version")
+MAX_TEXT = 16_384  # characters of one text field (a CPU model; a command line can be long)
+MAX_NUMBER = 1e15  # beyond any byte count, position, token rate or millisecond figure a run measures
+MAX_INT_DIGITS = 40  # integer literals longer than this are refused (a float holds up to ~1e308)
+MAX_ROWS = 100_000  # positions or metrics of one result
+MAX_POINTS = 1 << 16  # per-step errors of one output (validate records at most 1,024)
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one, from a "\ud800" escape in the JSON
 
 
 @dataclass(frozen=True)
@@ -29,6 +41,11 @@ class Result:
     kind: str  # "bench" or "validate"
     environment: dict[str, Any]
     data: dict[str, Any]
+    name: str = ""  # how the report names the file: see file_names (default: the file's name)
+
+    @property
+    def shown(self) -> str:
+        return self.name or self.path.name
 
     @property
     def artifact(self) -> str:
@@ -54,18 +71,11 @@ class Group:
 
 
 def load_result(path: Path) -> Result:
+    """One results file, checked field by field (inputs.check_files has checked its type and size)."""
     path = Path(path)
+    text = read_text(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise EdgelinError(f"results file {path} does not exist", "edgelin report reads the files it is given",
-                           "check the path") from None
-    except IsADirectoryError:
-        raise EdgelinError(f"results file {path} is a folder", "a result is one JSON file", FIX) from None
-    except UnicodeDecodeError:
-        raise EdgelinError(f"{path} is not an edgelin result", "it is not UTF-8 text (a binary file?)", FIX) from None
-    try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=_parse_int)
     except RecursionError:  # json's parser recurses once per nesting level
         raise EdgelinError(f"{path} is not a readable result", "its JSON is nested too deeply to parse", FIX) from None
     except json.JSONDecodeError as exc:
@@ -79,21 +89,54 @@ def load_result(path: Path) -> Result:
                            f"{RESULT_FORMAT!r} (bench --json and validate --json write one since format version 1)",
                            FIX)
     version = env.get("format_version")
-    if not isinstance(version, int) or version > RESULT_VERSION:
-        raise EdgelinError(f"{path} has result format version {version!r}",
-                           f"this edgelin reads versions up to {RESULT_VERSION}", "upgrade edgelin, or re-run "
+    if type(version) is int and version > RESULT_VERSION:  # type(): a bool is an int to isinstance
+        raise EdgelinError(f"{path} has result format version {version}",
+                           f"this edgelin reads versions 1 to {RESULT_VERSION}", "upgrade edgelin, or re-run "
                            "bench/validate with this version")
+    if type(version) is not int or version < 1:
+        versions = "1" if RESULT_VERSION == 1 else f"a whole number from 1 to {RESULT_VERSION}"
+        raise EdgelinError(f"results file {path} is malformed", f"environment.format_version is {_brief(version)}, "
+                           f"expected {versions}", FIX)
     try:
         _check(env, data)
     except (KeyError, TypeError, ValueError) as exc:
-        raise EdgelinError(f"results file {path} is malformed", f"{type(exc).__name__}: {exc}", FIX) from None
+        why = f"{exc.args[0]} is missing" if isinstance(exc, KeyError) else str(exc)
+        raise EdgelinError(f"results file {path} is malformed", why, FIX) from None
     return Result(path, env["kind"], env, data)
 
 
-def _number(value: Any, what: str, least: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < least:
-        raise ValueError(f"{what} is {_brief(value)}, expected a finite number >= {least:g}")
+class _BigInt:
+    """An integer literal beyond MAX_INT_DIGITS digits, kept as its text: no float holds it and Python's
+    int-from-text limit (4,300 digits) would stop the parse without saying where; the field check names it."""
+
+    def __init__(self, digits: str):
+        self.digits = digits
+
+
+def _parse_int(text: str) -> int | _BigInt:
+    return int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else _BigInt(text)
+
+
+def _brief(value: Any, limit: int = 60) -> str:
+    """A value from the file as short JSON: the error line names it, never dumps a whole entry."""
+    if isinstance(value, _BigInt):
+        return f"an integer of {len(value.digits.lstrip('-')):,} digits"
+    text = json.dumps(value, default=lambda v: f"<integer of {len(v.digits):,} digits>")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _number(value: Any, what: str, least: float = 0.0, most: float = MAX_NUMBER) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not least <= value <= most:
+        raise ValueError(f"{what} is {_brief(value)}, expected a finite number from {least:g} to {most:g}")
     return float(value)
+
+
+def _count(value: Any, what: str, least: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if type(value) is not int or not least <= value <= MAX_NUMBER:
+        raise ValueError(f"{what} is {_brief(value)}, expected {'null or ' if optional else ''}a whole number "
+                         f"from {least} to {MAX_NUMBER:g}")
 
 
 def _real(value: Any, what: str) -> None:
@@ -102,24 +145,43 @@ def _real(value: Any, what: str) -> None:
         raise ValueError(f"{what} is {_brief(value)}, expected a number")
 
 
+def _text(value: Any, what: str, optional: bool = True) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or len(value) > MAX_TEXT:
+        raise ValueError(f"{what} is {_brief(value)}, expected {'null or ' if optional else ''}text of at most "
+                         f"{MAX_TEXT:,} characters")
+    if _SURROGATE.search(value):  # "\ud800" in JSON: no UTF-8 file can hold it
+        raise ValueError(f"{what} holds an unpaired UTF-16 surrogate ({_brief(value)}), which is not Unicode text")
+
+
 def _kind(value: Any, kind: type, what: str, wanted: str) -> None:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(f"{what} is {_brief(value)}, expected {wanted}")
 
 
-def _brief(value: Any, limit: int = 60) -> str:
-    """A value from the file as short JSON: the error line names it, never dumps a whole entry."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+def _key(name: str) -> str:
+    """A name from the file (a series, an output) as the error line shows it: short."""
+    return name if len(name) <= 40 else name[:37] + "..."
+
+
+def _items(value: Any, what: str, most: int) -> None:
+    _kind(value, list, what, "a list")
+    if len(value) > most:
+        raise ValueError(f"{what} holds {len(value):,} entries, more than the {most:,} a result holds")
 
 
 def _check(env: dict[str, Any], data: dict[str, Any]) -> None:
-    """Every field a report reads, with its JSON type: ValueError naming the field otherwise (KeyError for
-    a missing one)."""
+    """Every field a report reads, by JSON type and range: ValueError naming the field otherwise (KeyError
+    for a missing one)."""
     if env.get("kind") not in KINDS:
-        raise ValueError(f"kind {_brief(env.get('kind'))} is not one of {', '.join(KINDS)}")
-    if not isinstance(env.get("artifact"), str) or not env["artifact"]:
-        raise ValueError("environment.artifact is missing")
+        raise ValueError(f"environment.kind is {_brief(env.get('kind'))}, expected one of {', '.join(KINDS)}")
+    if not isinstance(env.get("artifact"), str) or not re.fullmatch(r"[0-9a-f]{64}", env["artifact"]):
+        raise ValueError(f"environment.artifact is {_brief(env.get('artifact'))}, expected a sha256 "
+                         "(64 lowercase hex digits)")
+    for key in TEXTS:
+        _text(env.get(key), f"environment.{key}")
+    _count(env.get("threads"), "environment.threads", 1, optional=True)
     if env["kind"] == "bench":
         _check_bench(data)
     else:
@@ -128,29 +190,43 @@ def _check(env: dict[str, Any], data: dict[str, Any]) -> None:
 
 def _check_bench(data: dict[str, Any]) -> None:
     rows = data["positions"]
-    if not isinstance(rows, list) or not rows:
-        raise ValueError(f"positions is {_brief(rows)}, expected a non-empty list")
+    _items(rows, "positions", MAX_ROWS)
+    if not rows:
+        raise ValueError("positions is [], expected a non-empty list")
+    _count(data.get("batch"), "batch", 1, optional=True)
+    _count(data.get("prefill_tokens"), "prefill_tokens", 0, optional=True)
     for i, row in enumerate(rows):
         _kind(row, dict, f"positions[{i}]", "an object")
-        _kind(row.get("model"), str, f"positions[{i}].model", "a string")
-        _number(row["position"], f"positions[{i}].position", 1)
+        _text(row.get("model"), f"positions[{i}].model", optional=False)
+        _count(row["position"], f"positions[{i}].position", 1)
         for key in ("p50_ms", "p90_ms", "p99_ms", "state_bytes", "rss_bytes"):
             _number(row[key], f"positions[{i}].{key}")
     for key in ("prefill_tokens_per_s", "steps_tokens_per_s"):
         _kind(data.get(key, {}), dict, key, "an object (series -> tokens per second)")
         for label, value in data.get(key, {}).items():
-            _number(value, f"{key}.{label}")
+            _text(label, f"a series name in {key}", optional=False)
+            _number(value, f"{key}.{_key(label)}")
     if data.get("prefill_tokens_per_s") and "steps_tokens_per_s" not in data:  # the report sets them side by side
         raise ValueError("steps_tokens_per_s is missing (prefill_tokens_per_s is there)")
 
 
 def _check_validate(data: dict[str, Any]) -> None:
-    _kind(data["metrics"], list, "metrics", "a list")
+    _items(data["metrics"], "metrics", MAX_ROWS)
     for i, metric in enumerate(data["metrics"]):
         _kind(metric, dict, f"metrics[{i}]", "an object")
-        if not isinstance(metric.get("check"), str) or not isinstance(metric.get("passed"), bool):
-            raise ValueError(f"metrics[{i}] has no check name or verdict")
+        _text(metric.get("check"), f"metrics[{i}].check", optional=False)
+        _text(metric.get("output"), f"metrics[{i}].output", optional=False)
+        _kind(metric.get("passed"), bool, f"metrics[{i}].passed", "true or false")
         _real(metric["max_rel"], f"metrics[{i}].max_rel")
+    _kind(data["passed"], bool, "passed", "true or false")
+    _text(data.get("against"), "against")
+    _count(data.get("steps"), "steps", 0, optional=True)
+    if data.get("threshold") is not None:
+        _number(data["threshold"], "threshold")
+    if data.get("batches") is not None:
+        _items(data["batches"], "batches", MAX_ROWS)
+        for i, batch in enumerate(data["batches"]):
+            _count(batch, f"batches[{i}]", 1)
     quality = data.get("quality")
     if quality is not None:
         _kind(quality, dict, "quality", "an object or null")
@@ -160,11 +236,12 @@ def _check_validate(data: dict[str, Any]) -> None:
     step_errors = data.get("step_errors") or {}
     _kind(step_errors, dict, "step_errors", "an object")
     for output, series in step_errors.items():
-        _kind(series, dict, f"step_errors.{output}", "an object")
-        _number(series["steps_per_point"], f"step_errors.{output}.steps_per_point", 1)
-        _kind(series["max_rel"], list, f"step_errors.{output}.max_rel", "a list of numbers")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in series["max_rel"]):
-            raise ValueError(f"step_errors.{output}.max_rel holds a non-number")
+        where = f"step_errors.{_key(output)}"
+        _kind(series, dict, where, "an object")
+        _count(series["steps_per_point"], f"{where}.steps_per_point", 1)
+        _items(series["max_rel"], f"{where}.max_rel", MAX_POINTS)
+        for i, value in enumerate(series["max_rel"]):
+            _real(value, f"{where}.max_rel[{i}]")
 
 
 def group(results: list[Result]) -> list[Group]:
@@ -192,8 +269,26 @@ def labels(results: list[Result]) -> list[str]:
             seen[out[i]] = seen.get(out[i], 0) + 1
         for i in index:
             if not out[i] or seen[out[i]] > 1:
-                out[i] = (out[i] + ", " if out[i] else "") + results[i].path.name
+                out[i] = (out[i] + ", " if out[i] else "") + results[i].shown
     return out
+
+
+def file_names(paths: list[Path]) -> list[str]:
+    """How the report names each file: its name, with as many parent folders as tell it apart from the
+    other files (`a/bench.json`, `b/bench.json`); a file given twice gets ` (2)` the second time."""
+    parts = [Path(os.path.abspath(p)).parts for p in paths]
+    names = []
+    for mine in parts:
+        depth = 1
+        while depth < len(mine) and any(other != mine and other[-depth:] == mine[-depth:] for other in parts):
+            depth += 1
+        names.append("/".join(mine[-depth:]))
+    seen: dict[tuple[str, ...], int] = {}
+    for i, mine in enumerate(parts):
+        seen[mine] = seen.get(mine, 0) + 1
+        if seen[mine] > 1:
+            names[i] += f" ({seen[mine]})"
+    return names
 
 
 def _show(value: Any) -> str:
