@@ -16,8 +16,8 @@ each 2-D parameter or buffer of the model takes the rows that match it within ha
 found by value, so fused matmuls (several modules' weights side by side), transposed heads and tied
 tables need no name bookkeeping. One tie is split: a table whose rows are not a whole number of blocks stays
 float in the graphs while the LM head tied to it is quantised, so the reference's head takes the dequantised rows
-and its embedding keeps the float ones (_untie_products). What stays between this reference and the artifact is the runtime's
-own arithmetic (MatMulNBits at accuracy_level 4 also rounds activations to int8 blocks: measured on
+and its embedding keeps the float ones (_untie_products). What stays between this reference and the artifact is
+the runtime's own arithmetic (MatMulNBits at accuracy_level 4 also rounds activations to int8 blocks: measured on
 that Mamba2, 0.013 of the logits' scale and 0.045 of the states').
 
 Export-side module (torch and onnx are imported inside its functions); the replay on a device reads
