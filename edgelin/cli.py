@@ -140,8 +140,8 @@ def export(
         None, "--text", help="Held-out UTF-8 text for the recorded quality figures (perplexity; default: the "
                              "recipe's validation split)."),
     block_size: Optional[int] = typer.Option(None, "--block-size",
-                                             help="Weights per quantisation block with --quantize (a power of "
-                                                  "two >= 16) [32]."),
+                                             help="Weights per quantisation block with --quantize int8/int4: "
+                                                  "16, 32, 64, 128 or 256 (32: edgelin's own kernels) [32]."),
     no_tokenizer: bool = typer.Option(False, "--no-tokenizer",
                                       help="Export without a tokenizer (generate will then need one)."),
     baseline: Optional[Baseline] = typer.Option(

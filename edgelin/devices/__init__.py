@@ -36,6 +36,11 @@ PRECISIONS = ("fp32", "fp16")
 # weight-only quantisation (--quantize; fp16: float16 weight storage, float32 arithmetic); the state and recurrence
 # stay float
 QUANTIZE = ("int8", "int4", "fp16")
+# --block-size with --quantize int8/int4: ONNX Runtime's quantiser packs every weight with MLAS's
+# MlasQuantizeBlockwise, which takes blocks of 16 to 256 weights (512 and up: "unsupported block size", after the
+# whole trace), and MatMulNBits and GatherBlockQuantized take powers of two >= 16. edgelin's own 4- and 8-bit
+# kernels (edgelin.ortops) take block 32; the other sizes run on ONNX Runtime's MatMulNBits.
+BLOCK_SIZES = (16, 32, 64, 128, 256)
 STATE_DTYPES = ("float32", "float16")
 TARGETS = ("onnx", "tensorrt", "coreml")  # implemented or planned; the registry says which exist
 SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackwell (12.0)
@@ -304,9 +309,10 @@ def export_settings(profile: DeviceProfile | None, target_name: str, precision_f
         raise EdgelinError(f"--quantize {quantize}", f"weight quantisation must be one of: {', '.join(QUANTIZE)}"
                            + _closest(quantize, QUANTIZE), "pass --quantize int8, int4 or fp16")
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int)
-                                   or block_size < 16 or block_size & (block_size - 1)):
-        raise EdgelinError(f"--block-size {block_size}", "a quantisation block is a power of two >= 16 weights",
-                           "pass --block-size 32 (or 16, 64, 128)")
+                                   or block_size not in BLOCK_SIZES):
+        raise EdgelinError(f"--block-size {block_size}", "ONNX Runtime's block quantiser takes blocks of "
+                           f"{', '.join(map(str, BLOCK_SIZES))} weights (32: edgelin's own 4- and 8-bit kernels)",
+                           f"pass --block-size 32 (or {', '.join(str(b) for b in BLOCK_SIZES if b != 32)})")
     if precision_flag is not None and precision_flag not in PRECISIONS:
         raise EdgelinError(f"--precision {precision_flag}", f"precision must be one of: {', '.join(PRECISIONS)}"
                            + _closest(precision_flag, PRECISIONS), "pass --precision fp32 or --precision fp16")

@@ -14,8 +14,10 @@ The second reference is built here: every quantised tensor of the graphs (MatMul
 GatherBlockQuantized tables, --quantize fp16's float16 weights and tables) is unpacked to float in numpy, and
 each 2-D parameter or buffer of the model takes the rows that match it within half a quantisation step (round-to-nearest's bound),
 found by value, so fused matmuls (several modules' weights side by side), transposed heads and tied
-tables need no name bookkeeping. What stays between this reference and the artifact is the runtime's
-own arithmetic (MatMulNBits at accuracy_level 4 also rounds activations to int8 blocks: measured on
+tables need no name bookkeeping. One tie is split: a table whose rows are not a whole number of blocks stays
+float in the graphs while the LM head tied to it is quantised, so the reference's head takes the dequantised rows
+and its embedding keeps the float ones (_untie_products). What stays between this reference and the artifact is
+the runtime's own arithmetic (MatMulNBits at accuracy_level 4 also rounds activations to int8 blocks: measured on
 that Mamba2, 0.013 of the logits' scale and 0.045 of the states').
 
 Export-side module (torch and onnx are imported inside its functions); the replay on a device reads
@@ -27,7 +29,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -73,27 +75,57 @@ def _codes(packed: np.ndarray, rows: int, bits: int) -> np.ndarray:
     return np.stack([packed & 0x0F, packed >> 4], -1).reshape(rows, -1) if bits == 4 else packed
 
 
-def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
-    """Every quantised tensor the graphs read, unpacked (each distinct initializer once)."""
+def _graph(folder: Path, file: str) -> tuple[Any, dict[str, Any], Callable[[str], np.ndarray]]:
+    """(graph, its initializers by name, name -> array): the graphs share one weights file, so each tensor's bytes
+    are read only when asked for."""
     import onnx
     from onnx import numpy_helper
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    graph = onnx.load(str(Path(folder) / file), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+
+    def array(name: str) -> np.ndarray:
+        tensor = inits[name]
+        if uses_external_data(tensor):
+            load_external_data_for_tensor(tensor, str(folder))
+        return numpy_helper.to_array(tensor)
+
+    return graph, inits, array
+
+
+def float_lookups(folder: Path, graph_files: list[str]) -> list[np.ndarray]:
+    """The embedding tables the graphs look rows up in unquantised: 2-D float initializers plain Gathers read on
+    axis 0 (each once). A table whose rows are not a whole number of blocks stays float (edgelin.export.quantize)
+    while the LM head tied to it is quantised: the reference must then look its rows up in the float table too."""
+    import onnx
+
+    from edgelin.export.quantize import half_tables
+
+    found: dict[str, np.ndarray] = {}
+    for file in graph_files:
+        graph, inits, array = _graph(folder, file)
+        halves = half_tables(graph)  # --quantize fp16's tables: quantised ones (read_quantized)
+        for node in graph.node:
+            name = node.input[0] if node.domain == "" and node.op_type == "Gather" and node.input else None
+            tensor = inits.get(name) if name and name not in halves and name not in found else None
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if tensor is not None and len(tensor.dims) == 2 and axis == 0 \
+                    and tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                found[name] = array(name)
+    return list(found.values())
+
+
+def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
+    """Every quantised tensor the graphs read, unpacked (each distinct initializer once)."""
+    import onnx
 
     from edgelin.export.panels import F16_OP, panel_columns, unpack_panels
     from edgelin.export.quantize import QUANTIZED_OPS, half_tables
 
     found: dict[str, Dequantized] = {}
     for file in graph_files:
-        # The graphs share one weights file: read each tensor's bytes only when it is first needed.
-        graph = onnx.load(str(Path(folder) / file), load_external_data=False).graph
-        inits = {t.name: t for t in graph.initializer}
-
-        def array(name: str) -> np.ndarray:
-            tensor = inits[name]
-            if uses_external_data(tensor):
-                load_external_data_for_tensor(tensor, str(folder))
-            return numpy_helper.to_array(tensor)
-
+        graph, inits, array = _graph(folder, file)
         tables = half_tables(graph)
         for node in graph.node:
             half = node.input[1] if node.op_type == F16_OP else node.input[0] if node.op_type == "Gather" \
@@ -161,11 +193,34 @@ class Account:
                 "unmatched_rows": self.unmatched_rows, "total_rows": self.total_rows}
 
 
+def _same_table(param: np.ndarray, table: np.ndarray) -> bool:
+    """`table` is `param` stored float (in the graph's dtype: float16 graphs hold float16 tables)."""
+    return table.shape == param.shape and np.array_equal(param.astype(table.dtype), table)
+
+
+def _untie_products(model: "CausalLM", weight: Any, dequantized: Any) -> list[str]:
+    """The artifact looks `weight`'s rows up in a float copy but multiplies by its quantised copy (a table tied to
+    the LM head whose rows are not a whole number of blocks: edgelin.export.quantize): every module but the
+    embeddings that holds `weight` gets its own parameter with the `dequantized` values; the embeddings keep the
+    float one. Returns the parameters given the dequantised values."""
+    import torch
+
+    untied = []
+    for module_name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        for attr, held in list(module.named_parameters(recurse=False)):
+            if held is weight:
+                setattr(module, attr, torch.nn.Parameter(dequantized.clone(), requires_grad=held.requires_grad))
+                untied.append(f"{module_name}.{attr}" if module_name else attr)
+    return untied
+
+
 def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str]) -> tuple["CausalLM", Account]:
     """A copy of `model` whose weights are the export's dequantised ones (the model is left as it is)."""
     import torch
 
-    tensors = read_quantized(folder, graph_files)
+    tensors, lookups = read_quantized(folder, graph_files), float_lookups(folder, graph_files)
     twin = copy.deepcopy(model)
     covered = [np.zeros(t.rows.shape[0], bool) for t in tensors]
     replaced = []
@@ -181,8 +236,13 @@ def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str])
                     rows = slice(offset, offset + param.shape[0])
                     covered[index][rows] = True
                     found = tensor.rows[rows] if found is None else found
-            if found is not None:
-                value.copy_(torch.from_numpy(np.ascontiguousarray(found)).to(value.dtype))
+            if found is None:
+                continue
+            dequantized = torch.from_numpy(np.ascontiguousarray(found)).to(value.dtype)
+            if any(_same_table(param, table) for table in lookups):  # looked up float, multiplied quantised
+                replaced.extend(_untie_products(twin, value, dequantized))
+            else:
+                value.copy_(dequantized)
                 replaced.append(name)
     total = sum(len(c) for c in covered)
     return twin.eval(), Account(tuple(replaced), total - int(sum(c.sum() for c in covered)), total)

@@ -266,8 +266,12 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
     if scheme not in (*BITS, HALF):
         raise EdgelinError(f"weight quantisation {scheme!r}", f"edgelin quantises to {', '.join((*BITS, HALF))}",
                            "pass --quantize int8, int4 or fp16")
+    from edgelin.devices import BLOCK_SIZES
     from edgelin.export.fuse_matmuls import FUSED_MODULES
 
+    if scheme in BITS and block_size not in BLOCK_SIZES:  # export_settings refuses it first, from the command line
+        raise EdgelinError(f"block size {block_size}", f"ONNX Runtime's block quantiser takes blocks of "
+                           f"{', '.join(map(str, BLOCK_SIZES))} weights", "pass --block-size 32")
     if scheme == HALF:
         proto = onnx.load(str(path))
         _float16_weights(proto, embeddings)
