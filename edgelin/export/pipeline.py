@@ -82,14 +82,16 @@ def check_cache_capacity(model: CausalLM, target: str, settings: ExportSettings,
     """A fixed-capacity KV cache (`--kv-cache static --context N`) must hold the longest sequence the export's
     own checks feed it: `edgelin validate DIR` replays the recorded reference vectors and measures the quality
     figures (reference_vectors.positions_needed: 527 tokens), and an fp16/quantised export runs the same figures
-    as its quality gate. A shorter cache would write an export that cannot validate itself: refused before
-    anything is traced, naming the least --context that works."""
+    as its quality gate. A shorter cache would write an export that cannot validate itself, and a larger one than
+    this machine's memory or ONNX's protobuf limit holds (edgelin.export.static_cache) would fail minutes into the
+    export: both refused before anything is traced, naming the --context that works."""
     from edgelin.export import reference_vectors
+    from edgelin.export.static_cache import check_static_cache_size
 
     capacity = getattr(options, "context", None) if getattr(options, "kv_cache", None) == "static" else None
     if capacity is None:
         return
-    from edgelin.export.onnx_target import check_static_cache
+    from edgelin.export.onnx_target import KV_DTYPES, check_static_cache
 
     check_static_cache(model, target, settings)  # its own refusals first (wrong target, no growing cache)
     need = reference_vectors.positions_needed()
@@ -99,6 +101,9 @@ def check_cache_capacity(model: CausalLM, target: str, settings: ExportSettings,
                            f"validate DIR` replays, and the fp16/quantised quality gate) feed one sequence up to "
                            f"{need} tokens, more than a {capacity}-token cache holds",
                            f"pass --context {need} or more (the longest sequence the export will hold)")
+    # (options are OnnxOptions here: check_static_cache refused every other target)
+    check_static_cache_size(model.config, capacity, KV_DTYPES[options.kv_dtype],
+                            rotary_tables=options.step_ops != "standard", least=need)
 
 
 def export_phases(baselines: Sequence[str] = (), serve: str | None = None) -> list[str]:
