@@ -149,12 +149,17 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                            f"pass {target.options_type.__name__}(...) or no options")
     settings = settings or export_settings(device, target.name)
     check_cache_capacity(model, target.name, settings, options)
+    serve_warning = None
     if serve is not None:
         from edgelin.export.graphs import graph_io as _io
-        from edgelin.serve.triton import check_server, check_servable
+        from edgelin.serve.triton import check_config, check_server, check_servable
 
         check_server(serve)
         check_servable([t for t in _io(model, "step", settings.state_dtype)[0] if t.role == "state"], target.name)
+        # the config.pbtxt it will write, parsed with Triton's schema before anything is written
+        serve_warning = check_config(build_manifest(model, target.name, settings.precision,
+                                                    {kind: f"{kind}.onnx" for kind in GRAPHS}, source, None,
+                                                    settings.state_dtype), device)
     if not getattr(target, "pads_state_dims", False):  # Core ML pads the state instead of refusing
         check_state_dims(model.state_tensors(), settings)
     from edgelin.precision import check_state_dtype
@@ -190,7 +195,8 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         # fp16/quantised exports: the artifact's top-1 and perplexity vs fp32, refused unless --force
         phase("checking quality")
         gate = check_export_quality(model, tmp, manifest, settings)
-        warnings = (gate.warning(),) if gate is not None and not gate.passed else ()
+        warnings = ((gate.warning(),) if gate is not None and not gate.passed else ()) + \
+            ((serve_warning,) if serve_warning else ())
         if baselines:
             phase("exporting baselines")
         written = baseline_exports.export_baselines(model, tmp, baselines, lambda m, o: export_model(
