@@ -20,7 +20,7 @@ from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.export.manifest import MANIFEST, GraphEntry, Manifest
 from edgelin.export.targets import get_target
 from edgelin.model.lm import CausalLM
-from edgelin.outputs import EXPORT, check_output, claim_output
+from edgelin.outputs import EXPORT, check_output, claim_output, files_below
 
 
 @dataclass(frozen=True)
@@ -212,9 +212,9 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         if state_precision:  # the verdicts the state dtype was checked against (failing ones too under --force)
             recorded["state_precision"] = [v.to_dict() for v in state_precision]
         phase("writing the manifest")
-        # Record every file written, so a later --force knows the whole folder is ours.
+        # Record every file written (inside its folders too, by path), so a later --force knows the whole folder is ours.
         device_entry = {"device": settings.manifest_entry()} if settings.device else {}
-        manifest = dataclasses.replace(manifest, files=tuple(sorted({p.name for p in tmp.iterdir()} | {MANIFEST})),
+        manifest = dataclasses.replace(manifest, files=tuple(sorted(files_below(tmp) | {MANIFEST})),
                                        extra={**manifest.extra, **device_entry, **recorded})
         manifest.save(tmp)
     return ExportResult(out, manifest, files, warnings=warnings)
