@@ -121,8 +121,6 @@ def _listed_tree(folder: Path, name: str, listed: frozenset[str]) -> bool:
     no link anywhere below it (nothing that points out of it), and every folder below it on the path of a listed
     file (an empty folder the user made inside it is not ours). Anything unreadable: not ours."""
     parents = {"/".join(path.split("/")[:i]) for path in listed for i in range(1, path.count("/") + 1)}
-    if name not in parents:
-        return False
     unreadable: list[OSError] = []
     for root, dirs, files in os.walk(folder / name, onerror=unreadable.append):
         rel = Path(root).relative_to(folder).as_posix()
@@ -264,17 +262,18 @@ def _check_owned(out: Path, target: Path, kind: OutputKind, writes: Collection[s
         path = folder / name
         if path.is_symlink():
             return False
-        # a folder the export wrote (triton/, model.mlpackage/): every file in it listed by its path
-        if kind.whole_folder and path.is_dir() and _listed_tree(folder, name, listed):
-            return True
-        if name not in listed:
-            return False
         if path.is_file():
+            return name in listed
+        # a folder: listed by its name (older exports) or by the paths of the files in it (triton/NAME/...)
+        if not (kind.whole_folder and path.is_dir()) or not (name in listed or any(n.startswith(f"{name}/")
+                                                                                   for n in listed)):
+            return False
+        if _listed_tree(folder, name, listed):  # every file in it listed by its path (triton/, model.mlpackage/)
             return True
-        # a listed folder is ours when it is itself wholly an export edgelin wrote (export --baseline kv)
-        if kind.whole_folder and path.is_dir() and _all_recorded(path):
-            return True  # a target's sub-folder whose every file edgelin recorded writing
-        inner = kind.owned(path)[0] if kind.whole_folder and path.is_dir() else frozenset()
+        if _all_recorded(path):  # a target's sub-folder whose every file edgelin recorded writing (edgelin build)
+            return True
+        # a folder that is itself wholly an export edgelin wrote (export --baseline kv)
+        inner = kind.owned(path)[0]
         return bool(inner) and all(ours(path, n, inner) for n in os.listdir(path))
 
     foreign = [n for n in at_risk if not ours(target, n, owned)]

@@ -222,6 +222,26 @@ def test_force_replaces_a_core_ml_package_whose_every_file_is_listed(tmp_path):
         check_output(out, True, EXPORT)
 
 
+def test_force_replaces_a_target_folder_that_a_later_build_added_to(tmp_path):
+    """tensorrt/: its files listed by path at export, then `edgelin build` adds some, recorded in the folder's own
+    .edgelin-files.json (outputs.record_written): still ours, unless a file of the user's is in it too."""
+    from edgelin.errors import EdgelinError
+    from edgelin.outputs import check_output, record_written
+
+    out = tmp_path / "out"
+    (out / "tensorrt").mkdir(parents=True)
+    (out / "tensorrt" / "COMMANDS.md").write_text("exported")
+    record_written(out / "tensorrt", ["COMMANDS.md"])
+    listed = ["manifest.json", "tensorrt/.edgelin-files.json", "tensorrt/COMMANDS.md"]
+    (out / "manifest.json").write_text(json.dumps({"format": "edgelin-export", "files": listed}))
+    record_written(out / "tensorrt", ["build.json"])  # what the build wrote after the manifest
+    (out / "tensorrt" / "build.json").write_text("built")
+    assert check_output(out, True, EXPORT) == out.resolve()
+    (out / "tensorrt" / "my-notes.txt").write_text("the user's")
+    with pytest.raises(EdgelinError, match="edgelin did not write tensorrt"):
+        check_output(out, True, EXPORT)
+
+
 def test_force_replaces_an_older_export_without_a_files_list(ckpt, fast_graphs, tmp_path):
     out = tmp_path / "out"
     assert run("export", ckpt, "--out", out).exit_code == 0

@@ -83,7 +83,8 @@ def test_serving_graph_steps_like_step_onnx(served: Path) -> None:
     version = served / "triton" / "tiny-hybrid" / "1"
     weights = served / "weights.bin"
     assert (version / "weights.bin").stat().st_ino == weights.stat().st_ino  # a hard link, not a second copy
-    assert "triton" in manifest.files and manifest.extra["serve"]["triton"]["model"] == "tiny-hybrid"
+    assert "triton/tiny-hybrid/config.pbtxt" in manifest.files and manifest.extra["serve"]["triton"]["model"] == \
+        "tiny-hybrid"
     rng = np.random.default_rng(0)
     state = {k: rng.standard_normal(v.shape).astype(v.dtype) * 0.1 for k, v in manifest.initial_state(2).items()}
     ids = np.array([5, 9], np.int64)
