@@ -174,7 +174,8 @@ def _unparsable_device():
 
     from edgelin.devices import ServingLimits, get_device
 
-    return replace(get_device("desktop-cpu"), serving=ServingLimits(max_batch_size=2**32, max_candidate_sequences=2**32))
+    too_large = ServingLimits(max_batch_size=2**32, max_candidate_sequences=2**32)
+    return replace(get_device("desktop-cpu"), serving=too_large)
 
 
 def test_a_config_triton_rejects_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:

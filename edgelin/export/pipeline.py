@@ -212,7 +212,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         if state_precision:  # the verdicts the state dtype was checked against (failing ones too under --force)
             recorded["state_precision"] = [v.to_dict() for v in state_precision]
         phase("writing the manifest")
-        # Record every file written (inside its folders too, by path), so a later --force knows the whole folder is ours.
+        # Record every file written (those inside its folders by path), so a later --force knows the folder is ours.
         device_entry = {"device": settings.manifest_entry()} if settings.device else {}
         manifest = dataclasses.replace(manifest, files=tuple(sorted(files_below(tmp) | {MANIFEST})),
                                        extra={**manifest.extra, **device_entry, **recorded})
