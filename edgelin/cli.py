@@ -187,7 +187,7 @@ def export(
         raise phase_refusal(get_target(target), "export", phase, "pick another --target")
     from edgelin.export.pipeline import export_checkpoint, export_phases
 
-    profile = get_device(device) if device else None
+    profile = get_device(device) if device is not None else None
     if block_size is not None and quantize is None:
         raise EdgelinError(f"--block-size {block_size} without --quantize", "the block size is a quantisation "
                            "setting; unquantised weights have no blocks", "add --quantize int4 (or int8), or drop "
@@ -446,7 +446,7 @@ def bench(
     except ValueError:
         raise EdgelinError(f"--positions {positions!r} is not a list of integers", "positions are token counts",
                            "e.g. --positions 1,1024,8192") from None
-    profile = get_device(device) if device else None
+    profile = get_device(device) if device is not None else None
     threads = threads or (profile.threads if profile and profile.threads else None)
     if prepack is not None:
         import os
@@ -514,7 +514,7 @@ def generate(
     sampling = Sampling(defaults.temperature if temperature is None else temperature,
                         defaults.top_k if top_k is None else top_k, defaults.top_p if top_p is None else top_p,
                         greedy, seed, repetition_penalty)
-    profile = get_device(device) if device else None
+    profile = get_device(device) if device is not None else None
     threads = threads or (profile.threads if profile and profile.threads else None)
     # The prompt is echoed only once the folder, tokenizer and prefill have worked: a failure prints
     # one error line, not the prompt followed by an error.
@@ -548,7 +548,7 @@ def build(
     from edgelin.export.targets import get_target
     from edgelin.runtime import load_artifact
 
-    profile = get_device(device) if device else None
+    profile = get_device(device) if device is not None else None
     artifact = load_artifact(folder)
     target = get_target(artifact.manifest.target)
     refused = target.device_refusal(profile)  # as generate and bench refuse it, with or without a build phase

@@ -66,7 +66,9 @@ def _owned_export(folder: Path) -> tuple[frozenset[str], str]:
     if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
         graphs = data.get("graphs") if isinstance(data.get("graphs"), dict) else {}
         files = [g.get("file") for g in graphs.values() if isinstance(g, dict)] + [data.get("tokenizer")]
-    names = {n for n in files if isinstance(n, str) and _plain_name(n)} | {"manifest.json"}
+    from edgelin.export.manifest import inside_path  # (files inside its folders, by their paths)
+
+    names = {n for n in files if inside_path(n)} | {"manifest.json"}
     recorded = written_record(folder)
     names |= {n for n in recorded if _plain_name(n)} | ({RECORD} if recorded else set())
     return frozenset(names), ""
@@ -104,6 +106,29 @@ def read_regular(path: Path) -> str:
 
 def _plain_name(name: str) -> bool:
     return Path(name).name == name and name not in ("", ".", "..")
+
+
+def files_below(folder: Path) -> set[str]:
+    """Every file below `folder` by its '/'-separated path relative to it (what an export's manifest lists, so that
+    --force knows the folders it wrote too: triton/, model.mlpackage/)."""
+    folder = Path(folder)
+    return {(Path(root) / name).relative_to(folder).as_posix()
+            for root, _, names in os.walk(folder) for name in names}
+
+
+def _listed_tree(folder: Path, name: str, listed: frozenset[str]) -> bool:
+    """Whether folder/name is a folder an export wrote whole: every file below it listed by its path (name/...),
+    no link anywhere below it (nothing that points out of it), and every folder below it on the path of a listed
+    file (an empty folder the user made inside it is not ours). Anything unreadable: not ours."""
+    parents = {"/".join(path.split("/")[:i]) for path in listed for i in range(1, path.count("/") + 1)}
+    unreadable: list[OSError] = []
+    for root, dirs, files in os.walk(folder / name, onerror=unreadable.append):
+        rel = Path(root).relative_to(folder).as_posix()
+        if rel not in parents or any((Path(root) / d).is_symlink() for d in dirs):
+            return False
+        if any(f"{rel}/{f}" not in listed or (Path(root) / f).is_symlink() for f in files):
+            return False
+    return not unreadable
 
 
 # Files a target or a later phase writes into an export after its manifest (a target's sub-folder of
@@ -235,14 +260,20 @@ def _check_owned(out: Path, target: Path, kind: OutputKind, writes: Collection[s
 
     def ours(folder: Path, name: str, listed: frozenset[str]) -> bool:
         path = folder / name
-        if name not in listed or path.is_symlink():
+        if path.is_symlink():
             return False
         if path.is_file():
+            return name in listed
+        # a folder: listed by its name (older exports) or by the paths of the files in it (triton/NAME/...)
+        if not (kind.whole_folder and path.is_dir()) or not (name in listed or any(n.startswith(f"{name}/")
+                                                                                   for n in listed)):
+            return False
+        if _listed_tree(folder, name, listed):  # every file in it listed by its path (triton/, model.mlpackage/)
             return True
-        # a listed folder is ours when it is itself wholly an export edgelin wrote (export --baseline kv)
-        if kind.whole_folder and path.is_dir() and _all_recorded(path):
-            return True  # a target's sub-folder whose every file edgelin recorded writing
-        inner = kind.owned(path)[0] if kind.whole_folder and path.is_dir() else frozenset()
+        if _all_recorded(path):  # a target's sub-folder whose every file edgelin recorded writing (edgelin build)
+            return True
+        # a folder that is itself wholly an export edgelin wrote (export --baseline kv)
+        inner = kind.owned(path)[0]
         return bool(inner) and all(ours(path, n, inner) for n in os.listdir(path))
 
     foreign = [n for n in at_risk if not ours(target, n, owned)]

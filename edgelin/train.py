@@ -349,6 +349,9 @@ def train(recipe_path: Path | str, out_dir: Path | str | None = None, steps: int
 
 def training_device(name: str | None) -> torch.device:
     """The torch device for `name` (None: cpu), refused in one line when it is unknown or absent."""
+    if name is not None and not name.strip():  # `--device ''` is a mistake, never read as the default
+        raise EdgelinError(f"training device {name!r}", "the device name is empty",
+                           "use cpu, cuda or cuda:N, or leave --device out (cpu)")
     try:
         device = torch.device(name or "cpu")
     except RuntimeError as exc:

@@ -212,7 +212,7 @@ def test_validate_and_bench_baseline_without_torch_or_checkpoint(export, tmp_pat
 def test_the_kv_baseline_is_an_export_of_its_own(export):
     folder = export[1]
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["extra"]["baselines"] == {"kv": "baseline-kv"} and "baseline-kv" in manifest["files"]
+    assert manifest["extra"]["baselines"] == {"kv": "baseline-kv"} and "baseline-kv/manifest.json" in manifest["files"]
     inner = json.loads((folder / "baseline-kv" / "manifest.json").read_text())
     assert [layer["type"] for layer in inner["model"]["layers"]] == ["softmax"] * 3
     assert inner["model"]["constant_memory"] is False and inner["model"]["vocab_size"] == 256

@@ -254,3 +254,71 @@ def test_a_profile_saved_with_a_byte_order_mark_loads(tmp_path):
     shipped = (REPO / "edgelin" / "devices" / "desktop-cpu.toml").read_text()
     (tmp_path / "notepad.toml").write_bytes(b"\xef\xbb\xbf" + shipped.encode())  # Windows Notepad's UTF-8
     assert get_device("notepad", tmp_path).targets == get_device("desktop-cpu").targets
+
+
+# ---- [serving]: every limit within the Triton field it becomes -----------------------------------------------
+CPU_BOARD = {"compute": '"cpu"', "targets": '["onnx"]', "precision": '"fp32"'}
+
+
+def write_serving(folder: Path, serving: str) -> Path:
+    path = write_profile(folder, "server", drop=("sm",), **CPU_BOARD)
+    path.write_text(path.read_text() + "[serving]\n" + serving)
+    return path
+
+
+@pytest.mark.parametrize("serving, needle", [
+    # Triton's int32 fields (2**31 parsed as a negative or refused by protobuf's text parser)
+    ("max_batch_size = 2147483648\nmax_candidate_sequences = 2147483648\n",
+     "max_batch_size must be an integer in 1..2147483647 (Triton's max_batch_size is an int32)"),
+    ("max_candidate_sequences = 2147483648\n", "max_candidate_sequences must be an integer in 1..2147483647"),
+    ("preferred_batch_sizes = [4, 4294967296]\n", "preferred_batch_sizes must be integers in 1..2147483647"),
+    # uint64 microseconds that Triton counts in int64 nanoseconds
+    ("max_queue_delay_us = 9223372036854776\n", "max_queue_delay_us must be an integer in 1..9223372036854775 "
+                                                "(Triton keeps the delay in int64 nanoseconds)"),
+    ("max_sequence_idle_us = 18446744073709551616\n", "max_sequence_idle_us must be an integer in 1..9223372036854775"),
+    ("instances = 100000\n", "instances must be an integer in 1..1024"),
+])
+def test_serving_limits_out_of_range_are_refused_when_the_profile_is_read(tmp_path, serving, needle):
+    path = write_serving(tmp_path, serving)
+    line = refusal(tmp_path)
+    assert line.startswith(f"device profile {path}: serving = ") and needle in line
+
+
+def test_serving_limits_at_their_ranges_load(tmp_path):
+    write_serving(tmp_path, "max_batch_size = 2147483647\nmax_candidate_sequences = 2147483647\n"
+                            "preferred_batch_sizes = [1, 2147483647]\nmax_queue_delay_us = 9223372036854775\n"
+                            "max_sequence_idle_us = 9223372036854775\ninstances = 1024\n")
+    serving = load_devices(tmp_path)["server"].serving
+    assert (serving.max_batch_size, serving.max_sequence_idle_us, serving.instances) == (2**31 - 1, 2**63 // 1000, 1024)
+
+
+def test_export_with_an_out_of_range_profile_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    write_serving(tmp_path / "devices", "max_batch_size = 4294967296\nmax_candidate_sequences = 4294967296\n")
+    monkeypatch.setenv("EDGELIN_DEVICES", str(tmp_path / "devices"))
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+                                      "--device", "server", "--serve", "triton"])
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and "max_batch_size must be an integer in 1..2147483647" \
+        in errors[0], result.output
+    assert not (tmp_path / "out").exists()
+
+
+# ---- --device '': an empty name is a mistake, never "no device" ----------------------------------------------
+@pytest.mark.parametrize("name", ["", "  "])
+@pytest.mark.parametrize("command", [["export", "ckpt", "--out", "out"], ["bench", "folder"],
+                                     ["generate", "folder", "-p", "hi"], ["build", "folder"]])
+def test_an_empty_device_name_is_refused_with_the_profiles(tmp_path, monkeypatch, command, name):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, [*command, "--device", name])
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert errors[0].startswith(f"error: --device {name!r}: the device name is empty. Fix: use one of: ")
+    assert all(profile in errors[0] for profile in BUILT_IN) and not (tmp_path / "out").exists()
+
+
+def test_an_empty_training_device_is_refused():
+    from edgelin.train import training_device
+
+    with pytest.raises(EdgelinError, match="training device '': the device name is empty"):
+        training_device("")
+    assert str(training_device(None)) == "cpu"

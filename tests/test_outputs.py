@@ -130,6 +130,118 @@ def test_force_replaces_our_own_export(ckpt, fast_graphs, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+@pytest.fixture
+def fast_serving(monkeypatch):
+    """The Triton repository's model.onnx as a file write (fast_graphs' fakes are no ONNX to add inputs to)."""
+    from edgelin.serve import triton
+
+    def serving_graph(step: Path, out: Path, *args) -> list[str]:
+        out.write_bytes(FAKE_GRAPH)
+        return []
+
+    monkeypatch.setattr(triton, "serving_graph", serving_graph)
+
+
+def test_force_replaces_our_own_export_with_a_triton_repository(ckpt, fast_graphs, fast_serving, tmp_path):
+    from edgelin.export.manifest import Manifest
+
+    out = tmp_path / "out"
+    assert run("export", ckpt, "--out", out, "--serve", "triton").exit_code == 0
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert files == sorted(tree_hashes(out)) and {"triton/ckpt/config.pbtxt", "triton/client.py"} <= set(files)
+    assert Manifest.load(out).files == tuple(files)  # paths inside its folders load (validate, bench, generate)
+    (out / "triton" / "ckpt" / "config.pbtxt").write_text("edited, still ours")
+    result = run("export", ckpt, "--out", out, "--force", "--serve", "triton")
+    assert result.exit_code == 0, result.output  # was: "edgelin did not write triton"
+    assert (out / "triton" / "ckpt" / "config.pbtxt").read_text().startswith('name: "ckpt"')
+    # a file of the user's inside triton/, a folder of theirs there, a link out of it: refused, all kept
+    theirs = out / "triton" / "ckpt"
+
+    def relink(path: Path, to: Path) -> None:
+        path.unlink()
+        path.symlink_to(to)
+
+    for add, undo in ((lambda: (theirs / "notes.md").write_text("mine"), lambda: (theirs / "notes.md").unlink()),
+                      (lambda: (theirs / "mine").mkdir(), lambda: (theirs / "mine").rmdir()),
+                      (lambda: relink(theirs / "1" / "model.onnx", ckpt / "config.json"),  # a listed name, a link out
+                       lambda: (theirs / "1" / "model.onnx").unlink())):
+        add()
+        before = tree_hashes(out)
+        refused(run("export", ckpt, "--out", out, "--force", "--serve", "triton"), "will not replace",
+                "edgelin did not write triton")
+        assert tree_hashes(out) == before and leftovers(tmp_path) == []
+        undo()
+
+
+@pytest.mark.parametrize("listed", [["../outside.txt"], ["model.mlpackage/../notes.md"], ["/tmp/x"]])
+def test_a_files_entry_outside_the_folder_owns_nothing_and_does_not_load(tmp_path, listed):
+    from edgelin.errors import EdgelinError
+    from edgelin.outputs import check_output
+
+    out = tmp_path / "out"
+    (out / "model.mlpackage").mkdir(parents=True)
+    (out / "model.mlpackage" / "Manifest.json").write_text("{}")
+    (out / "notes.md").write_text("mine")
+    (out / "manifest.json").write_text(json.dumps({"format": "edgelin-export", "files": ["manifest.json", *listed]}))
+    with pytest.raises(EdgelinError, match="edgelin did not write model.mlpackage, notes.md"):
+        check_output(out, True, EXPORT)
+    with pytest.raises(EdgelinError, match="escapes the export folder"):
+        _load_with_files(tmp_path, listed)
+
+
+def _load_with_files(tmp_path: Path, listed: list[str]):
+    """Manifest.load of a valid manifest whose `files` is `listed`."""
+    from conftest import family_layers, tiny_config
+    from edgelin.export.manifest import Manifest
+    from edgelin.export.pipeline import build_manifest
+    from edgelin.model.lm import CausalLM
+
+    folder = tmp_path / "loaded"
+    folder.mkdir()
+    manifest = build_manifest(CausalLM(tiny_config(family_layers("gla"))), "onnx", "fp32",
+                              {"step": "step.onnx", "prefill": "prefill.onnx"}, {"path": "ckpt"}, None)
+    data = {**manifest.to_dict(), "files": ["manifest.json", *listed]}
+    (folder / "manifest.json").write_text(json.dumps(data))
+    return Manifest.load(folder)
+
+
+def test_force_replaces_a_core_ml_package_whose_every_file_is_listed(tmp_path):
+    """Core ML's model.mlpackage is a folder: its files listed by path make it ours (outputs.py, no export run)."""
+    from edgelin.errors import EdgelinError
+    from edgelin.outputs import check_output
+
+    out = tmp_path / "out"
+    package = ["model.mlpackage/Manifest.json", "model.mlpackage/Data/com.apple.CoreML/model.mlmodel"]
+    for name in package:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("package")
+    (out / "manifest.json").write_text(json.dumps({"format": "edgelin-export", "files": ["manifest.json", *package]}))
+    assert check_output(out, True, EXPORT) == out.resolve()  # was: "edgelin did not write model.mlpackage"
+    (out / "model.mlpackage" / "Data" / "weights.bin").write_text("the user's")
+    with pytest.raises(EdgelinError, match="edgelin did not write model.mlpackage"):
+        check_output(out, True, EXPORT)
+
+
+def test_force_replaces_a_target_folder_that_a_later_build_added_to(tmp_path):
+    """tensorrt/: its files listed by path at export, then `edgelin build` adds some, recorded in the folder's own
+    .edgelin-files.json (outputs.record_written): still ours, unless a file of the user's is in it too."""
+    from edgelin.errors import EdgelinError
+    from edgelin.outputs import check_output, record_written
+
+    out = tmp_path / "out"
+    (out / "tensorrt").mkdir(parents=True)
+    (out / "tensorrt" / "COMMANDS.md").write_text("exported")
+    record_written(out / "tensorrt", ["COMMANDS.md"])
+    listed = ["manifest.json", "tensorrt/.edgelin-files.json", "tensorrt/COMMANDS.md"]
+    (out / "manifest.json").write_text(json.dumps({"format": "edgelin-export", "files": listed}))
+    record_written(out / "tensorrt", ["build.json"])  # what the build wrote after the manifest
+    (out / "tensorrt" / "build.json").write_text("built")
+    assert check_output(out, True, EXPORT) == out.resolve()
+    (out / "tensorrt" / "my-notes.txt").write_text("the user's")
+    with pytest.raises(EdgelinError, match="edgelin did not write tensorrt"):
+        check_output(out, True, EXPORT)
+
+
 def test_force_replaces_an_older_export_without_a_files_list(ckpt, fast_graphs, tmp_path):
     out = tmp_path / "out"
     assert run("export", ckpt, "--out", out).exit_code == 0

@@ -83,7 +83,8 @@ def test_serving_graph_steps_like_step_onnx(served: Path) -> None:
     version = served / "triton" / "tiny-hybrid" / "1"
     weights = served / "weights.bin"
     assert (version / "weights.bin").stat().st_ino == weights.stat().st_ino  # a hard link, not a second copy
-    assert "triton" in manifest.files and manifest.extra["serve"]["triton"]["model"] == "tiny-hybrid"
+    assert "triton/tiny-hybrid/config.pbtxt" in manifest.files and manifest.extra["serve"]["triton"]["model"] == \
+        "tiny-hybrid"
     rng = np.random.default_rng(0)
     state = {k: rng.standard_normal(v.shape).astype(v.dtype) * 0.1 for k, v in manifest.initial_state(2).items()}
     ids = np.array([5, 9], np.int64)
@@ -153,3 +154,59 @@ def test_bad_serving_table_is_refused() -> None:
     ok = DeviceProfile.from_dict("x", {**base, "serving": {"max_batch_size": 2, "preferred_batch_sizes": [1, 2]}}, "x")
     assert (ok.serving.max_batch_size, ok.serving.preferred_batch_sizes, ok.serving.max_candidate_sequences) == \
         (2, (1, 2), 64)
+
+
+# ---- config.pbtxt parsed with Triton's schema before the export reports it written ---------------------------
+def _manifest(name: str = "tiny") -> Manifest:
+    from conftest import family_layers, tiny_config
+    from edgelin.export.pipeline import build_manifest
+    from edgelin.model.lm import CausalLM
+
+    model = CausalLM(tiny_config(family_layers("hybrid")))
+    return build_manifest(model, "onnx", "fp32", {"step": "step.onnx", "prefill": "prefill.onnx"},
+                          {"path": f"/checkpoints/{name}"}, None)
+
+
+def _unparsable_device():
+    """A profile whose [serving] values Triton's parser rejects (max_batch_size is an int32), built directly: past
+    the checks a profile file gets when it is read (tests/test_devices.py), as a check that missed a field would."""
+    from dataclasses import replace
+
+    from edgelin.devices import ServingLimits, get_device
+
+    too_large = ServingLimits(max_batch_size=2**32, max_candidate_sequences=2**32)
+    return replace(get_device("desktop-cpu"), serving=too_large)
+
+
+def test_a_config_triton_rejects_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:
+    from edgelin.export.onnx_target import OnnxTarget
+
+    def traced(*args, **kwargs):
+        raise AssertionError("the export traced the graphs: its config.pbtxt was not checked first")
+
+    monkeypatch.setattr(OnnxTarget, "export", traced)
+    ckpt = make_checkpoint(tmp_path / "tiny", "hybrid", tokenizer=False)
+    with pytest.raises(EdgelinError) as caught:
+        export_checkpoint(ckpt, tmp_path / "out", device=_unparsable_device(), serve="triton")
+    assert caught.value.line().startswith("triton/tiny/config.pbtxt would not load in Triton: Triton's ModelConfig "
+                                          "parser rejects it: ") and "max_batch_size" in caught.value.line()
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_written_config_is_parsed_back(tmp_path: Path) -> None:
+    from edgelin.serve.triton import write_repository
+
+    with pytest.raises(EdgelinError, match="triton/tiny/config.pbtxt would not load in Triton"):
+        write_repository(tmp_path, _manifest(), _unparsable_device())  # (the pipeline's temp folder goes with it)
+
+
+def test_without_tritonclient_the_config_check_is_a_warning(monkeypatch) -> None:
+    import sys
+
+    from edgelin.serve.triton import check_config
+
+    assert check_config(_manifest(), None) is None  # parsed: nothing to say
+    monkeypatch.setitem(sys.modules, "tritonclient.grpc.model_config_pb2", None)  # as if not installed
+    assert check_config(_manifest(), _unparsable_device()) == (
+        "tritonclient is not installed, so triton/tiny/config.pbtxt was not parsed with Triton's schema (pip install "
+        "'edgelin[serve]' to have export check it)")

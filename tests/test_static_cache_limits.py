@@ -161,3 +161,72 @@ def test_generate_without_a_tokenizer_names_both_causes(ckpt, tmp_path):
     export_checkpoint(copy, bare)
     line = one_error(cli("generate", bare, "-p", "def main("))
     assert "Fix: re-export without --no-tokenizer from a checkpoint with tokenizer.json" in line
+
+
+# ---- an N too large to write or hold: refused from the config, before anything is traced ----------------------
+# The module's model: one full-context attention layer, 1 kv head of 16 channels, rotary over the whole head. Per
+# position: K and V 2 x 16 float32 = 128 bytes; the step graph's cos and sin tables 2 x 8 float32 = 64 bytes.
+KV_PER_POSITION, TABLES_PER_POSITION = 2 * 1 * 16 * 4, 2 * 8 * 4
+
+
+@pytest.fixture
+def no_tracing(monkeypatch):
+    """Tracing is where the old code spent its minutes: here it fails at once, so a refusal must come before it."""
+    from edgelin.export.onnx_target import OnnxTarget
+
+    def traced(*args, **kwargs):
+        raise AssertionError("the export traced the graphs: the size was not checked before")
+
+    monkeypatch.setattr(OnnxTarget, "export", traced)
+
+
+def test_a_context_past_the_protobuf_limit_is_refused_before_tracing(ckpt, tmp_path, no_tracing):
+    largest = (2**31 - 1 - (64 << 20)) // TABLES_PER_POSITION  # the tables inline in step.onnx, below 2 GiB
+    with pytest.raises(EdgelinError, match=f"rotary cos/sin tables would be 128.0 GiB.*2 GiB protobuf limit.*"
+                                           f"Fix: pass --context {largest} or less"):
+        export_checkpoint(ckpt, tmp_path / "out", options=OnnxOptions(kv_cache="static", context=2**31 - 1))
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_context_past_the_available_memory_is_refused_with_the_largest_that_fits(ckpt, tmp_path, monkeypatch,
+                                                                                     no_tracing):
+    import edgelin.bench
+
+    monkeypatch.setattr(edgelin.bench, "available_memory", lambda: 64 << 20)
+    # --step-ops standard: no tables, the cache alone (one sequence)
+    with pytest.raises(EdgelinError, match=r"needs about 128.0 MiB \(the K/V cache of one sequence 128.0 MiB\), "
+                                           r"more than the 64.0 MiB of memory available.*Fix: pass --context "
+                                           f"{(64 << 20) // KV_PER_POSITION} or less"):
+        export_checkpoint(ckpt, tmp_path / "out", options=OnnxOptions(kv_cache="static", context=1 << 20,
+                                                                     step_ops="standard"))
+    # with the tables (the default step ops): the cache and the tables' copies while written
+    per_position = KV_PER_POSITION + 5 * TABLES_PER_POSITION  # (the tables: about 5 copies at the peak)
+    with pytest.raises(EdgelinError, match=f"Fix: pass --context {(64 << 20) // per_position} or less"):
+        export_checkpoint(ckpt, tmp_path / "out", options=OnnxOptions(kv_cache="static", context=1 << 20))
+    # memory below what the least context needs: the fix cannot be a smaller --context
+    monkeypatch.setattr(edgelin.bench, "available_memory", lambda: 32 << 10)
+    with pytest.raises(EdgelinError, match=f"Fix: free memory, or export on a machine with more \\(--context {NEED}, "
+                                           "the least the export takes"):
+        export_checkpoint(ckpt, tmp_path / "out", options=OnnxOptions(kv_cache="static", context=1 << 20))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_estimate_follows_the_config():
+    from conftest import tiny_config
+    from edgelin.export.static_cache import static_cache_size
+
+    attention = AttentionConfig(num_heads=4, num_kv_heads=2, head_dim=16, window=None, rotary_dim=8)
+    config = tiny_config(("gla", "softmax", "softmax"), attention=attention)
+    size = static_cache_size(config, 1000, "float16")
+    assert size.kv_bytes == 2 * 2 * 2 * 16 * 1000 * 2  # layers x (K, V) x kv heads x head_dim x N x fp16
+    assert size.rotary_bytes == 2 * 2 * 1000 * 4 * 4  # layers x (cos, sin) x N x rotary_dim / 2 x float32
+    assert static_cache_size(config, 1000, rotary_tables=False).rotary_bytes == 0
+    assert static_cache_size(config, 1000, "float32").kv_bytes == 2 * size.kv_bytes
+    windowed = tiny_config(("gla", "softmax"))  # a sliding window: constant state, nothing sized by N
+    assert static_cache_size(windowed, 1000).kv_bytes == static_cache_size(windowed, 1000).rotary_bytes == 0
+
+
+def test_cli_refuses_a_context_too_large_in_one_line_before_writing(ckpt, tmp_path, no_tracing):
+    line = one_error(cli("export", ckpt, "--out", tmp_path / "out", "--kv-cache", "static", "--context", 2**31 - 1))
+    assert line.startswith(f"error: --kv-cache static --context {2**31 - 1}: ") and "protobuf limit" in line
+    assert not (tmp_path / "out").exists()

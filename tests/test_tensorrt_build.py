@@ -51,7 +51,7 @@ def test_export_writes_the_engine_path(exported):
                  "kernels/cuda/step.cu", "kernels/cuda/step.cuh", "kernels/cuda/edgelin_step.h",
                  "build_engine.py", "COMMANDS.md"):
         assert (trt / name).is_file(), name
-    assert "tensorrt" in json.loads((folder / "manifest.json").read_text())["files"]
+    assert "tensorrt/COMMANDS.md" in json.loads((folder / "manifest.json").read_text())["files"]
     py_compile.compile(str(trt / "build_engine.py"), cfile=str(folder.parent / "be.pyc"), doraise=True)
     text = (trt / "build_engine.py").read_text()
     assert "load_library" in text and "import torch" not in text and "import edgelin" not in text

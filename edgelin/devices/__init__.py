@@ -124,6 +124,18 @@ class ServingLimits:
 
 
 SERVING_KEYS = tuple(f.name for f in dataclasses.fields(ServingLimits))
+INT32_MAX = 2**31 - 1
+# Each [serving] key's range: the Triton ModelConfig field it becomes (config.pbtxt) and what Triton does with it.
+# Counts are int32 fields; the microseconds are uint64 fields that Triton counts in int64 nanoseconds (so at most
+# about 292 years); more model instances than MAX_THREADS is a typo (each is a whole copy of the model).
+SERVING_RANGES: dict[str, tuple[int, int, str]] = {
+    "max_batch_size": (1, INT32_MAX, "Triton's max_batch_size is an int32"),
+    "max_candidate_sequences": (1, INT32_MAX, "Triton's max_candidate_sequences is an int32"),
+    "preferred_batch_sizes": (1, INT32_MAX, "Triton's preferred_batch_size is an int32"),
+    "max_queue_delay_us": (1, (2**63 - 1) // 1000, "Triton keeps the delay in int64 nanoseconds"),
+    "max_sequence_idle_us": (1, (2**63 - 1) // 1000, "Triton keeps the idle time in int64 nanoseconds"),
+    "instances": (1, MAX_THREADS, "each model instance is a whole copy of the model"),
+}
 
 
 def _serving(value: Any) -> str | None:
@@ -132,13 +144,14 @@ def _serving(value: Any) -> str | None:
     unknown = [k for k in value if k not in SERVING_KEYS]
     if unknown:
         return f"has unknown key {unknown[0]!r}{_closest(unknown[0], SERVING_KEYS)} (keys: {', '.join(SERVING_KEYS)})"
-    positive = _integer(1)
     for key, item in value.items():
         items = item if key == "preferred_batch_sizes" else [item]
+        low, high, why = SERVING_RANGES[key]
         if key == "preferred_batch_sizes" and not isinstance(item, list):
-            return "preferred_batch_sizes must be a list of integers >= 1"
-        if any(positive(v) for v in items):
-            return f"{key} must be {'integers' if key == 'preferred_batch_sizes' else 'an integer'} >= 1"
+            return f"preferred_batch_sizes must be a list of integers in {low}..{high}"
+        if any(_integer(low, high)(v) for v in items):
+            return f"{key} must be {'integers' if key == 'preferred_batch_sizes' else 'an integer'} in {low}..{high} " \
+                   f"({why})"
     limits = ServingLimits(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
     sizes = limits.preferred_batch_sizes
     if list(sizes) != sorted(set(sizes)) or (sizes and sizes[-1] > limits.max_batch_size):
@@ -267,6 +280,9 @@ def load_devices(folder: Path | Traversable | None = None) -> dict[str, DevicePr
 
 def get_device(name: str, folder: Path | Traversable | None = None) -> DeviceProfile:
     devices = load_devices(folder)
+    if not name.strip():  # `--device ''` (an unset shell variable): refused, never read as no device
+        raise EdgelinError(f"--device {name!r}", "the device name is empty",
+                           f"use one of: {', '.join(devices) or '(none found)'}, or leave --device out (no device)")
     if name not in devices:
         close = difflib.get_close_matches(name, devices, n=1)
         raise EdgelinError(f"unknown device {name!r}" + (f" (closest: {close[0]!r})" if close else ""),

@@ -127,8 +127,11 @@ class Manifest:
             data = json.loads(path.read_text())
             check_shapes(data)
             model, files = data["model"], data.get("files")
-            for name in [g["file"] for g in data["graphs"].values()] + [data.get("tokenizer")] + (files or []):
+            for name in [g["file"] for g in data["graphs"].values()] + [data.get("tokenizer")]:
                 if name is not None and not _plain_name(name):
+                    raise ValueError(f"file name {_brief(name)} escapes the export folder")
+            for name in files or []:  # also the files inside the folders an export writes (triton/...), by path
+                if not inside_path(name):
                     raise ValueError(f"file name {_brief(name)} escapes the export folder")
             check_consistency(data)
             return cls(
@@ -161,6 +164,13 @@ def _brief(value: Any, limit: int = 60) -> str:
 def _plain_name(name: Any) -> bool:
     """A file name directly inside the export folder (no folder part, not '.' or '..')."""
     return isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
+
+
+def inside_path(name: Any) -> bool:
+    """A '/'-separated path inside the export folder (a `files` entry, e.g. triton/NAME/config.pbtxt): not
+    absolute (nor a Windows drive), no '..', '.' or empty part, no backslash or NUL."""
+    return (isinstance(name, str) and bool(name) and not name.startswith("/") and not any(c in name for c in "\\:\0")
+            and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
 def _expect(where: str, value: Any, kind: type | tuple[type, ...], wanted: str) -> None:

@@ -20,7 +20,7 @@ from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.export.manifest import MANIFEST, GraphEntry, Manifest
 from edgelin.export.targets import get_target
 from edgelin.model.lm import CausalLM
-from edgelin.outputs import EXPORT, check_output, claim_output
+from edgelin.outputs import EXPORT, check_output, claim_output, files_below
 
 
 @dataclass(frozen=True)
@@ -82,14 +82,16 @@ def check_cache_capacity(model: CausalLM, target: str, settings: ExportSettings,
     """A fixed-capacity KV cache (`--kv-cache static --context N`) must hold the longest sequence the export's
     own checks feed it: `edgelin validate DIR` replays the recorded reference vectors and measures the quality
     figures (reference_vectors.positions_needed: 527 tokens), and an fp16/quantised export runs the same figures
-    as its quality gate. A shorter cache would write an export that cannot validate itself: refused before
-    anything is traced, naming the least --context that works."""
+    as its quality gate. A shorter cache would write an export that cannot validate itself, and a larger one than
+    this machine's memory or ONNX's protobuf limit holds (edgelin.export.static_cache) would fail minutes into the
+    export: both refused before anything is traced, naming the --context that works."""
     from edgelin.export import reference_vectors
+    from edgelin.export.static_cache import check_static_cache_size
 
     capacity = getattr(options, "context", None) if getattr(options, "kv_cache", None) == "static" else None
     if capacity is None:
         return
-    from edgelin.export.onnx_target import check_static_cache
+    from edgelin.export.onnx_target import KV_DTYPES, check_static_cache
 
     check_static_cache(model, target, settings)  # its own refusals first (wrong target, no growing cache)
     need = reference_vectors.positions_needed()
@@ -99,6 +101,9 @@ def check_cache_capacity(model: CausalLM, target: str, settings: ExportSettings,
                            f"validate DIR` replays, and the fp16/quantised quality gate) feed one sequence up to "
                            f"{need} tokens, more than a {capacity}-token cache holds",
                            f"pass --context {need} or more (the longest sequence the export will hold)")
+    # (options are OnnxOptions here: check_static_cache refused every other target)
+    check_static_cache_size(model.config, capacity, KV_DTYPES[options.kv_dtype],
+                            rotary_tables=options.step_ops != "standard", least=need)
 
 
 def export_phases(baselines: Sequence[str] = (), serve: str | None = None) -> list[str]:
@@ -144,12 +149,17 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                            f"pass {target.options_type.__name__}(...) or no options")
     settings = settings or export_settings(device, target.name)
     check_cache_capacity(model, target.name, settings, options)
+    serve_warning = None
     if serve is not None:
         from edgelin.export.graphs import graph_io as _io
-        from edgelin.serve.triton import check_server, check_servable
+        from edgelin.serve.triton import check_config, check_server, check_servable
 
         check_server(serve)
         check_servable([t for t in _io(model, "step", settings.state_dtype)[0] if t.role == "state"], target.name)
+        # the config.pbtxt it will write, parsed with Triton's schema before anything is written
+        serve_warning = check_config(build_manifest(model, target.name, settings.precision,
+                                                    {kind: f"{kind}.onnx" for kind in GRAPHS}, source, None,
+                                                    settings.state_dtype), device)
     if not getattr(target, "pads_state_dims", False):  # Core ML pads the state instead of refusing
         check_state_dims(model.state_tensors(), settings)
     from edgelin.precision import check_state_dtype
@@ -185,7 +195,8 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         # fp16/quantised exports: the artifact's top-1 and perplexity vs fp32, refused unless --force
         phase("checking quality")
         gate = check_export_quality(model, tmp, manifest, settings)
-        warnings = (gate.warning(),) if gate is not None and not gate.passed else ()
+        warnings = ((gate.warning(),) if gate is not None and not gate.passed else ()) + \
+            ((serve_warning,) if serve_warning else ())
         if baselines:
             phase("exporting baselines")
         written = baseline_exports.export_baselines(model, tmp, baselines, lambda m, o: export_model(
@@ -201,9 +212,9 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         if state_precision:  # the verdicts the state dtype was checked against (failing ones too under --force)
             recorded["state_precision"] = [v.to_dict() for v in state_precision]
         phase("writing the manifest")
-        # Record every file written, so a later --force knows the whole folder is ours.
+        # Record every file written (those inside its folders by path), so a later --force knows the folder is ours.
         device_entry = {"device": settings.manifest_entry()} if settings.device else {}
-        manifest = dataclasses.replace(manifest, files=tuple(sorted({p.name for p in tmp.iterdir()} | {MANIFEST})),
+        manifest = dataclasses.replace(manifest, files=tuple(sorted(files_below(tmp) | {MANIFEST})),
                                        extra={**manifest.extra, **device_entry, **recorded})
         manifest.save(tmp)
     return ExportResult(out, manifest, files, warnings=warnings)

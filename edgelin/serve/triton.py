@@ -150,6 +150,44 @@ def config_text(manifest: "Manifest", name: str, limits: "ServingLimits", backen
     return "\n".join(lines) + "\n"
 
 
+def parse_config(text: str, where: str) -> bool:
+    """`text` parsed with Triton's own schema (tritonclient's ModelConfig, protobuf text format), so that a
+    config.pbtxt Triton's parser rejects is one line, never a repository reported written. False: tritonclient is
+    not installed here, so nothing was parsed."""
+    try:
+        from google.protobuf import text_format
+        from tritonclient.grpc.model_config_pb2 import ModelConfig
+    except ImportError:
+        return False
+    try:
+        text_format.Parse(text, ModelConfig())
+    except text_format.ParseError as exc:
+        raise EdgelinError(f"{where} would not load in Triton", f"Triton's ModelConfig parser rejects it: {exc}",
+                           "check the device profile's [serving] values (edgelin/devices/README.md), or report "
+                           "this as an edgelin bug") from None
+    return True
+
+
+def _choices(manifest: "Manifest", device: "DeviceProfile | None") -> tuple[str, str, "ServingLimits", bool | None]:
+    """(model name, backend, batching limits, GPU instances) of the repository for this export and device."""
+    from edgelin.devices import ServingLimits
+
+    backend = "tensorrt" if manifest.target == "tensorrt" else "onnxruntime"
+    limits = device.serving if device is not None else ServingLimits()
+    return model_name(manifest.source), backend, limits, None if device is None else device.compute == "cuda"
+
+
+def check_config(manifest: "Manifest", device: "DeviceProfile | None") -> str | None:
+    """Before anything is written (the graphs' I/O is known from the model): the config.pbtxt this export would
+    write, parsed with Triton's schema (parse_config). Returns a warning line when tritonclient is not installed."""
+    name, backend, limits, gpu = _choices(manifest, device)
+    where = f"{FOLDER}/{name}/config.pbtxt"
+    if parse_config(config_text(manifest, name, limits, backend, gpu), where):
+        return None
+    return (f"tritonclient is not installed, so {where} was not parsed with Triton's schema (pip install "
+            "'edgelin[serve]' to have export check it)")
+
+
 # ---- model.onnx -------------------------------------------------------------------------------------
 def serving_graph(step: Path, out: Path, backend: str, needs_position: bool) -> list[str]:
     """Writes out = step.onnx with the control inputs (and the position as state); the weights stay external,
@@ -211,17 +249,14 @@ def _link(source: Path, target: Path) -> None:
 def write_repository(folder: Path, manifest: "Manifest", device: "DeviceProfile | None") -> dict[str, Any]:
     """DIR/triton/ for the export in `folder` (its graphs and weights written, `manifest` describing them).
     Returns the manifest's extra["serve"] entry."""
-    from edgelin.devices import ServingLimits
-
     check_servable(manifest.state_inputs, manifest.target)
-    backend = "tensorrt" if manifest.target == "tensorrt" else "onnxruntime"
-    name = model_name(manifest.source)
-    limits = device.serving if device is not None else ServingLimits()
-    gpu = None if device is None else device.compute == "cuda"
+    name, backend, limits, gpu = _choices(manifest, device)
     root = Path(folder) / FOLDER
     version = root / name / "1"
     version.mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(config_text(manifest, name, limits, backend, gpu))
+    config = root / name / "config.pbtxt"
+    config.write_text(config_text(manifest, name, limits, backend, gpu))
+    parse_config(config.read_text(), f"{FOLDER}/{name}/config.pbtxt")  # the file as written (check_config: up front)
     locations = serving_graph(Path(folder) / manifest.graphs["step"].file, version / "model.onnx", backend,
                               manifest.needs_position)
     for location in locations:
