@@ -2,7 +2,7 @@
 
 At export, manifest.json records `sha256`: the digest of every regular file in the folder (by its path relative to
 the folder, "/"-separated; a Core ML package's, the TensorRT and Triton subfolders' and a baseline's files too),
-except manifest.json itself and edgelin's bookkeeping of written files (outputs.RECORD, which `edgelin build` updates).
+but manifest.json itself and edgelin's bookkeeping of written files (outputs.RECORD, which `edgelin build` updates).
 When the run side opens the folder (runtime.load_artifact: validate, bench, generate, build), `verify_folder`:
 
 - refuses a listed file that is missing or is not a regular file (a FIFO is never opened: reading one would hang);
@@ -15,7 +15,8 @@ Files the manifest does not list (the user's own, `edgelin build`'s engines) are
 the root of trust: this catches corruption, truncation and swapped files, not a forged manifest. A folder exported by
 an older edgelin (no `sha256` in its manifest) opens with one warning saying its files cannot be verified.
 
-`checking(verify=False)` (the CLI's --no-verify) skips the hashing; the cheap checks (missing, not a regular file) stay.
+`checking(verify=False)` (the CLI's --no-verify) skips the hashing and leaves a missing file to the runners (which name
+it); a FIFO, device or folder in a listed file's place is still refused.
 No torch here: this is the run side.
 """
 
@@ -35,12 +36,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgelin.errors import EdgelinError
+from edgelin.outputs import RECORD
 
 if TYPE_CHECKING:
     from edgelin.export.manifest import Manifest
 
 BLOCK = 1 << 20  # bytes read per hashing step: flat memory for any file size
-NOT_RECORDED = ("manifest.json", ".edgelin-files.json")  # the root of trust; outputs.RECORD (build rewrites it)
+MANIFEST = "manifest.json"  # the root of trust: the folder's own manifest records no digest of itself
+BOOKKEEPING = RECORD  # edgelin's record of the files it wrote, in any folder: `edgelin build` rewrites tensorrt/'s
 CACHE_FORMAT = "edgelin-verified"
 MISMATCH_FIX = "re-export, or copy the folder again"
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
@@ -77,7 +80,8 @@ def checking(verify: bool = True, warn: Callable[[str], None] | None = None) -> 
 
 # ---- export side -----------------------------------------------------------------------------------------------
 def digest_folder(folder: Path) -> dict[str, str]:
-    """{relative path: sha256} of every regular file under `folder` but NOT_RECORDED (manifest.json's `sha256`).
+    """{relative path: sha256} of every regular file under `folder` but its manifest.json and BOOKKEEPING files
+    (manifest.json's `sha256`).
     A file hard-linked twice (a Triton repository's weights) is read once."""
     folder = Path(folder)
     digests: dict[str, str] = {}
@@ -87,13 +91,14 @@ def digest_folder(folder: Path) -> dict[str, str]:
         for name in sorted(names):
             path = Path(root) / name
             info = path.lstat()
-            if name in NOT_RECORDED or not stat.S_ISREG(info.st_mode):
+            relative = path.relative_to(folder).as_posix()
+            if relative == MANIFEST or name == BOOKKEEPING or not stat.S_ISREG(info.st_mode):
                 continue
             key = (info.st_dev, info.st_ino)
             if key not in by_inode:
                 with open(path, "rb") as fh:
                     by_inode[key] = _sha256(fh)
-            digests[path.relative_to(folder).as_posix()] = by_inode[key]
+            digests[relative] = by_inode[key]
     return digests
 
 
@@ -121,15 +126,18 @@ def verify_folder(folder: Path, manifest: "Manifest") -> None:
     digests = manifest.sha256
     if digests is None:  # an older export: never open a FIFO or a device; verify the digests it does record
         for name in _legacy_names(manifest):
-            _check_kind(folder, name, allow_folder=True)
+            _check_kind(folder, name, allow_folder=True, missing_ok=not settings.verify)
         digests = _legacy_digests(manifest)
         recorded = (f"the digests of {' and '.join(sorted(digests))} only: its other files" if digests
                     else "no file digests: its files")
-        _warn(settings, folder, f"{folder} was exported by edgelin {manifest.edgelin_version}, whose manifest records "
-                                f"{recorded} cannot be verified (re-export it to have every file verified)")
-    infos = {name: _check_kind(folder, name) for name in sorted(digests)}
-    if not settings.verify:
+        if settings.verify:
+            _warn(settings, folder, f"{folder} was exported by edgelin {manifest.edgelin_version}, whose manifest "
+                                    f"records {recorded} cannot be verified (re-export it to have every file verified)")
+    if not settings.verify:  # --no-verify: only what would hang or crash a reader (the runners name a missing file)
+        for name in sorted(digests):
+            _check_kind(folder, name, missing_ok=True)
         return
+    infos = {name: _check_kind(folder, name) for name in sorted(digests)}
     cache = VerdictCache(folder)
     for name, info in infos.items():
         digest = cache.get(name, info) or _hash_file(folder / name, name, cache)
@@ -142,7 +150,7 @@ def verify_folder(folder: Path, manifest: "Manifest") -> None:
 def _legacy_names(manifest: "Manifest") -> list[str]:
     """The top-level names an older manifest lists: its `files`, else its graphs, tokenizer and weights file."""
     if manifest.files is not None:
-        return [n for n in manifest.files if n not in NOT_RECORDED]
+        return [n for n in manifest.files if n not in (MANIFEST, BOOKKEEPING)]
     weights = manifest.extra.get("weights") if isinstance(manifest.extra.get("weights"), dict) else {}
     names = [g.file for g in manifest.graphs.values()] + [manifest.tokenizer, weights.get("file")]
     return sorted({n for n in names if isinstance(n, str)})
@@ -155,11 +163,15 @@ def _legacy_digests(manifest: "Manifest") -> dict[str, str]:
             and "/" not in e["file"] and isinstance(e.get("sha256"), str)}
 
 
-def _check_kind(folder: Path, name: str, allow_folder: bool = False) -> os.stat_result:
+def _check_kind(folder: Path, name: str, allow_folder: bool = False, missing_ok: bool = False) -> os.stat_result | None:
+    """The listed file's stat; refused: missing (None where `missing_ok`), or not a regular file (a folder too,
+    unless `allow_folder`)."""
     path = folder / name
     try:
         info = os.stat(path)
     except (FileNotFoundError, NotADirectoryError):
+        if missing_ok:
+            return None
         raise EdgelinError(f"{path} is missing", "the export's manifest lists it", MISMATCH_FIX) from None
     except OSError as exc:
         raise EdgelinError(f"cannot read {path}", exc.strerror or str(exc),
@@ -249,10 +261,11 @@ class VerdictCache:
         if not self.changed:
             return
         with contextlib.suppress(OSError):
-            folder = self.path.parent
-            for level in (folder.parent, folder):  # edgelin/ and edgelin/verified/, private where created here
-                if not level.is_dir():
-                    level.mkdir(mode=0o700, parents=level is folder.parent, exist_ok=True)
+            folder = self.path.parent  # edgelin/verified/ and edgelin/: private where created here
+            if not folder.parent.is_dir():
+                folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not folder.is_dir():
+                folder.mkdir(mode=0o700, exist_ok=True)
             if not _trusted(folder):
                 return
             handle, staged = tempfile.mkstemp(prefix=".verified-", suffix=".tmp", dir=folder)
