@@ -185,7 +185,7 @@ def test_an_older_manifest_opens_with_one_warning(exported, tmp_path):
 def test_a_digest_path_that_escapes_the_folder_is_malformed(exported, tmp_path, name):
     folder = shutil.copytree(exported, tmp_path / "copy")
     data = json.loads((folder / "manifest.json").read_text())
-    data["sha256"][name] = "0" * 64
+    data.setdefault("sha256", {})[name] = "0" * 64
     (folder / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(EdgelinError, match="is malformed.*escapes the export folder"):
         load_artifact(folder)
