@@ -13,7 +13,8 @@ When the run side opens the folder (runtime.load_artifact: validate, bench, gene
 
 Files the manifest does not list (the user's own, `edgelin build`'s engines) are not looked at. The manifest itself is
 the root of trust: this catches corruption, truncation and swapped files, not a forged manifest. A folder exported by
-an older edgelin (no `sha256` in its manifest) opens with one warning saying its files cannot be verified.
+an older edgelin (no `sha256` in its manifest) opens with one warning saying its files cannot be verified; the digests
+it does record (extra.weights', extra.reference_vectors') are still checked.
 
 `checking(verify=False)` (the CLI's --no-verify) skips the hashing and leaves a missing file to the runners (which name
 it); a FIFO, device or folder in a listed file's place is still refused.
