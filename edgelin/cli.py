@@ -11,7 +11,7 @@ import typer
 from rich.text import Text
 
 from edgelin import __version__
-from edgelin.cli_support import JSON, POSITIVE, _debug, _finite, app, command, handle_termination
+from edgelin.cli_support import JSON, NO_VERIFY, POSITIVE, _debug, _finite, app, command, handle_termination
 from edgelin.devices import MAX_THREADS
 from edgelin.errors import EdgelinError
 from edgelin.export.targets import target_names
@@ -319,6 +319,7 @@ def validate(
         None, "--max-ppl-change", callback=POSITIVE,
         help="Fail above this relative perplexity increase over the fp32 reference, e.g. 0.05 = +5% (default by "
              "precision: fp16 0.01, int8 0.02, int4 0.05, fp32 none)."),
+    no_verify: bool = NO_VERIFY,
     as_json: bool = JSON,
 ) -> None:
     """Replay the reference vectors recorded at export through the runner (no checkpoint, no torch), or with
@@ -435,6 +436,7 @@ def bench(
                                              "session; default: off for float exports and for int4 / int8 ones whose "
                                              "4-/8-bit products are all edgelin's kernel, on for other quantised "
                                              "ones)."),
+    no_verify: bool = NO_VERIFY,
     as_json: bool = JSON,
 ) -> None:
     """Per-token latency at each context position, prefill throughput and memory."""
@@ -497,6 +499,7 @@ def generate(
     threads: Optional[int] = typer.Option(None, min=0, max=MAX_THREADS, help="Runtime threads (0 or unset: the device's, "
                                                             "else the runtime's default)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
+    no_verify: bool = NO_VERIFY,
     as_json: bool = JSON,
 ) -> None:
     """Decode from a prompt with constant memory, streaming tokens to stdout (statistics on stderr)."""
@@ -540,6 +543,7 @@ def build(
                                                "NvInferRuntime.h (default: $TENSORRT_INCLUDE_DIR, system folders)."),
     archs: Optional[str] = typer.Option(None, "--archs", help="tensorrt: CUDA compute capabilities, e.g. 87 or "
                                         "86,89,90 (default: the device's sm, else 80-90)."),
+    no_verify: bool = NO_VERIFY,
     as_json: bool = JSON,
 ) -> None:
     """The build phase: turn an export into what its runtime loads (engine, compiled model), where the target has one."""

@@ -16,6 +16,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from edgelin.errors import EdgelinError, Terminated
+from edgelin.integrity import checking
 from edgelin.output import Output
 
 try:  # typer >= 0.20 vendors click
@@ -74,6 +75,8 @@ def _one_line_usage_errors(args: list[str]) -> Iterator[None]:
 app = typer.Typer(cls=EdgelinGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Ship trained linear-attention models to edge devices.")
 JSON = typer.Option(False, "--json", help="Print machine-readable JSON instead of tables.")
+NO_VERIFY = typer.Option(False, "--no-verify", help="Skip checking the export's files against the sha256 digests its "
+                                                    "manifest records (checked by default; verdicts are cached).")
 
 
 # ---- parse-time range checks: a bad number is a one-line usage error (exit 2) before any work ----
@@ -177,7 +180,9 @@ def command(fn: Callable) -> Callable:
     def wrapper(*args, **kwargs):
         out = Output(kwargs.get("as_json", False))
         try:
-            return fn(out, *args, **kwargs)
+            # an export folder opened by the command is verified (edgelin.integrity) unless it passed --no-verify
+            with checking(verify=not kwargs.get("no_verify", False), warn=out.warning):
+                return fn(out, *args, **kwargs)
         except EdgelinError as exc:
             if _debug["on"]:
                 raise

@@ -2,9 +2,10 @@
 so results from a Jetson, a phone, a Mac and this machine can be put side by side (`edgelin report`).
 
 One function builds it (`environment`); bench.py and validate.py call it. The artifact hash identifies the
-export folder measured: sha256 over manifest.json (which records the sha256 of the weights file and of the
-reference vectors) and the graph files it names whose digest the manifest does not record (small: the
-weights live in weights.bin), so it is cheap and stable across copies of the folder.
+export folder measured: sha256 over manifest.json, which records the sha256 of every file the export wrote
+(edgelin.integrity checks them when the folder is opened); for an older export's manifest, which records only the
+weights file's and the reference vectors', also over the graph files it names (small: the weights live in
+weights.bin). Cheap and stable across copies of the folder.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from edgelin import __version__
 
 RESULT_FORMAT = "edgelin-result"
 RESULT_VERSION = 1
-HASH_METHOD = "sha256(manifest.json + graph files without a digest in the manifest)"
+HASH_METHOD = "sha256(manifest.json, which records every file's sha256; older exports: + graph files without a digest)"
 _RUNTIMES = ("tensorrt", "coremltools", "onnxruntime")  # python modules, by the runner label's first word
 
 
@@ -94,11 +95,14 @@ def module_version(name: str) -> str | None:
 
 
 def artifact_hash(folder: Path) -> str:
-    """sha256 of manifest.json, then of each graph file (path order) the manifest records no digest for."""
+    """sha256 of manifest.json; for an older export without the digests of every file (its `sha256`), then of each
+    graph file (path order) the manifest records no digest for."""
     manifest_path = folder / "manifest.json"
     raw = manifest_path.read_bytes()
     digest = hashlib.sha256(raw)
     data = json.loads(raw)
+    if isinstance(data.get("sha256"), dict):  # the manifest pins every file already
+        return digest.hexdigest()
     recorded = {entry.get("file") for entry in (data.get("extra") or {}).values()
                 if isinstance(entry, dict) and isinstance(entry.get("sha256"), str)}
     graphs = sorted({g["file"] for g in data.get("graphs", {}).values()} - recorded)

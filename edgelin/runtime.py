@@ -15,14 +15,18 @@ from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Runner, StateHandle, phase_refusal
 from edgelin.export.manifest import Manifest
 from edgelin.export.targets import get_target
+from edgelin.integrity import verify_folder
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile
 
 
 def load_artifact(folder: Path) -> Artifact:
-    """An exported folder as an Artifact: its checked manifest and its graph files."""
+    """An exported folder as an Artifact: its checked manifest and its graph files, every file the export wrote
+    verified against the manifest's digests first (edgelin.integrity; `integrity.checking(verify=False)`: the
+    CLI's --no-verify)."""
     manifest = Manifest.load(folder)
+    verify_folder(Path(folder), manifest)
     return Artifact(Path(folder), manifest, {kind: entry.file for kind, entry in manifest.graphs.items()})
 
 

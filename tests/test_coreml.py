@@ -424,6 +424,40 @@ def test_cli_refuses_coreml_options_in_one_line(ckpt, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_validate_writes_nothing_into_the_folder(explicit):
+    """coremltools' package loader rewrites the Manifest.json of a package it opens (the same bytes, a new mtime):
+    validate reads the packages through a private view, so every file keeps its bytes and its mtime."""
+    from typer.testing import CliRunner
+
+    from edgelin.cli import app
+
+    before = _files(explicit)
+    result = CliRunner().invoke(app, ["validate", str(explicit)])
+    assert result.exit_code == 0, result.output
+    assert _files(explicit) == before
+
+
+def test_validate_stderr_holds_only_edgelin_lines(explicit):
+    """In a fresh process (coremltools' noise comes with its import; off macOS eight "Failed to load _MLModelProxy"
+    lines and a torch-version warning): stderr holds error/warning/progress lines only."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "edgelin.cli", "validate", str(explicit)],
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    other = [ln for ln in done.stderr.splitlines()
+             if ln.strip() and not ln.startswith(("error:", "warning:", "progress:"))]
+    assert not other, other
+
+
 # ---- Apple's runtime (macOS only: .github/workflows/coreml-macos.yml) --------------------------------
 def _macos_at_least(major: int) -> bool:
     from edgelin.export.coreml_target import macos_major

@@ -63,7 +63,9 @@ def tampered(folder: Path, dest: Path, change: Callable[[dict[str, np.ndarray]],
     change(arrays)
     np.savez_compressed(dest / "reference.npz", **arrays)
     manifest = json.loads((dest / "manifest.json").read_text())
-    manifest["extra"]["reference_vectors"]["sha256"] = sha256_of(dest / "reference.npz")
+    # both digests: the reference vectors' entry and every file's map (checked when the folder is opened)
+    manifest["extra"]["reference_vectors"]["sha256"] = manifest["sha256"]["reference.npz"] = \
+        sha256_of(dest / "reference.npz")
     (dest / "manifest.json").write_text(json.dumps(manifest))
     return dest
 

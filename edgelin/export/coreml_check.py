@@ -12,9 +12,16 @@ precision differ; the metadata carries edgelin's version and the source's sha256
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from edgelin.errors import EdgelinError
@@ -40,6 +47,36 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def coremltools_module() -> ModuleType:
+    """coremltools, its own log lines below ERROR and its Python warnings kept off stderr (the run side's stderr
+    holds edgelin's error/warning/progress lines only): off macOS its import logs eight "Failed to load
+    _MLModelProxy ..." lines (no Core ML runtime here, as expected: the conversion is checked instead) and one on
+    an untested torch version (a converter's concern); CoremlRunner says itself when predictions cannot run."""
+    logging.getLogger("coremltools").setLevel(logging.ERROR)  # its modules log through this logger or children
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import coremltools
+        import coremltools.models.model  # noqa: F401  (the proxies' log lines come from these imports)
+    return coremltools
+
+
+@contextlib.contextmanager
+def package_view(package: Path) -> Iterator[Path]:
+    """A private view of a .mlpackage for coremltools to open: its package loader (libmodelpackage's ModelPackage,
+    behind `MLModel(path)` and `load_spec`) rewrites the package's Manifest.json whenever it opens one (the same
+    bytes, a new mtime), and nothing may write into an export folder. The view, in a private temporary folder:
+    a copy of Manifest.json and links to everything else (Data/: the model and its weights, read in place)."""
+    with tempfile.TemporaryDirectory(prefix="edgelin-mlpackage-") as tmp:
+        view = Path(tmp) / Path(package).name
+        view.mkdir()
+        for entry in Path(package).iterdir():
+            if entry.name == "Manifest.json":
+                shutil.copyfile(entry, view / entry.name)
+            else:
+                (view / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+        yield view
 
 
 def _fail(what: str, why: str) -> EdgelinError:
@@ -74,8 +111,7 @@ def _feature(feature) -> tuple[str, list[int], str]:
 
 def check_folder(folder: Path, manifest: "Manifest") -> CheckReport:
     """Every check in the module docstring; EdgelinError naming the first mismatch."""
-    import coremltools as ct
-
+    ct = coremltools_module()
     contract = load_contract(folder)
     packages = sorted({f["package"] for f in contract["functions"].values()})
     report = CheckReport(str(folder), packages, sorted(contract["functions"]))
@@ -94,8 +130,9 @@ def check_folder(folder: Path, manifest: "Manifest") -> CheckReport:
     for package in packages:
         path = Path(folder) / package
         try:
-            model = ct.models.MLModel(str(path), skip_model_load=True)
-            spec = model.get_spec()
+            with package_view(path) as view, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                spec = ct.models.MLModel(str(view), skip_model_load=True).get_spec()
         except Exception as exc:  # a missing or corrupt package: one line
             raise _fail(f"Core ML package {path} cannot be read", f"{type(exc).__name__}: {str(exc)[:200]}") from exc
         _check_package(path, spec, contract, manifest, report)

@@ -10,6 +10,7 @@ set below are refused by name.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,13 +20,18 @@ from edgelin.errors import EdgelinError
 
 
 def load_program(package: Path) -> Any:
-    """The MIL program (a coremltools Program: every function) of a saved .mlpackage."""
-    import coremltools as ct
+    """The MIL program (a coremltools Program: every function) of a saved .mlpackage, read through a private view
+    of it (coreml_check.package_view: coremltools' loader writes into a package it opens)."""
+    from edgelin.export.coreml_check import coremltools_module, package_view
+
+    ct = coremltools_module()
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
 
-    model = ct.models.MLModel(str(package), skip_model_load=True)
-    spec = model.get_spec()
-    return milproto_load(spec, spec.specificationVersion, file_weights_dir=model.weights_dir)
+    with package_view(Path(package)) as view, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ct.models.MLModel(str(view), skip_model_load=True)
+        spec = model.get_spec()  # the weights are read into the program here: the view can go afterwards
+        return milproto_load(spec, spec.specificationVersion, file_weights_dir=model.weights_dir)
 
 
 def _np_dtype(var) -> np.dtype | None:

@@ -13,12 +13,15 @@ Core ML in place) or the same dict for the numpy check.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from abc import abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
 from edgelin.export.coreml_convert import feature_name
 
@@ -146,14 +149,24 @@ class CoremlRunner(ContractRunner):
     label = "coreml (Apple's runtime)"
 
     def __init__(self, folder: Path, manifest: "Manifest", device: "DeviceProfile | None" = None):
-        import coremltools as ct
+        from edgelin.export.coreml_check import coremltools_module, package_view
 
+        ct = coremltools_module()
+        if getattr(ct.models.model, "_MLModelProxy", None) is None:
+            raise EdgelinError("Core ML cannot run predictions here", "coremltools' native module "
+                               "(libcoremlpython) did not load", "install a coremltools build for this Python and "
+                               "macOS (pip install --force-reinstall coremltools)")
         super().__init__(folder, manifest)
         units = {"cpuAndNeuralEngine": ct.ComputeUnit.CPU_AND_NE, "cpuAndGPU": ct.ComputeUnit.CPU_AND_GPU,
                  "cpuOnly": ct.ComputeUnit.CPU_ONLY}.get(self.contract["compute_units"], ct.ComputeUnit.ALL)
+        # Each package through a private view (coremltools writes into a package it opens), kept for the runner's life
+        self._views = contextlib.ExitStack()
+        weakref.finalize(self, self._views.close)
+        views = {p: self._views.enter_context(package_view(self.folder / p))
+                 for p in {f["package"] for f in self.contract["functions"].values()}}
         self._models = {}
         for name, entry in self.contract["functions"].items():
-            path = str(self.folder / entry["package"])
+            path = str(views[entry["package"]])
             self._models[name] = ct.models.MLModel(path, compute_units=units, function_name=name) \
                 if self.contract["multifunction"] else ct.models.MLModel(path, compute_units=units)
 

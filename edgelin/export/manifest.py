@@ -11,6 +11,7 @@ import numpy as np
 
 from edgelin import __version__
 from edgelin.errors import EdgelinError
+from edgelin.integrity import safe_relative
 from edgelin.export.tensors import TensorIO
 from edgelin.export.state import state_output_name
 
@@ -52,6 +53,9 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     edgelin_version: str = __version__
     files: tuple[str, ...] | None = None  # every file the export wrote (lets --force know the folder is ours)
+    # {path relative to the folder: sha256} of every file under it but manifest.json (edgelin.integrity checks them
+    # when the folder is opened); None: an older export, which recorded none
+    sha256: dict[str, str] | None = None
 
     # ---- derived -------------------------------------------------------------------------------
     @property
@@ -112,6 +116,7 @@ class Manifest:
             ],
             "extra": self.extra,
             **({"files": list(self.files)} if self.files is not None else {}),
+            **({"sha256": dict(self.sha256)} if self.sha256 is not None else {}),
         }
 
     def save(self, folder: Path) -> None:
@@ -143,6 +148,7 @@ class Manifest:
                 num_parameters=model.get("num_parameters", 0), extra=data.get("extra", {}),
                 edgelin_version=data.get("edgelin_version", "?"),
                 files=tuple(files) if files is not None else None,
+                sha256=dict(data["sha256"]) if data.get("sha256") is not None else None,
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise EdgelinError(f"{path} is malformed", f"{type(exc).__name__}: {exc}",
@@ -217,6 +223,14 @@ def check_shapes(data: Any) -> None:
     files = data.get("files")
     if files is not None and not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
         raise ValueError("files is not a list of file names")
+    digests = data.get("sha256")
+    if digests is not None:
+        _expect("sha256", digests, dict, "an object (file path -> its sha256)")
+        for name, digest in digests.items():
+            if not safe_relative(name):
+                raise ValueError(f"sha256 names {_brief(name)}, a path that escapes the export folder")
+            if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+                raise ValueError(f"sha256[{_brief(name)}] is {_brief(digest)}, expected 64 lowercase hex digits")
     extra = data.get("extra", {})
     _expect("extra", extra, dict, "an object")
     for key in ("precision", "quantization", "reference_vectors", "baselines", "quality", "serve"):

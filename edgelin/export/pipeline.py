@@ -19,6 +19,7 @@ from edgelin.export.base import Artifact, phase_refusal
 from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.export.manifest import MANIFEST, GraphEntry, Manifest
 from edgelin.export.targets import get_target
+from edgelin.integrity import digest_folder
 from edgelin.model.lm import CausalLM
 from edgelin.outputs import EXPORT, check_output, claim_output, files_below
 
@@ -212,10 +213,13 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         if state_precision:  # the verdicts the state dtype was checked against (failing ones too under --force)
             recorded["state_precision"] = [v.to_dict() for v in state_precision]
         phase("writing the manifest")
-        # Record every file written (those inside its folders by path), so a later --force knows the folder is ours.
+        # Record every file written (those inside its folders by path), so a later --force knows the folder is ours,
+        # and each one's sha256, so that the run side finds a changed, truncated or swapped file before it runs it
+        # (edgelin.integrity).
         device_entry = {"device": settings.manifest_entry()} if settings.device else {}
         manifest = dataclasses.replace(manifest, files=tuple(sorted(files_below(tmp) | {MANIFEST})),
-                                       extra={**manifest.extra, **device_entry, **recorded})
+                                       extra={**manifest.extra, **device_entry, **recorded},
+                                       sha256=digest_folder(tmp))
         manifest.save(tmp)
     return ExportResult(out, manifest, files, warnings=warnings)
 
