@@ -73,6 +73,15 @@ def test_a_utf8_prompt_under_an_ascii_locale_is_read_as_the_utf8_it_is(exported)
     assert proc.stdout.decode().startswith(PROMPT), proc.stdout
 
 
+def test_a_the_library_refuses_surrogates_before_opening_the_folder(tmp_path):
+    # edgelin.generate.generate called from Python with undecodable bytes held as surrogates
+    from edgelin.errors import EdgelinError
+    from edgelin.generate import generate
+
+    with pytest.raises(EdgelinError, match="the prompt is not valid text"):
+        generate(tmp_path / "no-export", "\udcff\udcfe abc")
+
+
 # ---- b. a stdout that cannot encode the text ---------------------------------------------------------
 @pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
 def test_b_generated_text_on_a_narrow_stdout_prints_escapes(exported, encoding):
@@ -153,3 +162,4 @@ def test_e_a_deleted_working_folder_is_one_line_before_any_library_loads(tmp_pat
     line = error_line(proc)
     assert "the current folder no longer exists" in line and "Fix: cd to an existing folder" in line, line
     assert line.startswith('{"error": ' if json_flag else "error: "), line
+
