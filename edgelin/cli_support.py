@@ -215,12 +215,12 @@ def _lenient_streams() -> None:
 
 def _check_working_folder() -> None:
     """A working folder deleted under the shell leaves every relative path meaningless, and torch's oneMKL
-    aborts loading without a word of why: refused here, before any heavy library loads."""
+    aborts loading without a word of why: refused here, before a command imports torch."""
     try:
         os.getcwd()
     except FileNotFoundError:
         Output(as_json=_wants_json(sys.argv[1:])).error(
-            "the current folder no longer exists: it was deleted (or moved away) after this shell entered it. "
+            "the current folder no longer exists: it was deleted after this shell entered it. "
             "Fix: cd to an existing folder and re-run")
         raise SystemExit(2) from None
 
