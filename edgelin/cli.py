@@ -11,7 +11,8 @@ import typer
 from rich.text import Text
 
 from edgelin import __version__
-from edgelin.cli_support import JSON, NO_VERIFY, POSITIVE, _debug, _finite, app, command, handle_termination
+from edgelin.cli_support import (JSON, NO_VERIFY, POSITIVE, _debug, _finite, app, argv_text, command,
+                                 library_load_fault, prepare_process)
 from edgelin.devices import MAX_THREADS
 from edgelin.errors import EdgelinError
 from edgelin.export.targets import target_names
@@ -349,6 +350,8 @@ def validate(
         try:
             from edgelin.validate import validate as run_validate
         except ImportError as exc:  # a runtime-only install (edgelin[runtime]) has no torch
+            if library_load_fault(exc) is not None:  # torch is there but could not be mapped (ulimit -v)
+                raise
             raise EdgelinError("validate --against needs PyTorch", f"it runs the checkpoint's reference model ({exc})",
                                "install edgelin[onnx], or validate without --against (the recorded reference "
                                "vectors)") from None
@@ -507,6 +510,7 @@ def generate(
     from edgelin.generate import SETTLE_STEPS, Sampling
     from edgelin.generate import generate as run_generate
 
+    prompt = argv_text(prompt, "--prompt")  # bytes that are not UTF-8: one line, not the tokenizer's TypeError
     given = {"--temperature": temperature, "--top-k": top_k, "--top-p": top_p}
     if greedy and any(v is not None for v in given.values()):
         flags = [flag for flag, value in given.items() if value is not None]
@@ -588,7 +592,7 @@ from edgelin import cli_train_report  # noqa: E402,F401  (registers train and re
 
 
 def main() -> None:
-    handle_termination()  # SIGTERM/SIGHUP clean up like Ctrl-C (partial output folders, locks)
+    prepare_process()  # the working folder exists, streams print any text, SIGTERM/SIGHUP clean up like Ctrl-C
     app()
 
 

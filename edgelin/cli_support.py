@@ -10,6 +10,7 @@ import functools
 import math
 import os
 import signal
+import sys
 from typing import Any, Callable, Iterator, Optional
 
 import typer
@@ -114,15 +115,68 @@ _OS_FAULTS: dict[int, tuple[str, str]] = {
 }
 
 
+def _address_space_limit() -> str | None:
+    """The process's address-space limit as `ulimit -v` shows it (KiB), or None when unlimited."""
+    try:
+        import resource  # POSIX only
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else f"{soft // 1024}"
+
+
+def _lack_of_memory(what: str) -> tuple[str, str]:
+    """Why and fix for memory `what` could not get: the address-space limit if one is set, else the machine."""
+    limit = _address_space_limit()
+    if limit is not None:
+        return (f"{what} needs more memory than the address-space limit allows (`ulimit -v` is {limit} KiB)",
+                "raise the limit (`ulimit -v unlimited`, or a larger value) and re-run")
+    return f"the machine has not enough free memory for {what}", "close other programs and re-run"
+
+
+# The dynamic loader's words when mapping a library fails for lack of memory (glibc's dl-load.c, dl-map-segments.h).
+# "cannot allocate memory in static TLS block" is the loader's TLS space, not the machine's memory: not one of them.
+_MAP_FAILURES = ("failed to map segment", "cannot map zero-fill pages", "cannot allocate memory",
+                 "cannot create shared object descriptor", "out of memory")
+
+
+def library_load_fault(exc: BaseException) -> EdgelinError | None:
+    """One line for a library that could not be loaded for lack of memory (torch or ONNX Runtime under a low
+    `ulimit -v`): an ImportError, or ctypes' errno-less OSError, with the loader's words for it, itself or in
+    `exc`'s cause/context chain. None for any other failure."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        loader = isinstance(current, ImportError) or (isinstance(current, OSError) and current.errno is None)
+        message = str(current.args[0]) if current.args else ""
+        lowered = message.lower()
+        if loader and "static tls" not in lowered and any(words in lowered for words in _MAP_FAILURES):
+            # The loader names the file it failed on first: "/path/libtorch_cpu.so: failed to map segment ..."
+            named = message.split(": ")[0]
+            library = os.path.basename(named) if ".so" in named or named.endswith((".dylib", ".dll")) \
+                else getattr(current, "name", None) or "a shared library"
+            return EdgelinError(f"cannot load {library}", *_lack_of_memory("mapping it"))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def environment_error(exc: BaseException) -> EdgelinError:
     """An OSError or MemoryError as one actionable line (exit 2): the machine, not edgelin, failed."""
     if isinstance(exc, MemoryError):
+        if _address_space_limit() is not None:  # the limit, not the machine, is what to change
+            return EdgelinError("out of memory", *_lack_of_memory("this command"))
         return EdgelinError("out of memory", "the machine could not allocate what this command needs",
                             "close other programs, or use smaller sizes (--batch, --positions, --steps, -n)")
     assert isinstance(exc, OSError)
+    loading = library_load_fault(exc)  # ctypes' OSError for a library it could not map
+    if loading is not None:
+        return loading
+    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
+    if exc.errno == errno.ENOMEM:  # mmap, fork: the fix is memory or its limit, not the path
+        return EdgelinError(f"cannot use {paths}" if paths else "out of memory", *_lack_of_memory("this command"))
     why, fix = _OS_FAULTS.get(exc.errno or -1, (exc.strerror or str(exc) or type(exc).__name__,
                                                 "check the path and the file system, then re-run"))
-    paths = " -> ".join(str(p) for p in (exc.filename, exc.filename2) if p is not None)
     return EdgelinError(f"cannot use {paths}" if paths else "a file operation failed", why, fix)
 
 
@@ -151,6 +205,54 @@ def handle_termination() -> None:
     for sig in _TERMINATING:
         if signal.getsignal(sig) is signal.SIG_DFL:
             signal.signal(sig, _terminate)
+
+
+def _lenient_streams() -> None:
+    """stdout and stderr print what they cannot encode as escapes (`\\xe9`, `\\u2603`): on an ASCII or Latin-1
+    stream (PYTHONIOENCODING=ascii, a C locale without UTF-8) generated text and paths must not end a command."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)  # a TextIOWrapper; None when detached or replaced
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+
+
+def _check_working_folder() -> None:
+    """A working folder deleted under the shell leaves every relative path meaningless, and torch's oneMKL
+    aborts loading without a word of why: refused here, before a command imports torch."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        Output(as_json=_wants_json(sys.argv[1:])).error(
+            "the current folder no longer exists: it was deleted after this shell entered it. "
+            "Fix: cd to an existing folder and re-run")
+        raise SystemExit(2) from None
+
+
+def prepare_process() -> None:
+    """What the entry point sets up before the command runs: an existing working folder, streams that
+    print any text, and SIGTERM/SIGHUP handled like Ctrl-C."""
+    _lenient_streams()
+    _check_working_folder()
+    handle_termination()
+
+
+def argv_text(value: str, option: str) -> str:
+    """Text from the command line as the UTF-8 the user typed. Python decodes argv with the locale's encoding,
+    holding undecodable bytes as surrogates: such bytes are re-read as UTF-8 (an ASCII locale, a UTF-8
+    terminal), and text that is not UTF-8 at all (a Latin-1 terminal, `$'\\xff'`) is refused by name."""
+    if not any("\ud800" <= char <= "\udfff" for char in value):
+        return value
+    fix = "pass UTF-8 text (convert it with `iconv -t UTF-8`, or set the terminal to UTF-8)"
+    try:
+        raw = os.fsencode(value)
+    except UnicodeEncodeError:  # a surrogate no decoding made: not bytes from a command line
+        raise EdgelinError(f"{option} is not valid text", "it holds a lone UTF-16 surrogate", fix) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EdgelinError(f"{option} is not valid UTF-8", f"byte 0x{raw[exc.start]:02x} (byte {exc.start + 1} of "
+                           f"{len(raw)}) is not part of a UTF-8 character (the terminal or the script sent another "
+                           "encoding)", fix) from None
 
 
 # Libraries an install may lack by design (`edgelin[runtime]` has none of them), each with how to get it.
@@ -213,6 +315,10 @@ def command(fn: Callable) -> Callable:
         except Exception as exc:  # a bug in edgelin: still one line unless --debug
             if _debug["on"]:
                 raise
+            loading = library_load_fault(exc)  # torch/ONNX Runtime could not map their libraries: the machine's limit
+            if loading is not None:
+                out.error(loading.line())
+                raise typer.Exit(loading.exit_code)
             out.error(f"internal error: {type(exc).__name__}: {exc}. Fix: re-run with --debug and report it")
             raise typer.Exit(3)
 

@@ -156,6 +156,9 @@ def generate(
     """`on_start` is called once the folder, tokenizer and prompt prefill have succeeded, before the
     first token: the CLI echoes the prompt there, so a failure never prints the prompt first. The
     state stays in the runner's handle (advanced in place); only the logits come back each step."""
+    if any("\ud800" <= char <= "\udfff" for char in prompt):  # the tokenizer takes Unicode text only
+        raise EdgelinError("the prompt is not valid text", "it holds surrogate code points (bytes that were not "
+                           "UTF-8, decoded with errors='surrogateescape')", "pass the prompt as UTF-8 text")
     runner = open_runner(folder, threads, device)
     manifest = runner.manifest
     if manifest.tokenizer is None:

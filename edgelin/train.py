@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from edgelin.checkpoint import check_fits_in_memory, write_checkpoint_files
+from edgelin.devices import MAX_THREADS
 from edgelin.errors import EdgelinError
 from edgelin.model.config import AttentionConfig, ModelConfig
 from edgelin.model.lm import CausalLM
@@ -100,8 +101,8 @@ class Recipe:
         recipe = cls(path.resolve(), hashlib.sha256(raw).hexdigest(), model,
                      _section(path, "data", doc, DataConfig), _section(path, "tokenizer", doc, TokenizerConfig),
                      _section(path, "train", doc, TrainConfig))
-        config = recipe.model_config(recipe.tokenizer.vocab_size)  # fail now on a bad [model], not after tokenizing
         recipe._check_values()
+        config = recipe.model_config(recipe.tokenizer.vocab_size)  # fail now on a bad [model], not after tokenizing
         check_fits_in_memory(config, str(path))  # absurd sizes too, before anything is allocated
         return recipe
 
@@ -112,15 +113,14 @@ class Recipe:
             if value not in allowed:
                 raise EdgelinError(f"{self.path}: [{section}] {key} = {value!r}", "not supported",
                                    f"use one of: {', '.join(allowed)}")
-        t = self.train
-        if min(t.steps, t.batch_size, t.seq_len, t.threads, t.eval_every, t.eval_windows) < 1 or t.lr <= 0:
-            raise EdgelinError(f"{self.path}: [train] has a non-positive size or lr", "nothing would train",
-                               "use positive steps, batch_size, seq_len, threads, eval_every, eval_windows, lr")
-        if not 0 <= t.seed <= MAX_SEED:
-            raise seed_error(f"{self.path}: [train] seed = {t.seed}", "use a seed in that range")
-        if not 0 < self.data.val_fraction < 0.5:
-            raise EdgelinError(f"{self.path}: [data] val_fraction = {self.data.val_fraction}",
-                               "it must be in (0, 0.5)", "use e.g. 0.05")
+        for (section, key), (allowed, what) in _RANGES.items():  # before any work: nan, inf, 0 threads, ...
+            value = getattr(getattr(self, section), key)
+            if not allowed.holds(value):
+                raise EdgelinError(f"{self.path}: [{section}] {key} = {value!r}",
+                                   f"{key} ({what}) must be a finite number {allowed}",
+                                   f"set {key} in that range (the default is {_default(section, key)!r})")
+        if not 0 <= self.train.seed <= MAX_SEED:
+            raise seed_error(f"{self.path}: [train] seed = {self.train.seed}", "use a seed in that range")
 
     def model_config(self, vocab_size: int, **extra: Any) -> ModelConfig:
         data = {**self.model, **extra, "vocab_size": vocab_size}
@@ -132,6 +132,49 @@ class Recipe:
         except (TypeError, KeyError) as exc:
             why = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
             raise EdgelinError(f"{self.path}: invalid [model] section", why, "see recipes/README.md") from exc
+
+
+@dataclass(frozen=True)
+class _Range:
+    """Where a recipe number may lie: finite, above `low` (or at it), at most `high` (or below it)."""
+    low: float
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+
+    def holds(self, value: float) -> bool:
+        return (math.isfinite(value) and (value > self.low if self.open_low else value >= self.low)
+                and (self.high is None or (value < self.high if self.open_high else value <= self.high)))
+
+    def __str__(self) -> str:
+        text = f"{'>' if self.open_low else '>='} {self.low:g}"
+        return text if self.high is None else f"{text} and {'<' if self.open_high else '<='} {self.high:g}"
+
+
+BYTE_LEVEL_VOCAB = 257  # the byte-level BPE's 256 byte tokens and the separator: a smaller vocab_size is ignored
+_POSITIVE, _COUNT = _Range(0, open_low=True), _Range(1)
+# Every number a recipe sets besides [model] (ModelConfig checks those) and seed. threads: the cap device
+# profiles have (far beyond it libgomp fails to start them, or crashes).
+_RANGES: dict[tuple[str, str], tuple[_Range, str]] = {
+    ("data", "max_bytes"): (_COUNT, "the corpus size in bytes"),
+    ("data", "val_fraction"): (_Range(0, 0.5, open_low=True, open_high=True), "the share of files held out"),
+    ("tokenizer", "vocab_size"): (_Range(BYTE_LEVEL_VOCAB), "256 byte tokens, the separator, then merges"),
+    ("train", "steps"): (_COUNT, "optimizer steps"),
+    ("train", "batch_size"): (_COUNT, "windows per step"),
+    ("train", "seq_len"): (_COUNT, "tokens per window"),
+    ("train", "lr"): (_POSITIVE, "the peak learning rate"),
+    ("train", "warmup"): (_Range(0), "steps of linear warmup"),
+    ("train", "weight_decay"): (_Range(0), "AdamW's decoupled weight decay"),
+    ("train", "grad_clip"): (_POSITIVE, "the largest gradient norm a step takes"),
+    ("train", "threads"): (_Range(1, MAX_THREADS), "CPU threads"),
+    ("train", "eval_every"): (_COUNT, "steps between evaluations"),
+    ("train", "eval_windows"): (_COUNT, "validation windows per evaluation"),
+}
+
+
+def _default(section: str, key: str) -> Any:
+    cls = {"data": DataConfig, "tokenizer": TokenizerConfig, "train": TrainConfig}[section]
+    return next(f.default for f in dataclasses.fields(cls) if f.name == key)
 
 
 # torch.manual_seed takes [-2**63, 2**64 - 1] and numpy's default_rng non-negative integers: both is [0, 2**64 - 1]

@@ -155,3 +155,44 @@ def test_cli_train_takes_seed_and_device(tmp_path: Path) -> None:
     lines = [ln for ln in result.stderr.splitlines() if ln.strip() and not ln.startswith("progress:")]
     assert len(lines) == 1 and lines[0].startswith("error: training device 'cuda:7'") and "Fix:" in lines[0], lines
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("section, old, new, allowed", [
+    ("train", "lr = 1e-2", "lr = nan", "> 0"),  # TOML has nan and inf: torch's "Invalid learning rate"
+    ("train", "lr = 1e-2", "lr = inf", "> 0"),  # trained into "training diverged"
+    ("train", "warmup = 5", "warmup = 5\ngrad_clip = nan", "> 0"),  # a NaN norm bound: "training diverged"
+    ("train", "warmup = 5", "warmup = 5\ngrad_clip = -1.0", "> 0"),  # a negative bound flips the gradients
+    ("train", "warmup = 5", "warmup = 5\nweight_decay = nan", ">= 0"),
+    ("train", "warmup = 5", "warmup = 5\nweight_decay = -0.5", ">= 0"),  # trained, growing the weights
+    ("train", "threads = 1 ", "threads = 100000 ", ">= 1 and <= 1024"),  # libgomp failed or crashed
+    ("train", "threads = 1 ", "threads = 0 ", ">= 1 and <= 1024"),
+    ("train", "warmup = 5", "warmup = -3", ">= 0"),
+    ("data", "val_fraction = 0.1", "val_fraction = nan", "> 0 and < 0.5"),
+    ("data", "max_bytes = 200_000", "max_bytes = 0", ">= 1"),
+    ("tokenizer", "vocab_size = 300", "vocab_size = 0", ">= 257"),  # the byte-level alphabet and the separator
+])
+def test_out_of_range_numbers_are_refused_by_name_before_any_work(tmp_path: Path, section: str, old: str,
+                                                                   new: str, allowed: str) -> None:
+    assert old in TINY
+    path = tmp_path / "recipe.toml"
+    path.write_text(TINY.replace(old, new))
+    key, value = new.splitlines()[-1].split(" = ")
+    with pytest.raises(EdgelinError) as err:
+        Recipe.load(path)
+    line = err.value.line()
+    assert line.startswith(f"{path}: [{section}] {key} = {value.strip()}: {key} ("), line
+    assert f"must be a finite number {allowed}" in line and "Fix: set " in line and "\n" not in line, line
+
+
+def test_cli_train_refuses_a_nan_lr_in_one_line_before_any_work(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from edgelin.cli import app
+
+    (tmp_path / "recipe.toml").write_text(TINY.replace("lr = 1e-2", "lr = nan"))
+    result = CliRunner().invoke(app, ["train", str(tmp_path / "recipe.toml"), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip() and not ln.startswith("progress:")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "[train] lr = nan" in lines[0], lines
+    assert "internal error" not in result.output and "diverged" not in result.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".edgelin-cache").exists()
