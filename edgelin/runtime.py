@@ -4,6 +4,7 @@ measure memory. Imports no torch: this is what a runtime-only install (edgelin[r
 from __future__ import annotations
 
 import math
+import os
 
 import resource
 from pathlib import Path
@@ -25,9 +26,23 @@ def load_artifact(folder: Path) -> Artifact:
     """An exported folder as an Artifact: its checked manifest and its graph files, every file the export wrote
     verified against the manifest's digests first (edgelin.integrity; `integrity.checking(verify=False)`: the
     CLI's --no-verify)."""
+    _check_path_is_text(Path(folder))
     manifest = Manifest.load(folder)
     verify_folder(Path(folder), manifest)
     return Artifact(Path(folder), manifest, {kind: entry.file for kind, entry in manifest.graphs.items()})
+
+
+def _check_path_is_text(folder: Path) -> None:
+    """The runtimes take paths as UTF-8 text (ONNX Runtime's session, the verdict cache's keys): a folder whose path
+    holds bytes that are not UTF-8 (Linux allows them; Python carries them as surrogates) is refused in one line."""
+    try:
+        str(folder.absolute()).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        shown = os.fsencode(folder).decode("utf-8", "backslashreplace")
+        raise EdgelinError(f"the folder path {shown} is not valid UTF-8",
+                           f"byte {exc.object[exc.start:exc.end].encode('utf-8', 'surrogateescape').hex()} is not "
+                           "part of a UTF-8 character, and the runtimes take paths as UTF-8 text",
+                           "move or rename the folder to a UTF-8 path (e.g. `mv` it under a plain ASCII name)") from exc
 
 
 def open_runner(folder: Path, threads: int | None = None, device: "DeviceProfile | None" = None) -> Runner:

@@ -82,6 +82,16 @@ def test_a_the_library_refuses_surrogates_before_opening_the_folder(tmp_path):
         generate(tmp_path / "no-export", "\udcff\udcfe abc")
 
 
+def test_a_folder_path_that_is_not_utf8_is_refused_in_one_line(exported, tmp_path):
+    # Linux allows any bytes in a name; ONNX Runtime's session (and the verdict cache) take UTF-8 text: it ended in
+    # an internal UnicodeEncodeError / TypeError
+    folder = os.fsdecode(bytes(tmp_path) + b"/caf\xe9")
+    shutil.copytree(exported[1], folder)
+    line = error_line(edgelin("validate", os.fsencode(folder)))
+    assert line.startswith("error: the folder path ") and "caf\\xe9 is not valid UTF-8: byte e9" in line, line
+    assert "Fix: move or rename the folder to a UTF-8 path" in line, line
+
+
 # ---- b. a stdout that cannot encode the text ---------------------------------------------------------
 @pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
 def test_b_generated_text_on_a_narrow_stdout_prints_escapes(exported, encoding):
