@@ -10,6 +10,7 @@ Control characters in that text (a path holding ESC sequences, a newline) are pr
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import re
 import sys
@@ -71,6 +72,26 @@ def _safe(value: str | Text, keep_newlines: bool = False) -> Text:
     return safe
 
 
+# A front end that runs an edgelin command under its own syntax (`optimum-cli export edgelin`) names the
+# options in error and warning lines its own way: it sets a rewrite of those lines for the call (spelled).
+_SPELLING: contextvars.ContextVar[Callable[[str], str] | None] = contextvars.ContextVar("spelling", default=None)
+
+
+@contextlib.contextmanager
+def spelled(rewrite: Callable[[str], str]) -> Iterator[None]:
+    """Error and warning lines written inside the block pass through `rewrite` (a front end's option names)."""
+    token = _SPELLING.set(rewrite)
+    try:
+        yield
+    finally:
+        _SPELLING.reset(token)
+
+
+def _spelled(text: str) -> str:
+    rewrite = _SPELLING.get()
+    return rewrite(text) if rewrite is not None else text
+
+
 class Output:
     def __init__(self, as_json: bool = False):
         self.as_json = as_json
@@ -121,7 +142,8 @@ class Output:
     def warning(self, text: str) -> None:
         """`warning: TEXT` on stderr; with --json nothing: the command puts its warnings in its result."""
         if not self.as_json:
-            self.err.print(Text.assemble(("warning:", "bold yellow"), " ", escape_controls(text)), soft_wrap=True)
+            self.err.print(Text.assemble(("warning:", "bold yellow"), " ", escape_controls(_spelled(text))),
+                           soft_wrap=True)
 
     def stream(self, text: str) -> None:
         """Raw text as it is produced (generation), never wrapped or re-styled."""
@@ -132,6 +154,7 @@ class Output:
     def error(self, text: str) -> None:
         """The whole message is user text (it embeds paths and pip hints): printed without markup, on one
         line (control characters escaped). JSON escapes them itself (ensure_ascii: as \\u001b, \\u009b)."""
+        text = _spelled(text)
         if self.as_json:
             print(json.dumps({"error": text}), file=sys.stderr)
         else:

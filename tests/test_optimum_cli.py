@@ -91,3 +91,30 @@ def test_unknown_target_names_the_optimum_command() -> None:
 
     with pytest.raises(EdgelinError, match=r"--target tflite.*onnx, tensorrt, coreml.*`optimum-cli export edgelin --help`"):
         edgelin_argv("ckpt", "out", target="tflite")
+
+
+def test_errors_name_optimum_clis_own_syntax(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`edgelin export`'s refusals, run through optimum-cli, name this command's syntax: its positional
+    output (not edgelin's --out), --device-profile (edgelin's --device) and `optimum-cli export edgelin
+    --help` (not a nonexistent `... edgelin export --help`)."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", "gla", tokenizer=False)
+    (tmp_path / "taken").mkdir()
+    cases = [([str(tmp_path / "taken")], "Fix: pick another output, or pass --force to replace it"),
+             ([str(ckpt / "inside")], f"error: output {ckpt / 'inside'} is inside the source {ckpt}: "),
+             ([str(tmp_path / "a"), "--serve", "tfserving"], "Fix: see `optimum-cli export edgelin --help`"),
+             ([str(tmp_path / "b"), "--device-profile", "jetson-orin", "--target", "coreml"],
+              "Fix: pick one of those --target values, or another --device-profile")]
+    for args, wanted in cases:
+        code = optimum_cli(["export", "edgelin", "--model", str(ckpt), *args])
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(errors) == 1 and wanted in errors[0], err
+        assert "--out" not in err and "edgelin export" not in err and "--device " not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "taken"]  # nothing written
+
+
+def test_spelling_leaves_paths_alone() -> None:
+    from optimum.commands.register.register_edgelin import optimum_spelling
+
+    assert optimum_spelling("--out /x/--out-y is inside /a--precision: pass --precision fp16 or (--device iphone)") \
+        == "output /x/--out-y is inside /a--precision: pass --dtype fp16 or (--device-profile iphone)"

@@ -120,6 +120,83 @@ def test_cli_build_without_headers_is_one_line(exported, tmp_path):
     assert not (folder / "tensorrt" / "build.json").exists()
 
 
+def _build_here(monkeypatch, folder: Path) -> None:
+    """`edgelin build` as on a machine with TensorRT and a GPU, but with the stand-in (tests/trt_standin.py)
+    for TensorRT, in this process and in the engine builder's child process (a `tensorrt` module first on
+    PYTHONPATH that installs it), and the fake plugin library for nvcc + cmake + headers."""
+    import trt_standin
+    from edgelin.export.base import Phase
+    from edgelin.export.tensorrt_target import TensorrtTarget
+
+    trt_standin.install(monkeypatch)
+    shim = folder.parent / "shim"
+    shim.mkdir()
+    (shim / "tensorrt.py").write_text(  # replaces itself in sys.modules, as trt_standin.install does in-process
+        f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\nimport trt_standin\n\n\n"
+        "class Setter:\n    def setitem(self, mapping, key, value):\n        mapping[key] = value\n\n\n"
+        "trt_standin.install(Setter())\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(TensorrtTarget, "can_build", lambda self, device=None: Phase(True))
+    monkeypatch.setattr("edgelin.export.tensorrt_build.find_headers", lambda include: HEADERS)
+    monkeypatch.setattr("edgelin.export.tensorrt_build.gpu_visible", lambda: True)
+    monkeypatch.setattr("edgelin.plugins.tensorrt.header_version", lambda include: (10, 3))
+    monkeypatch.setattr("edgelin.plugins.tensorrt.build_plugin",
+                        lambda root, headers, archs, major: trt_standin.fake_plugin_library(root, major))
+
+
+def test_cli_build_never_runs_code_from_the_export_folder(exported, tmp_path, monkeypatch):
+    """An export folder is data: `edgelin build` builds the engines with edgelin's own builder on the
+    folder's engines.json, never the folder's tensorrt/build_engine.py, and imports nothing from the folder
+    (the builder's working folder) in its child process either."""
+    import trt_standin
+
+    _, exported_folder = exported
+    folder = tmp_path / "out"
+    shutil.copytree(exported_folder, folder)
+    marker = tmp_path / "ran-code-from-the-folder"
+    planted = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    for name in ("tensorrt/build_engine.py", "argparse.py", "json.py", "tensorrt/argparse.py"):
+        (folder / name).write_text(planted)
+    _build_here(monkeypatch, folder)
+    result = CliRunner().invoke(app, ["build", str(folder), "--archs", "87"])
+    assert not marker.exists(), marker.read_text()
+    assert result.exit_code == 0, result.output
+    assert f"built {folder}: {LIB}, step.engine, prefill.engine" in result.output
+    spec = json.loads((folder / "tensorrt" / "engines.json").read_text())
+    for graph in ("step", "prefill"):  # what the stand-in builder was given: the export's profiles
+        engine = trt_standin.engine_spec(folder / f"{graph}.engine")
+        assert engine["profiles"] == spec["graphs"][graph]["profiles"] and engine["onnx"].endswith(f"{graph}.onnx")
+    assert json.loads((folder / "tensorrt" / "build.json").read_text())["engines"] == \
+        {"step": "step.engine", "prefill": "prefill.engine"}
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda s: s["graphs"]["step"].update(engine="../escaped.engine"),
+     "step's engine is '../escaped.engine', the manifest says 'step.engine'"),
+    (lambda s: s["graphs"]["step"].update(engine="manifest.json"), "step's engine is 'manifest.json'"),
+    (lambda s: s["graphs"]["prefill"].update(file="/etc/passwd"), "prefill's file is '/etc/passwd'"),
+    (lambda s: s["graphs"]["step"].update(weights="../../weights.bin"), "step's weights is '../../weights.bin'"),
+    (lambda s: s["graphs"]["step"]["profiles"][0].update(input_ids=[[2], [1], [1]]), "min <= opt <= max"),
+    (lambda s: s["graphs"]["step"]["profiles"][0].pop("input_ids"), "every input of step.onnx"),
+    (lambda s: s["graphs"].update(extra={}), "`graphs` must name some of step, prefill"),
+    (lambda s: s.update(inplace="yes"), "a true/false `inplace`"),
+])
+def test_cli_build_checks_engines_json_before_building(exported, tmp_path, monkeypatch, edit, why):
+    _, exported_folder = exported
+    folder = tmp_path / "out"
+    shutil.copytree(exported_folder, folder)
+    spec_path = folder / "tensorrt" / "engines.json"
+    spec = json.loads(spec_path.read_text())
+    edit(spec)
+    spec_path.write_text(json.dumps(spec))
+    _build_here(monkeypatch, folder)
+    result = CliRunner().invoke(app, ["build", str(folder), "--archs", "87"])
+    assert result.exit_code == 2, result.output
+    assert f"error: {spec_path} is malformed: " in result.output and why in result.output, result.output
+    assert not (folder / LIB).exists() and not (folder / "tensorrt" / "build.json").exists()
+    assert not list(folder.glob("*.engine")) and not (tmp_path / "escaped.engine").exists()
+
+
 @pytest.mark.requires_tensorrt
 def test_engine_builds_and_matches_onnxruntime(exported, tmp_path):
     why = _tensorrt_available()

@@ -398,6 +398,33 @@ def test_trt_runner_refuses_a_plugin_of_another_tensorrt_major(exported, tmp_pat
         open_runner(folder)
 
 
+def test_trt_runner_reads_only_its_own_file_names_from_build_json(exported, tmp_path, monkeypatch):
+    """build.json is data: a plugin library or engine it names elsewhere (a path out of the folder) is never
+    loaded; the runner takes tensorrt/libedgelin_trt_plugin_trt<major>.so and <graph>.engine only."""
+    import shutil
+
+    from edgelin.runtime import open_runner
+
+    counters = trt_standin.install(monkeypatch)
+    folder = tmp_path / "built"
+    shutil.copytree(exported[1], folder)
+    trt_standin.build_with_standin(folder)
+    record_path = folder / "tensorrt" / "build.json"
+    record = json.loads(record_path.read_text())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    planted = trt_standin.fake_plugin_library(elsewhere)  # passes check_library: only its place is wrong
+    record_path.write_text(json.dumps({**record, "plugin": f"../../elsewhere/{planted.name}"}))
+    with pytest.raises(EdgelinError, match="build.json names the plugin library '../../elsewhere/"):
+        open_runner(folder)
+    assert str(planted) not in [str(Path(p).resolve()) for p in counters.loaded]
+    # an engine named outside the folder: not followed (the folder's own step.engine is gone)
+    (folder / "step.engine").rename(elsewhere / "step.engine")
+    record_path.write_text(json.dumps({**record, "engines": {**record["engines"], "step": "../elsewhere/step.engine"}}))
+    runner = open_runner(folder)
+    assert runner.label.endswith("TensorRT engines not used: the step engine is not built (edgelin build DIR)")
+
+
 def test_cli_says_the_tensorrt_engine_ran(built):
     folder, _, _ = built
     result = CliRunner().invoke(app, ["validate", str(folder)])

@@ -4,7 +4,7 @@ TensorRT cannot be installed on the CI machines (platform notes), so the TensorR
 (edgelin/export/tensorrt_runtime.py) is tested against these fakes, installed into sys.modules by
 `install(monkeypatch)` for one test at a time:
 
-- `tensorrt`: just the calls build_engine.py and the runner make. A "serialized engine" is JSON naming
+- `tensorrt`: just the calls build_engine and the runner make. A "serialized engine" is JSON naming
   the ONNX file, the optimisation profiles and the flags; a deserialized engine runs that ONNX through
   ONNX Runtime (the plugin nodes through their ONNX functions). Its execution contexts check what real
   TensorRT would refuse or leave undefined: shapes outside the context's profile, unset addresses,
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import importlib.util
 import json
 import subprocess
 import sys
@@ -438,21 +437,23 @@ def fake_plugin_library(folder: Path, trt_major: int = 10) -> Path:
 
 
 def build_with_standin(folder: Path, trt_major: int = 10, fp16: bool = False, inplace: bool = True) -> dict:
-    """What `edgelin build` does where TensorRT is (nvcc and cmake aside): the export's own
-    tensorrt/build_engine.py, run against the stand-in, then the build record. `inplace=False`: as
-    build_engine.py --no-inplace. Call after install()."""
-    from edgelin.export.tensorrt_build import GRAPHS, TRT_DIR, exported_aliases, record_build
+    """What `edgelin build` does where TensorRT is (nvcc and cmake aside, and in this process): edgelin's
+    own engine builder (edgelin.plugins.tensorrt.build_engine, never the folder's copy) on the checked
+    tensorrt/engines.json, against the stand-in, then the build record. `inplace=False`: as
+    build_engine --no-inplace. Call after install()."""
+    from edgelin.export.manifest import Manifest
+    from edgelin.export.tensorrt_build import GRAPHS, TRT_DIR, read_engine_spec, record_build
+    from edgelin.plugins.tensorrt import build_engine
 
     root = Path(folder) / TRT_DIR
     library = fake_plugin_library(root, trt_major)
-    spec = importlib.util.spec_from_file_location("standin_build_engine", root / "build_engine.py")
-    script = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(script)  # type: ignore[union-attr]
+    spec = read_engine_spec(Path(folder), Manifest.load(Path(folder)))
     engines = {}
     for graph in GRAPHS:
-        built = script.build(str(folder), graph, script.GRAPHS[graph], str(library), fp16, script.INPLACE and inplace)
+        built = build_engine.build(str(folder), graph, spec["graphs"][graph], str(library), fp16,
+                                   spec["inplace"] and inplace, spec["strongly_typed"])
         engines[graph] = Path(built).name
-    aliased = exported_aliases(folder) if inplace else {}
+    aliased = spec["graphs"]["step"]["aliased"] if spec["inplace"] and inplace else {}
     return record_build(Path(folder), library.name, trt_major, ["90"], engines, None, aliased)
 
 

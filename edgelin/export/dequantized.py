@@ -134,8 +134,10 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
                 values = array(half).astype(np.float32)
                 if node.op_type == F16_OP:  # MatMul's [K, N] (packed in panels: [P, K, 16]) -> the module's [N, K]
                     values = (unpack_panels(values, panel_columns(node, values)) if values.ndim == 3 else values).T
-                # half a float16 step of each element (np.spacing: that element's step; subnormals included)
-                steps = np.spacing(np.abs(values).astype(np.float16)).astype(np.float32)
+                # half a float16 step of each element (np.spacing: that element's step; subnormals included). The
+                # largest finite value's step up is inf: it rounds with the step of its binade, 65472's
+                top = np.nextafter(np.finfo(np.float16).max, np.float16(0))
+                steps = np.spacing(np.minimum(np.abs(values).astype(np.float16), top)).astype(np.float32)
                 found[half] = Dequantized(half, np.ascontiguousarray(values), 0.5 * SLACK * steps + 1e-12)
                 continue
             if node.op_type not in QUANTIZED_OPS:

@@ -414,6 +414,7 @@ class OnnxTarget(Target):
     name = "onnx"
     extra = "onnx"
     options_type = OnnxOptions
+    saturates_float16 = True  # fp16 weights beyond float16's range: ±65504 (with_compute_dtype, to_float16)
 
     def can_export(self) -> Phase:
         missing = missing_module(_EXPORT_NEEDS)

@@ -95,6 +95,15 @@ def pack_float_products(path: Any) -> int:
     return count
 
 
+def to_float16(values: "np.ndarray") -> "np.ndarray":
+    """A float16 copy, saturated at float16's largest finite value (±65504) rather than overflowing to inf
+    (the export pipeline warns about such weights: edgelin.model.lm.beyond_range)."""
+    import numpy as np
+
+    limit = np.finfo(np.float16).max
+    return np.clip(values, -limit, limit).astype(np.float16)
+
+
 def pack_products(proto: Any, half: bool = False) -> int:
     """In place: each ONNX MatMul on a constant 2-D float32 weight becomes ai.edgelin::MatMulF32 on the weight
     packed in panels (`half`: ai.edgelin::MatMulF16 on a float16 copy, --quantize fp16), each weight packed once
@@ -116,7 +125,7 @@ def pack_products(proto: Any, half: bool = False) -> int:
         if weight not in packed:
             packed[weight] = f"{weight}_f16p" if half else f"{weight}_p{PANEL}"
             value = numpy_helper.to_array(tensor)
-            value = pack_panels(value.astype(np.float16) if half else value)
+            value = pack_panels(to_float16(value) if half else value)
             proto.graph.initializer.append(numpy_helper.from_array(value, packed[weight]))
         to_panel_op(proto, node, F16_OP if half else F32_OP, packed[weight], tensor.dims[1])
         count += 1

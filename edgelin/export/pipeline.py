@@ -20,7 +20,7 @@ from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.export.manifest import MANIFEST, GraphEntry, Manifest
 from edgelin.export.targets import get_target
 from edgelin.integrity import digest_folder
-from edgelin.model.lm import CausalLM
+from edgelin.model.lm import CausalLM, beyond_range
 from edgelin.outputs import EXPORT, check_output, claim_output, files_below
 
 
@@ -172,6 +172,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     protected = tuple(protected) + ((Path(source["path"]),) if Path(str(source.get("path"))).is_dir() else ())
     phases = export_phases(baselines, serve)
     done = iter(range(len(phases)))
+    saturated = float16_saturation(model, target, settings, options)
 
     def phase(what: str) -> None:
         if on_progress is not None:
@@ -196,8 +197,8 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         # fp16/quantised exports: the artifact's top-1 and perplexity vs fp32, refused unless --force
         phase("checking quality")
         gate = check_export_quality(model, tmp, manifest, settings)
-        warnings = ((gate.warning(),) if gate is not None and not gate.passed else ()) + \
-            ((serve_warning,) if serve_warning else ())
+        warnings = (*saturated, *((gate.warning(),) if gate is not None and not gate.passed else ()),
+                    *((serve_warning,) if serve_warning else ()))
         if baselines:
             phase("exporting baselines")
         written = baseline_exports.export_baselines(model, tmp, baselines, lambda m, o: export_model(
@@ -222,6 +223,32 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                                        sha256=digest_folder(tmp))
         manifest.save(tmp)
     return ExportResult(out, manifest, files, warnings=warnings)
+
+
+def float16_saturation(model: CausalLM, target: Any, settings: ExportSettings, options: Any) -> tuple[str, ...]:
+    """Weights an export would store in float16 that lie beyond its range: refused (bad input, before anything is
+    written) unless --force, which stores them saturated at ±65504, never as inf (the targets that convert them:
+    onnx, tensorrt, torch, `saturates_float16`), and says so in a warning."""
+    import torch
+
+    if not getattr(target, "saturates_float16", False):
+        return ()
+    if settings.precision == "fp16":
+        found, what, instead = beyond_range(model, torch.float16), "--precision fp16", "--precision fp32"
+    elif settings.quantize == "fp16":
+        found = beyond_range(model, torch.float16, matmul_weights=True,
+                             embeddings=getattr(options, "quantize_embeddings", True))
+        what, instead = "--quantize fp16", "--quantize int8"
+    else:
+        return ()
+    if found is None:
+        return ()
+    count, name, value = found
+    values = f"{count} weight value{'s' if count > 1 else ''} beyond float16's range (largest {value:.4g}, in {name})"
+    if not settings.force:
+        raise EdgelinError(values, f"a {what} export would store them saturated at ±65504, another model",
+                           f"export with {instead}, or pass --force to store them saturated")
+    return (f"{values}: the {what} export stores them saturated at ±65504 (--force)",)
 
 
 def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: bool = False,

@@ -40,7 +40,7 @@ from typing import Any
 
 from edgelin.errors import EdgelinError, environment_fault, one_line
 from edgelin.export.onnx_patterns import drop_unread
-from edgelin.export.panels import F16_OP, pack_products
+from edgelin.export.panels import F16_OP, pack_products, to_float16
 
 BITS = {"int8": 8, "int4": 4}
 HALF = "fp16"  # --quantize fp16: weight-only float16 storage (_float16_weights)
@@ -224,7 +224,6 @@ def _float16_weights(proto: Any, embeddings: bool) -> None:
     on a float16 copy of it packed in column panels (edgelin.export.panels.pack_products); with `embeddings` also the
     LM head (untied to its own transposed weight first, as for int4) and each Gather on a 2-D float32 table, which
     reads a float16 copy of the table and casts its rows back to float32. Unread float32 weights are dropped."""
-    import numpy as np
     import onnx
     from onnx import helper, numpy_helper
 
@@ -240,7 +239,7 @@ def _float16_weights(proto: Any, embeddings: bool) -> None:
                 and _attrs(node).get("axis", 0) == 0:
             if table.name not in halves:  # each table converted once however many lookups read it
                 halves[table.name] = f"{table.name}_f16"
-                value = numpy_helper.to_array(table).astype(np.float16)
+                value = to_float16(numpy_helper.to_array(table))
                 proto.graph.initializer.append(numpy_helper.from_array(value, halves[table.name]))
             node.input[0], out = halves[table.name], node.output[0]
             node.output[0] = f"{out}_f16"

@@ -4,7 +4,9 @@ a standalone `build_engine.py`, `COMMANDS.md` with the trtexec and polygraphy li
 
 Layout of `tensorrt/` (the plugin's CMakeLists.txt finds the launcher at ../../kernels/cuda):
   plugins/tensorrt/CMakeLists.txt, plugins/tensorrt/src/*.cpp, kernels/cuda/*  the plugin sources
-  build_engine.py   tensorrt + numpy only: the optimisation profiles of engines.json, writes *.engine
+  build_engine.py   tensorrt only: a copy of edgelin.plugins.tensorrt.build_engine with engines.json's spec
+                    filled in, for building by hand; `edgelin build` never runs it (an export folder is
+                    data): it runs its own module on engines.json, checked (read_engine_spec)
   engines.json      per graph: its file, its engine, its profiles (narrowest first: a batch-1 step, short
                     prompts; the last is the full range), and with --trt-inplace the state pairs the
                     step engine aliases (what the TensorRT runner binds to one buffer)
@@ -29,6 +31,7 @@ from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile
+    from edgelin.export.manifest import Manifest
 
 TRT_DIR = "tensorrt"
 BUILD_RECORD = "build.json"
@@ -149,12 +152,15 @@ def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | N
     weights = {"weights": files["weights"]} if "weights" in files else {}  # external data both graphs read
     spec = {g: {"file": files[g], "engine": f"{g}.engine", "profiles": profiles[g], **weights,
                 "aliased": dict(aliased or {}) if g == "step" else {}} for g in inputs}
-    (root / ENGINE_SPEC).write_text(json.dumps({"inplace": inplace, "graphs": spec}, indent=2) + "\n")
-    script = (PLUGIN_DIR / "build_engine.py").read_text()  # the template; GRAPHS and INPLACE filled in below
-    script = script.replace("GRAPHS = {}  # filled in by edgelin export", f"GRAPHS = {json.dumps(spec)}")
-    script = script.replace("STRONGLY_TYPED = False  # filled in by edgelin export", f"STRONGLY_TYPED = {strongly_typed}")
-    (root / "build_engine.py").write_text(script.replace("INPLACE = False  # filled in by edgelin export",
-                                                         f"INPLACE = {inplace}"))
+    (root / ENGINE_SPEC).write_text(json.dumps({"inplace": inplace, "strongly_typed": strongly_typed, "graphs": spec},
+                                               indent=2) + "\n")
+    # the template, for building by hand (edgelin build runs its own module): GRAPHS, INPLACE and
+    # STRONGLY_TYPED filled in
+    script = (PLUGIN_DIR / "build_engine.py").read_text()
+    for name, value in (("GRAPHS", json.dumps(spec)), ("INPLACE", inplace), ("STRONGLY_TYPED", strongly_typed)):
+        placeholder = f"{name} = {'{}' if name == 'GRAPHS' else False}  # filled in by edgelin export"
+        script = script.replace(placeholder, f"{name} = {value}")
+    (root / "build_engine.py").write_text(script)
     (root / "COMMANDS.md").write_text(commands_text(shapes, inplace, files.get("weights"), strongly_typed))
     from edgelin.outputs import record_written
 
@@ -167,7 +173,8 @@ def commands_text(shapes: dict[str, Shapes], inplace: bool = False, weights: str
     lib = "tensorrt/" + plugin_file("10")
     lines = ["# Building and checking the TensorRT engines by hand", "",
              "Run from the export folder. `edgelin build .` builds the plugin library (`" + lib + "`; `trt11` for "
-             "TensorRT 11) and, where TensorRT and a GPU are present, runs `tensorrt/build_engine.py`."
+             "TensorRT 11) and, where TensorRT and a GPU are present, builds the engines as `tensorrt/build_engine.py` "
+             "does (with edgelin's own copy of it)."
              + (f" Both graphs read their weights from `{weights}` beside them (ONNX external data, which TensorRT's "
                 "parser, trtexec and polygraphy resolve relative to the .onnx file): keep the files together."
                 if weights else ""), "",
@@ -229,13 +236,12 @@ def engine_possible() -> str | None:
 def build_folder(folder: Path, device: "DeviceProfile | None" = None, trt_include: Path | None = None,
                  archs: list[str] | None = None) -> BuildResult:
     """Build the plugin library into folder/tensorrt/, then the engines when TensorRT and a GPU are here."""
+    from edgelin.export.manifest import Manifest
     from edgelin.plugins.tensorrt import build_plugin, header_version
 
     folder = Path(folder)
     root = folder / TRT_DIR
-    if not (root / "build_engine.py").is_file():
-        raise EdgelinError(f"{folder} has no tensorrt/build_engine.py", "it was exported by an older edgelin",
-                           f"export it again with --target tensorrt")
+    spec = read_engine_spec(folder, Manifest.load(folder))  # checked before anything is built
     headers = find_headers(trt_include)
     major, _ = header_version(headers)
     if not archs:
@@ -244,31 +250,108 @@ def build_folder(folder: Path, device: "DeviceProfile | None" = None, trt_includ
     missing = engine_possible()
     engines: dict[str, str] = {}
     if missing is None:
-        done = subprocess.run([sys.executable, str(root / "build_engine.py"), "--plugin", str(library)],
-                              cwd=folder, capture_output=True, text=True)
-        if done.returncode != 0:
-            tail = " | ".join(ln.strip() for ln in (done.stdout + done.stderr).splitlines()[-3:])
-            raise EdgelinError("building the TensorRT engines failed", tail or "no output",
-                               "run tensorrt/build_engine.py by hand for the full log (tensorrt/COMMANDS.md)")
+        run_engine_build(folder, spec, library)
         engines = {g: f"{g}.engine" for g in GRAPHS if (folder / f"{g}.engine").is_file()}
-    record_build(folder, library.name, major, [str(a) for a in archs], engines, missing,
-                 exported_aliases(folder) if engines else {})
+    aliased = dict(spec["graphs"].get("step", {}).get("aliased", {})) if spec["inplace"] and engines else {}
+    record_build(folder, library.name, major, [str(a) for a in archs], engines, missing, aliased)
     return BuildResult({"plugin": f"{TRT_DIR}/{library.name}", **engines},
                        None if missing is None else f"the engines need TensorRT: {missing}; build them on "
                        f"{WHERE_ENGINE} (edgelin build again, or tensorrt/build_engine.py)")
 
 
-def exported_aliases(folder: Path) -> dict[str, str]:
-    """The step's {state input: state output} pairs its plugin nodes alias, when the export asked for it
-    (--trt-inplace: build_engine.py then builds the step engine with aliasing); else none."""
+def run_engine_build(folder: Path, spec: dict, library: Path) -> None:
+    """Build the engines with edgelin's own build_engine module, never the folder's copy of it (an export
+    folder is data). A child process: TensorRT's log stays off edgelin's stderr and a crash in its builder
+    is a failed build, not a dead edgelin. `-P` and edgelin's own folder first on PYTHONPATH: nothing is
+    imported from the export folder (the child's working folder) and the child runs this very edgelin."""
+    import edgelin
+
+    here = str(Path(edgelin.__file__).resolve().parent.parent)
+    path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    command = [sys.executable, "-P", "-m", "edgelin.plugins.tensorrt.build_engine", "--folder",
+               str(Path(folder).resolve()), "--plugin", str(Path(library).resolve()), "--spec", "-"]
     try:
-        spec = json.loads((Path(folder) / TRT_DIR / ENGINE_SPEC).read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(spec, dict) or not spec.get("inplace"):
-        return {}
-    pairs = ((spec.get("graphs") or {}).get("step") or {}).get("aliased") or {}
-    return {str(k): str(v) for k, v in pairs.items()} if isinstance(pairs, dict) else {}
+        done = subprocess.run(command, cwd=folder, input=json.dumps(spec), capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": path})
+    except OSError as exc:
+        raise EdgelinError("cannot start the TensorRT engine build", exc.strerror or str(exc),
+                           "free some memory and run edgelin build again") from None
+    if done.returncode != 0:
+        tail = " | ".join(ln.strip() for ln in (done.stdout + done.stderr).splitlines()[-3:])
+        raise EdgelinError("building the TensorRT engines failed", tail or "no output",
+                           "run `python -m edgelin.plugins.tensorrt.build_engine --spec tensorrt/engines.json "
+                           f"--plugin {TRT_DIR}/{Path(library).name}` in the export folder for the full log")
+
+
+def read_engine_spec(folder: Path, manifest: "Manifest") -> dict:
+    """tensorrt/engines.json, checked: only step/prefill, each naming its graph and weights as the manifest
+    does and its engine `<graph>.engine` (nothing outside the folder, nothing but an engine is written),
+    profiles of whole numbers min <= opt <= max over exactly the graph's inputs, aliased state names.
+    What `edgelin build` hands its engine builder; strongly typed from the manifest's precision (fp16)."""
+    path = Path(folder) / TRT_DIR / ENGINE_SPEC
+    fix = "export the folder again with --target tensorrt (--force replaces it)"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EdgelinError(f"{folder} has no {TRT_DIR}/{ENGINE_SPEC}", "it was exported by an older edgelin or "
+                           "the file was removed", fix) from None
+    except OSError as exc:
+        raise EdgelinError(f"cannot read {path}", exc.strerror or str(exc), "make the folder readable") from None
+    except (ValueError, RecursionError) as exc:
+        raise EdgelinError(f"{path} is malformed", f"it is not JSON ({type(exc).__name__})", fix) from None
+    try:
+        return {"inplace": _checked_inplace(data), "strongly_typed": manifest.precision == "fp16",
+                "graphs": {g: _checked_graph(g, entry, manifest) for g, entry in _checked_graphs(data).items()}}
+    except ValueError as exc:
+        raise EdgelinError(f"{path} is malformed", str(exc), fix) from None
+
+
+def _checked_inplace(data: object) -> bool:
+    if not isinstance(data, dict) or not isinstance(data.get("inplace", False), bool):
+        raise ValueError("it is not an object with a true/false `inplace`")
+    return bool(data.get("inplace", False))
+
+
+def _checked_graphs(data: dict) -> dict:
+    graphs = data.get("graphs")
+    if not isinstance(graphs, dict) or not graphs or any(g not in GRAPHS for g in graphs):
+        raise ValueError(f"`graphs` must name some of {', '.join(GRAPHS)}")
+    return graphs
+
+
+def _checked_graph(graph: str, entry: object, manifest: "Manifest") -> dict:
+    if not isinstance(entry, dict) or graph not in manifest.graphs:
+        raise ValueError(f"graph {graph} is not an object of a graph the manifest lists")
+    weights = (manifest.extra.get("weights") or {}).get("file")
+    wanted = {"file": manifest.graphs[graph].file, "engine": f"{graph}.engine", "weights": weights}
+    for key, value in wanted.items():
+        if entry.get(key) != value:
+            raise ValueError(f"{graph}'s {key} is {str(entry.get(key))[:60]!r}, the manifest says {value!r}")
+    dims = {t.name: len(t.dims) for t in manifest.graphs[graph].inputs}
+    profiles = entry.get("profiles")
+    if not isinstance(profiles, list) or not profiles or not all(_is_profile(p, dims) for p in profiles):
+        raise ValueError(f"{graph}'s profiles must each give every input of {manifest.graphs[graph].file} "
+                         "[min, opt, max] shapes of whole numbers, min <= opt <= max")
+    aliased = entry.get("aliased", {})
+    if not isinstance(aliased, dict) or (aliased and graph != "step") or not all(
+            isinstance(k, str) and k in dims and isinstance(v, str) for k, v in aliased.items()):
+        raise ValueError(f"{graph}'s aliased must map the step's state inputs to its outputs")
+    return {**{k: v for k, v in wanted.items() if v is not None}, "profiles": profiles, "aliased": aliased}
+
+
+def _is_profile(profile: object, dims: dict[str, int]) -> bool:
+    def shape(value: object, rank: int) -> bool:
+        return isinstance(value, list) and len(value) == rank and all(
+            type(d) is int and 0 <= d < 2 ** 31 for d in value)
+
+    if not isinstance(profile, dict) or set(profile) != set(dims):
+        return False
+    for name, shapes in profile.items():
+        if not isinstance(shapes, list) or len(shapes) != 3 or not all(shape(s, dims[name]) for s in shapes):
+            return False
+        if not all(lo <= opt <= hi for lo, opt, hi in zip(*shapes)):
+            return False
+    return True
 
 
 def record_build(folder: Path, plugin: str, trt_major: int, archs: list[str], engines: dict[str, str],

@@ -65,6 +65,11 @@ def read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def engine_file(graph: str) -> str:
+    """The one name an engine has (beside the graphs): build.json's names are checked against it, never followed."""
+    return f"{graph}.engine"
+
+
 def engines_unavailable(folder: Path) -> str | None:
     """None when the TensorRT runner can open `folder` here; otherwise why not (one clause)."""
     folder = Path(folder)
@@ -72,8 +77,9 @@ def engines_unavailable(folder: Path) -> str | None:
     built = (record or {}).get("engines") or {}
     if not built:
         return "no engines are built (edgelin build DIR on a machine with TensorRT and a GPU)"
-    for graph in GRAPHS:
-        if graph not in built or not (folder / str(built[graph])).is_file():
+    for graph in GRAPHS:  # edgelin build writes <graph>.engine beside the graphs: no other name is read
+        if not isinstance(built, dict) or built.get(graph) != engine_file(graph) or \
+                not (folder / engine_file(graph)).is_file():
             return f"the {graph} engine is not built (edgelin build DIR)"
     try:
         import tensorrt  # noqa: F401
@@ -247,7 +253,7 @@ class TensorrtRunner(Runner):
         super().__init__(manifest)
         import tensorrt as trt
 
-        from edgelin.plugins.tensorrt import check_library
+        from edgelin.plugins.tensorrt import SUPPORTED_MAJORS, check_library, library_name
 
         folder = Path(folder)
         root = folder / TRT_DIR
@@ -256,13 +262,18 @@ class TensorrtRunner(Runner):
         self.trt = trt
         self.logger = trt.Logger(trt.Logger.WARNING)
         major = int(str(trt.__version__).split(".")[0])
-        library = check_library(root / str(record.get("plugin", "")), major)  # major, ABI: before loading it
+        plugin = record.get("plugin")
+        if plugin not in {library_name(m) for m in SUPPORTED_MAJORS}:  # a name in tensorrt/, never a path elsewhere
+            raise EdgelinError(f"{root / BUILD_RECORD} names the plugin library {str(plugin)[:80]!r}",
+                               "edgelin build records libedgelin_trt_plugin_trt<major>.so in tensorrt/",
+                               "rebuild it with edgelin build DIR")
+        library = check_library(root / plugin, major)  # major, ABI: before loading it
         trt.init_libnvinfer_plugins(self.logger, "")
         if trt.get_plugin_registry().load_library(str(library.path)) is None:
             raise EdgelinError(f"TensorRT could not load {library.path.name}", "load_library returned nothing "
                                "(the log above says why)", "rebuild it with edgelin build DIR")
         runtime = trt.Runtime(self.logger)
-        self.engines = {g: _Engine(trt, runtime, folder / str(record["engines"][g]), g, self.cuda) for g in GRAPHS}
+        self.engines = {g: _Engine(trt, runtime, folder / engine_file(g), g, self.cuda) for g in GRAPHS}
         self.state_names = [t.name for t in manifest.state_inputs]
         self._dtypes = [NUMPY_DTYPES[t.dtype] for t in manifest.state_inputs]
         feeds = outputs_by_input(manifest.graphs["step"].outputs)

@@ -27,8 +27,9 @@ and an NVIDIA GPU are present, `runner` is the TensorRT runner (edgelin/export/t
 device buffers, state on the GPU, CUDA graph steps). Everywhere else it is the ONNX Runtime runner on
 the same file (CPU, through the functions): the *validation* runner, labelled with why the engines
 were not used, so `edgelin validate`/replay check the exported math on any machine. The plugin
-library comes from the build phase (nvcc, cmake, TensorRT headers), the engines from
-tensorrt/build_engine.py (edgelin/export/tensorrt_build.py). The prefill graph stays in standard ops
+library comes from the build phase (nvcc, cmake, TensorRT headers), the engines from edgelin's own
+edgelin.plugins.tensorrt.build_engine on tensorrt/engines.json (edgelin/export/tensorrt_build.py; the
+folder's copy, tensorrt/build_engine.py, is for building by hand). The prefill graph stays in standard ops
 (the plugin is a decode-step plugin).
 
 No torch at module level (the registry imports this module on a runtime-only install).

@@ -58,6 +58,7 @@ class TorchTarget(Target):
     name = "torch"
     extra = "onnx"  # the extra that brings torch
     options_type = TorchOptions
+    saturates_float16 = True  # fp16 weights beyond float16's range: ±65504 (with_compute_dtype, to_float16)
 
     def can_export(self) -> Phase:
         missing = missing_module(_NEEDS)

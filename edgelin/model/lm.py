@@ -141,8 +141,42 @@ def with_compute_dtype(model: CausalLM, dtype: torch.dtype) -> CausalLM:
     if dtype == torch.float32:
         return model
     originals = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    low = copy.deepcopy(model).to(dtype)  # deepcopy keeps tied weights tied
+    low = copy.deepcopy(model)  # deepcopy keeps tied weights tied
+    limit = torch.finfo(dtype).max
+    with torch.no_grad():  # a value beyond dtype's range is stored saturated, not as inf (beyond_range warns)
+        for tensor in [*low.parameters(), *low.buffers()]:
+            if tensor.is_floating_point():
+                tensor.clamp_(-limit, limit)
+    low = low.to(dtype)
     for name, tensor in [*low.named_parameters(), *low.named_buffers()]:
         if name.rsplit(".", 1)[-1] in FLOAT32_TENSORS:
             tensor.data = originals[name].detach().clone().float()
     return low
+
+
+def beyond_range(model: CausalLM, dtype: torch.dtype, matmul_weights: bool = False,
+                 embeddings: bool = True) -> tuple[int, str, float] | None:
+    """Values a `dtype` copy stores saturated at its largest finite value: (how many, the tensor holding the
+    largest magnitude, that value), or None. Over what with_compute_dtype converts, or with `matmul_weights`
+    over what --quantize fp16 stores in float16: the Linear weights and (`embeddings`) the embedding table."""
+    limit = torch.finfo(dtype).max
+    if matmul_weights:
+        kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
+        tensors = [(f"{m}.weight", module.weight) for m, module in model.named_modules() if isinstance(module, kinds)]
+    else:
+        tensors = [(name, t) for name, t in [*model.named_parameters(), *model.named_buffers()]
+                   if t.is_floating_point() and name.rsplit(".", 1)[-1] not in FLOAT32_TENSORS]
+    count, worst_name, worst_value, seen = 0, "", 0.0, set()
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if id(tensor) in seen:  # a tied LM head is the embedding table
+                continue
+            seen.add(id(tensor))
+            magnitude = tensor.detach().abs()
+            over = int((magnitude > limit).sum())
+            if over:
+                count += over
+                peak = float(tensor.detach().flatten()[int(magnitude.argmax())])
+                if abs(peak) > abs(worst_value):
+                    worst_name, worst_value = name, peak
+    return (count, worst_name, worst_value) if count else None

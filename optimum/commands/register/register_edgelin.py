@@ -13,6 +13,7 @@ is `edgelin export` itself (the same typer command, its checks, messages and exi
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
@@ -27,6 +28,20 @@ DTYPES = {"fp32": "fp32", "fp16": "fp16", "float32": "fp32", "float16": "fp16"} 
 
 
 TARGETS = ("onnx", "tensorrt", "coreml")
+# `edgelin export`'s option names in its error and warning lines -> this command's (edgelin's --out is the
+# positional `output` here, --precision is --dtype, an edgelin --device NAME is --device-profile NAME).
+SPELLING = ((re.compile(r"optimum-cli export edgelin export\b"), "optimum-cli export edgelin"),  # usage errors
+            (re.compile(r"`edgelin export`"), "`optimum-cli export edgelin`"),
+            (re.compile(r"(?<![^\s`(])--out\b"), "output"),  # an option in prose, not inside a path
+            (re.compile(r"(?<![^\s`(])--precision\b"), "--dtype"),
+            (re.compile(r"(?<![^\s`(])--device(?![-\w])"), "--device-profile"))
+
+
+def optimum_spelling(text: str) -> str:
+    """An `edgelin export` error or warning line in optimum-cli's terms."""
+    for pattern, replacement in SPELLING:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 def edgelin_argv(model: str, output: str, task: str = TASK, device: str | None = None, dtype: str | None = None,
@@ -88,7 +103,7 @@ class EdgelinExportCommand(BaseOptimumCLICommand):
     def run(self) -> None:
         from edgelin.cli import app
         from edgelin.errors import EdgelinError
-        from edgelin.output import Output
+        from edgelin.output import Output, spelled
 
         a = self.args
         try:
@@ -97,7 +112,8 @@ class EdgelinExportCommand(BaseOptimumCLICommand):
         except EdgelinError as exc:
             Output().error(exc.line())
             raise SystemExit(2) from None
-        app(args=argv, prog_name="optimum-cli export edgelin")  # exits with edgelin's code
+        with spelled(optimum_spelling):  # edgelin's lines name this command's options, not `edgelin export`'s
+            app(args=argv, prog_name="optimum-cli export edgelin")  # exits with edgelin's code
 
 
 REGISTER_COMMANDS = [(EdgelinExportCommand, ExportCommand)]
