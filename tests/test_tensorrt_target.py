@@ -465,3 +465,44 @@ def test_gdn2_exports_with_the_erase_input_and_validates(precision, tmp_path):
     result = CliRunner().invoke(app, ["validate", str(out), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["passed"] is True
+
+
+def test_trt_runner_loads_only_the_plugin_and_engines_edgelin_build_made(exported, tmp_path, monkeypatch):
+    """The plugin library and the engines are code the runner loads: each is checked against the sha256 that
+    `edgelin build` recorded in build.json before it is loaded. A library planted in their place (one that passes
+    check_library's marker and exports), a changed engine, or a build.json without digests is refused."""
+    import shutil
+
+    from edgelin.runtime import open_runner
+
+    counters = trt_standin.install(monkeypatch)
+    folder = tmp_path / "built"
+    shutil.copytree(exported[1], folder)
+    record = trt_standin.build_with_standin(folder)
+    plugin = folder / "tensorrt" / record["plugin"]
+    assert set(record["sha256"]) == {f"tensorrt/{record['plugin']}", "step.engine", "prefill.engine"}
+    open_runner(folder)  # as built: loads
+    assert str(plugin) in [str(p) for p in counters.loaded]
+    counters.loaded.clear()
+
+    original = plugin.read_bytes()
+    plugin.write_bytes(original + b"planted")  # still passes check_library (marker, exports): only its bytes differ
+    with pytest.raises(EdgelinError, match=r"libedgelin_trt_plugin_trt10\.so is not the file edgelin build made"):
+        open_runner(folder)
+    assert counters.loaded == []  # refused before TensorRT loaded it
+    plugin.write_bytes(original)
+
+    engine = folder / "step.engine"
+    built = engine.read_bytes()
+    engine.write_bytes(built + b"\0")
+    with pytest.raises(EdgelinError, match=r"step\.engine is not the file edgelin build made"):
+        open_runner(folder)
+    engine.write_bytes(built)
+
+    record_path = folder / "tensorrt" / "build.json"
+    legacy = {k: v for k, v in json.loads(record_path.read_text()).items() if k != "sha256"}
+    record_path.write_text(json.dumps(legacy))  # an older edgelin's build: nothing to check the library against
+    counters.loaded.clear()
+    with pytest.raises(EdgelinError, match="records no sha256 for tensorrt/libedgelin_trt_plugin_trt10.so"):
+        open_runner(folder)
+    assert counters.loaded == []

@@ -366,8 +366,14 @@ def record_build(folder: Path, plugin: str, trt_major: int, archs: list[str], en
     record_written(root, [plugin, BUILD_RECORD])  # before writing them: never an unrecorded file of ours
     if engines:
         record_written(folder, list(engines.values()))
+    from edgelin.export.reference_vectors import sha256_of
+
+    # The plugin library and the engines are code the runner loads: their digests, taken as written here, are what
+    # the runner checks them against before loading (tensorrt_runtime.verified_build_file).
+    digests = {f"{TRT_DIR}/{plugin}": sha256_of(root / plugin),
+               **{name: sha256_of(folder / name) for name in engines.values()}}
     record = {"plugin": plugin, "trt_major": trt_major, "archs": archs, "engines": dict(engines),
-              "engine_missing": missing, "aliased": dict(aliased or {})}
+              "engine_missing": missing, "aliased": dict(aliased or {}), "sha256": digests}
     try:
         staged = root / f".{BUILD_RECORD}.tmp"
         staged.write_text(json.dumps(record, indent=2) + "\n")

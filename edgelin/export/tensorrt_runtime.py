@@ -70,6 +70,25 @@ def engine_file(graph: str) -> str:
     return f"{graph}.engine"
 
 
+def verified_build_file(folder: Path, record: dict, name: str) -> Path:
+    """folder/name (a plugin library or an engine that `edgelin build` wrote), refused unless its bytes match the
+    sha256 build.json recorded when edgelin built it: loading either runs its code, so a replaced, damaged or
+    planted file never loads (a build.json without digests: built by an older edgelin, rebuild)."""
+    from edgelin.export.reference_vectors import sha256_of
+
+    path = Path(folder) / name
+    recorded = (record.get("sha256") or {}).get(name) if isinstance(record.get("sha256"), dict) else None
+    if not isinstance(recorded, str):
+        raise EdgelinError(f"{Path(folder) / TRT_DIR / BUILD_RECORD} records no sha256 for {name}",
+                           "it was built by an older edgelin, and a plugin library or engine is code that is loaded "
+                           "only once checked", "rebuild it with edgelin build DIR")
+    if not path.is_file() or sha256_of(path) != recorded:
+        raise EdgelinError(f"{path} is not the file edgelin build made",
+                           "its sha256 differs from build.json's (changed, truncated or replaced), so it is not loaded",
+                           "rebuild it with edgelin build DIR")
+    return path
+
+
 def engines_unavailable(folder: Path) -> str | None:
     """None when the TensorRT runner can open `folder` here; otherwise why not (one clause)."""
     folder = Path(folder)
@@ -267,13 +286,15 @@ class TensorrtRunner(Runner):
             raise EdgelinError(f"{root / BUILD_RECORD} names the plugin library {str(plugin)[:80]!r}",
                                "edgelin build records libedgelin_trt_plugin_trt<major>.so in tensorrt/",
                                "rebuild it with edgelin build DIR")
+        verified_build_file(folder, record, f"{TRT_DIR}/{plugin}")  # the bytes edgelin built, before reading more
         library = check_library(root / plugin, major)  # major, ABI: before loading it
         trt.init_libnvinfer_plugins(self.logger, "")
         if trt.get_plugin_registry().load_library(str(library.path)) is None:
             raise EdgelinError(f"TensorRT could not load {library.path.name}", "load_library returned nothing "
                                "(the log above says why)", "rebuild it with edgelin build DIR")
         runtime = trt.Runtime(self.logger)
-        self.engines = {g: _Engine(trt, runtime, folder / engine_file(g), g, self.cuda) for g in GRAPHS}
+        self.engines = {g: _Engine(trt, runtime, verified_build_file(folder, record, engine_file(g)), g, self.cuda)
+                        for g in GRAPHS}
         self.state_names = [t.name for t in manifest.state_inputs]
         self._dtypes = [NUMPY_DTYPES[t.dtype] for t in manifest.state_inputs]
         feeds = outputs_by_input(manifest.graphs["step"].outputs)
