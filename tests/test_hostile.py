@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ class Case:
     code: int = 2
     needles: tuple[str, ...] = ()  # words the error line must contain (case-insensitive)
     may_create: tuple[str, ...] = ()  # sandbox-relative paths a successful run may add
+    env: Callable[[Path], dict[str, str]] | None = None  # extra environment for the command, from the sandbox
 
 
 @dataclass
@@ -185,6 +187,65 @@ def _train_default_out(box: Path, a: Assets) -> list[str]:
     return ["train", str(box / "recipe" / "recipe.toml"), "--steps", "1"]
 
 
+# ---- issue 51's surfaces: what edgelin loads (weights, its kernel cache), report inputs, serving configs ----------
+def _flipped_weights(command: str) -> Callable[[Path, Assets], list[str]]:
+    def setup(box: Path, a: Assets) -> list[str]:
+        out = _copy(a.export, box / "out")
+        weights = bytearray((out / "weights.bin").read_bytes())
+        for i in range(64, len(weights), max(1, len(weights) // 51)):  # ~51 bytes, each one bit flipped
+            weights[i] ^= 0x10
+        (out / "weights.bin").write_bytes(bytes(weights))
+        extra = {"validate": [], "generate": ["--prompt", "def", "-n", "4"],
+                 "bench": ["--positions", "1", "--iters", "2", "--warmup", "0", "--prefill-tokens", "0"]}[command]
+        return [command, str(out), *extra]
+
+    return setup
+
+
+def _tampered_kernel_cache(box: Path, a: Assets) -> list[str]:
+    """The cached CPU kernel library replaced by one whose constructor writes box/ran-planted-code: validate must
+    not load it (no marker) and still pass, on ONNX Runtime's own kernels."""
+    from edgelin import ortops
+
+    xdg = box / "xdg"
+    xdg.mkdir()
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(xdg)
+    try:
+        library = ortops.build()
+    finally:
+        os.environ.pop("XDG_CACHE_HOME") if saved is None else os.environ.__setitem__("XDG_CACHE_HOME", saved)
+    source = box / "planted.c"
+    source.write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {\n'
+                      f'  FILE* f = fopen("{box / "ran-planted-code"}", "w"); if (f) fclose(f);\n}}\n')
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    source.unlink()
+    return ["validate", str(_copy(a.export, box / "out"))]
+
+
+def _report_input(make: Callable[[Path], None]) -> Callable[[Path, Assets], list[str]]:
+    def setup(box: Path, a: Assets) -> list[str]:
+        make(box / "results.json")
+        return ["report", str(box / "results.json"), "--out", str(box / "report")]
+
+    return setup
+
+
+def _sparse(path: Path) -> None:
+    with open(path, "wb") as fh:
+        fh.truncate(1 << 30)  # 1 GiB that costs no disk: refused by its size before a byte is read
+
+
+def _serving_profile(box: Path, a: Assets) -> list[str]:
+    ckpt = _copy(a.ckpt, box / "ckpt")
+    (box / "profiles").mkdir()
+    (box / "profiles" / "big-server.toml").write_text(
+        'title = "A server with limits Triton cannot hold"\nkind = "desktop"\ntargets = ["onnx"]\ncompute = "cpu"\n'
+        'precision = "fp32"\nstate_dtype = "float32"\nmemory_gib = 16\nthreads = 0\n\n[serving]\n'
+        "max_batch_size = 4294967296\nmax_candidate_sequences = 4294967296\n")
+    return ["export", str(ckpt), "--out", str(box / "out"), "--serve", "triton", "--device", "big-server"]
+
+
 CASES = [
     # -- data loss -------------------------------------------------------------------------------
     Case("export-out-is-the-checkpoint", _export_args(lambda box, a: box / "ckpt", "--force")),
@@ -222,7 +283,20 @@ CASES = [
     Case("bench-negative-threads", _on_export("bench", "--threads", "-1")),
     Case("generate-negative-n", _on_export("generate", "--prompt", "def", "-n", "-1")),
     Case("validate-impossible-threshold", _on_export("validate", "--rtol", "1e-30"), code=1),
+    # -- what edgelin loads, report inputs, serving configs (issue 51) -----------------------------
+    Case("validate-flipped-weight-bits", _flipped_weights("validate"), needles=("weights.bin", "sha256")),
+    Case("generate-flipped-weight-bits", _flipped_weights("generate"), needles=("weights.bin", "sha256")),
+    Case("bench-flipped-weight-bits", _flipped_weights("bench"), needles=("weights.bin", "sha256")),
+    Case("report-fifo", _report_input(lambda p: os.mkfifo(p)), needles=("results.json", "fifo")),
+    Case("report-sparse-1gib", _report_input(_sparse), needles=("results.json",)),
+    Case("report-nan-threshold", _report_input(lambda p: p.write_text('{"format": "edgelin-result", '
+                                                                      '"threshold": "x"}')),
+         needles=("results.json",)),
+    Case("export-serve-triton-limits-triton-cannot-hold", _serving_profile, needles=("max_batch_size",),
+         env=lambda box: {"EDGELIN_DEVICES": str(box / "profiles")}),
     # -- must succeed, and touch nothing it was not asked to ---------------------------------------
+    Case("validate-never-loads-a-tampered-kernel-cache", _tampered_kernel_cache, code=0, may_create=("xdg",),
+         env=lambda box: {"XDG_CACHE_HOME": str(box / "xdg")}),
     Case("train-default-out-never-touches-the-recipe-folder", _train_default_out, code=0, may_create=("runs",)),
 ]
 
@@ -232,7 +306,12 @@ def _snapshot(folder: Path) -> dict[str, str]:
     found = {}
     for path in sorted(folder.rglob("*")):
         rel = str(path.relative_to(folder))
-        found[rel] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "dir"
+        mode = path.lstat().st_mode
+        if stat.S_ISREG(mode):
+            with open(path, "rb") as fh:  # streamed: a case's 1 GiB sparse file
+                found[rel] = hashlib.file_digest(fh, "sha256").hexdigest()
+        else:  # never opened: a FIFO would block
+            found[rel] = "dir" if stat.S_ISDIR(mode) else f"mode {stat.S_IFMT(mode):o}"
     return found
 
 
@@ -241,7 +320,8 @@ def _run_case(case: Case, box: Path, assets: Assets, cache: Path) -> Outcome:
     args = case.setup(box, assets)
     before = _snapshot(box)
     # The trainer's corpus cache lives outside the sandboxes (shared, so the corpus is built once).
-    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT), "EDGELIN_CACHE": str(cache)}
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT), "EDGELIN_CACHE": str(cache),
+           **(case.env(box) if case.env else {})}
     env.pop("EDGELIN_DEBUG", None)
     proc = subprocess.run([sys.executable, "-m", "edgelin.cli", *args], cwd=box, env=env, capture_output=True,
                           text=True, timeout=600, stdin=subprocess.DEVNULL)

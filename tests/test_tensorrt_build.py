@@ -4,6 +4,7 @@ says in one line that the engines need TensorRT; an upstream checkpoint exports 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import py_compile
@@ -144,6 +145,14 @@ def _build_here(monkeypatch, folder: Path) -> None:
                         lambda root, headers, archs, major: trt_standin.fake_plugin_library(root, major))
 
 
+def _forge_digests(folder: Path) -> None:
+    """What someone who can write the whole folder can do: the manifest's sha256 map re-made for the edited files, so
+    the folder passes its check when it is opened and the build's own checks are what is tested."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["sha256"] = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in manifest["sha256"]}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_cli_build_never_runs_code_from_the_export_folder(exported, tmp_path, monkeypatch):
     """An export folder is data: `edgelin build` builds the engines with edgelin's own builder on the
     folder's engines.json, never the folder's tensorrt/build_engine.py, and imports nothing from the folder
@@ -157,6 +166,7 @@ def test_cli_build_never_runs_code_from_the_export_folder(exported, tmp_path, mo
     planted = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
     for name in ("tensorrt/build_engine.py", "argparse.py", "json.py", "tensorrt/argparse.py"):
         (folder / name).write_text(planted)
+    _forge_digests(folder)  # build_engine.py is listed: its digest re-made, as a forged folder would have it
     _build_here(monkeypatch, folder)
     result = CliRunner().invoke(app, ["build", str(folder), "--archs", "87"])
     assert not marker.exists(), marker.read_text()
@@ -189,6 +199,7 @@ def test_cli_build_checks_engines_json_before_building(exported, tmp_path, monke
     spec = json.loads(spec_path.read_text())
     edit(spec)
     spec_path.write_text(json.dumps(spec))
+    _forge_digests(folder)
     _build_here(monkeypatch, folder)
     result = CliRunner().invoke(app, ["build", str(folder), "--archs", "87"])
     assert result.exit_code == 2, result.output
