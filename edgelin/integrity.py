@@ -42,7 +42,6 @@ from edgelin.outputs import RECORD
 if TYPE_CHECKING:
     from edgelin.export.manifest import Manifest
 
-BLOCK = 1 << 20  # bytes read per hashing step: flat memory for any file size
 MANIFEST = "manifest.json"  # the root of trust: the folder's own manifest records no digest of itself
 BOOKKEEPING = RECORD  # edgelin's record of the files it wrote, in any folder: `edgelin build` rewrites tensorrt/'s
 CACHE_FORMAT = "edgelin-verified"
@@ -104,10 +103,13 @@ def digest_folder(folder: Path) -> dict[str, str]:
 
 
 def _sha256(fh: Any) -> str:
-    digest = hashlib.sha256()
-    for block in iter(lambda: fh.read(BLOCK), b""):
-        digest.update(block)
-    return digest.hexdigest()
+    return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def sha256_of(path: Path) -> str:
+    """A file's sha256, streamed: the one file hash edgelin records and checks (manifests, build records, caches)."""
+    with open(path, "rb") as fh:
+        return _sha256(fh)
 
 
 def safe_relative(name: Any) -> bool:

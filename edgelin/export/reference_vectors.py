@@ -37,7 +37,6 @@ quality figures stay against the fp32 reference.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +45,7 @@ import numpy as np
 
 from edgelin import __version__
 from edgelin.export.state import state_input_name
+from edgelin.integrity import sha256_of  # noqa: F401 (replay.py imports it from here)
 from edgelin.quality import (GREEDY_PROMPT, GREEDY_STEPS, RANDOM_SOURCE, TEXT_TOKENS, QualityReference,
                              precision_key, read_text_tokens, recipe_held_out, threshold_key)
 
@@ -97,14 +97,6 @@ def flat_state(state: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     """The reference's per-layer state as {past_key_values.{layer}.{name}: numpy array}."""
     return {state_input_name(i, name): t.detach().cpu().numpy() for i, layer in enumerate(state)
             for name, t in layer.items()}
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def manifest_entry(folder: Path, name: str = REFERENCE_FILE) -> dict[str, str]:

@@ -366,7 +366,7 @@ def record_build(folder: Path, plugin: str, trt_major: int, archs: list[str], en
     record_written(root, [plugin, BUILD_RECORD])  # before writing them: never an unrecorded file of ours
     if engines:
         record_written(folder, list(engines.values()))
-    from edgelin.export.reference_vectors import sha256_of
+    from edgelin.integrity import sha256_of
 
     # The plugin library and the engines are code the runner loads: their digests, taken as written here, are what
     # the runner checks them against before loading (tensorrt_runtime.verified_build_file).

@@ -74,7 +74,7 @@ def verified_build_file(folder: Path, record: dict, name: str) -> Path:
     """folder/name (a plugin library or an engine that `edgelin build` wrote), refused unless its bytes match the
     sha256 build.json recorded when edgelin built it: loading either runs its code, so a replaced, damaged or
     planted file never loads (a build.json without digests: built by an older edgelin, rebuild)."""
-    from edgelin.export.reference_vectors import sha256_of
+    from edgelin.integrity import sha256_of
 
     path = Path(folder) / name
     recorded = (record.get("sha256") or {}).get(name) if isinstance(record.get("sha256"), dict) else None

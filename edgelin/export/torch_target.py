@@ -116,7 +116,7 @@ def write_model(model: "CausalLM", precision: str, folder: Path) -> dict:
     import torch
 
     from edgelin.checkpoint import save_safetensors
-    from edgelin.export.reference_vectors import sha256_of
+    from edgelin.integrity import sha256_of
     from edgelin.model.lm import with_compute_dtype
 
     dtype = {"fp32": torch.float32, "fp16": torch.float16}[precision]

@@ -25,7 +25,6 @@ Runtime-side module: no torch, no onnx.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import platform
@@ -130,8 +129,9 @@ def folder(fingerprint: str) -> Path:
 
 
 def digest(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+    from edgelin.integrity import sha256_of  # torch-free, like this module
+
+    return sha256_of(path)
 
 
 def verified(where: Path, library: str) -> tuple[Path, str] | None:
