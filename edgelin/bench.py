@@ -29,7 +29,7 @@ from edgelin.devices import DeviceProfile
 from edgelin.environment import environment
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, StateHandle
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.runtime import open_runner, peak_rss_bytes, prefill, rss_bytes, runner_label
 
 MAX_SECONDS = 3600.0  # a bench plan estimated to take longer is refused before it starts

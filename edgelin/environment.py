@@ -36,7 +36,7 @@ def environment(kind: str, folder: Path, runner_label: str, threads: int | None,
     """The block: result format and kind, the command, the machine (device profile, CPU, GPU when one is
     used, OS, Python), the runtime (name and version as the runner says), edgelin's version, threads
     (as asked; None: the runtime's default), and the artifact (target, precision, quantisation, hash)."""
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
 
     manifest = Manifest.load(Path(folder))
     runtime = runtime_of(runner_label, manifest.target)

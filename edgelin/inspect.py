@@ -129,7 +129,7 @@ class ExportInspectReport:
 
 def inspect_export(folder: Path) -> ExportInspectReport:
     from edgelin.bench import disk_usage, runtime_files
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
 
     manifest = Manifest.load(folder)  # checked: a malformed or inconsistent manifest is one line
     files = disk_usage(folder)

@@ -40,7 +40,7 @@ from edgelin.errors import EdgelinError
 from edgelin.outputs import RECORD
 
 if TYPE_CHECKING:
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
 
 MANIFEST = "manifest.json"  # the root of trust: the folder's own manifest records no digest of itself
 BOOKKEEPING = RECORD  # edgelin's record of the files it wrote, in any folder: `edgelin build` rewrites tensorrt/'s

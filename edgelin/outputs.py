@@ -66,7 +66,7 @@ def _owned_export(folder: Path) -> tuple[frozenset[str], str]:
     if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
         graphs = data.get("graphs") if isinstance(data.get("graphs"), dict) else {}
         files = [g.get("file") for g in graphs.values() if isinstance(g, dict)] + [data.get("tokenizer")]
-    from edgelin.export.manifest import inside_path  # (files inside its folders, by their paths)
+    from edgelin.artifact.manifest import inside_path  # (files inside its folders, by their paths)
 
     names = {n for n in files if inside_path(n)} | {"manifest.json"}
     recorded = written_record(folder)

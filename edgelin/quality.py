@@ -39,7 +39,7 @@ from edgelin.errors import EdgelinError
 if TYPE_CHECKING:
     from edgelin.devices import ExportSettings
     from edgelin.export.base import Runner
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.model.lm import CausalLM
 
 GREEDY_PROMPT = 16  # tokens of prompt before the greedy rollout

@@ -34,10 +34,10 @@ from typing import Any, Callable
 import numpy as np
 
 from edgelin.errors import EdgelinError
-from edgelin.export.manifest import MANIFEST, Manifest
+from edgelin.artifact.manifest import MANIFEST, Manifest
 from edgelin.export.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, QUALITY, batch_key,
                                               positions_needed, sha256_of, state_key, threshold_for)
-from edgelin.export.state import output_name_for
+from edgelin.artifact.state import output_name_for
 from edgelin.quality import (QualityCheck, QualityFigures, QualityReference, evaluate, measure, precision_key,
                              resolve_bounds, threshold_key)
 

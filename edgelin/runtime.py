@@ -14,7 +14,7 @@ import numpy as np
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Runner, StateHandle, phase_refusal
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.export.targets import get_target
 from edgelin.integrity import verify_folder
 

@@ -36,7 +36,7 @@ from edgelin.checkpoint import checkpoint_hash, load_model
 from edgelin.environment import environment
 from edgelin.errors import EdgelinError
 from edgelin.export.dequantized import parity_reference
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.export.reference_vectors import (flat_state, held_out_text, positions_needed, reference_quality,
                                               threshold_for)
 from edgelin.model.lm import CausalLM

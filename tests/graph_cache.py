@@ -56,7 +56,7 @@ TRACED_MODULES = (
     "edgelin.model.config", "edgelin.reference.engine", "edgelin.reference.recurrence",
     "edgelin.families.spec", "edgelin.families.feature_maps", "edgelin.kernels.dispatch",
     "edgelin.export.onnx_target", "edgelin.export.lowering", "edgelin.export.graphs",
-    "edgelin.export.tensors", "edgelin.export.state", "edgelin.export.tensorrt_target",
+    "edgelin.artifact.tensors", "edgelin.artifact.state", "edgelin.export.tensorrt_target",
 )
 
 

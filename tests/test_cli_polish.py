@@ -196,7 +196,7 @@ def test_export_json_prints_only_json(exports):
 
 def test_export_wires_no_tokenizer_warnings_and_inert_fields(exports, monkeypatch):
     import edgelin.export.pipeline as pipeline
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
 
     calls = []
 

@@ -28,7 +28,7 @@ from edgelin.export.coreml_check import check_folder  # noqa: E402
 from edgelin.export.coreml_lowering import StaticChunkEngine  # noqa: E402
 from edgelin.export.coreml_runtime import MilRunner, pieces  # noqa: E402
 from edgelin.export.coreml_target import RUN_REFUSAL, CoremlOptions, CoremlTarget  # noqa: E402
-from edgelin.export.manifest import Manifest  # noqa: E402
+from edgelin.artifact.manifest import Manifest  # noqa: E402
 from edgelin.export.pipeline import export_checkpoint  # noqa: E402
 from edgelin.reference import recurrence  # noqa: E402
 from helpers import assert_close, make_checkpoint  # noqa: E402

@@ -111,7 +111,7 @@ def test_partial_blocks_reference_looks_up_the_float_table_and_multiplies_by_the
     (made with that reference at export) replayed within the same bounds."""
     from edgelin.checkpoint import load_model
     from edgelin.export.dequantized import parity_reference
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.replay import replay
 
     ckpt, folders = partial_blocks

@@ -16,7 +16,7 @@ from helpers import assert_close, qwen_attention_checkpoint
 from edgelin.checkpoint import save_checkpoint
 from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.export.onnx_target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.model.lm import CausalLM

@@ -10,7 +10,7 @@ import torch
 
 from conftest import ALL_FAMILIES, HYBRID
 from edgelin.checkpoint import load_model
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.runtime import open_runner
 from edgelin.replay import replay
 from edgelin.validate import validate

@@ -143,7 +143,7 @@ def fast_serving(monkeypatch):
 
 
 def test_force_replaces_our_own_export_with_a_triton_repository(ckpt, fast_graphs, fast_serving, tmp_path):
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
 
     out = tmp_path / "out"
     assert run("export", ckpt, "--out", out, "--serve", "triton").exit_code == 0
@@ -192,7 +192,7 @@ def test_a_files_entry_outside_the_folder_owns_nothing_and_does_not_load(tmp_pat
 def _load_with_files(tmp_path: Path, listed: list[str]):
     """Manifest.load of a valid manifest whose `files` is `listed`."""
     from conftest import family_layers, tiny_config
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.export.pipeline import build_manifest
     from edgelin.model.lm import CausalLM
 

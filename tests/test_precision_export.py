@@ -22,7 +22,7 @@ from edgelin.cli import app
 from edgelin.devices import export_settings
 from edgelin.errors import EdgelinError
 from edgelin.export import quantize
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.export.pipeline import export_checkpoint, prepare_output
 from edgelin.families import SOFTMAX
 from edgelin.integrity import checking

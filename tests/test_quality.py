@@ -22,7 +22,7 @@ from edgelin.checkpoint import load_model
 from edgelin.cli import app
 from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.export.reference_vectors import sha256_of
 from edgelin import quality

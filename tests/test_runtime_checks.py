@@ -19,7 +19,7 @@ from edgelin.bench import bench, memory_needed, random_pieces, time_steps
 from edgelin.cli import app
 from edgelin.errors import EdgelinError
 from edgelin.export.base import NumpyRunner, Phase, StateHandle, all_finite
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.export.pipeline import build_manifest, export_checkpoint
 from edgelin.model.config import AttentionConfig
 from edgelin.model.lm import CausalLM

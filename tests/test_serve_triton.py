@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from edgelin.errors import EdgelinError
-from edgelin.export.manifest import Manifest
+from edgelin.artifact.manifest import Manifest
 from edgelin.export.pipeline import export_checkpoint
 from helpers import TOKENIZER_VOCAB, make_checkpoint
 

@@ -441,7 +441,7 @@ def build_with_standin(folder: Path, trt_major: int = 10, fp16: bool = False, in
     own engine builder (edgelin.plugins.tensorrt.build_engine, never the folder's copy) on the checked
     tensorrt/engines.json, against the stand-in, then the build record. `inplace=False`: as
     build_engine --no-inplace. Call after install()."""
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.export.tensorrt_build import GRAPHS, TRT_DIR, read_engine_spec, record_build
     from edgelin.plugins.tensorrt import build_engine
 

@@ -31,7 +31,7 @@ from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile, ExportSettings
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.families import FamilySpec
     from edgelin.model.lm import CausalLM
 

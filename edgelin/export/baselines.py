@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.model.lm import CausalLM
 
 BASELINES = {"kv": "baseline-kv"}  # --baseline NAME -> its folder inside the export

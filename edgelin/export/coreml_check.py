@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
 
 FIX = "re-export the folder with `edgelin export --target coreml`"
 # coremltools' specification versions of the deployment targets (iOS 16 = 7, 17 = 8, 18 = 9)

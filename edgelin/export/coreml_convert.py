@@ -37,7 +37,7 @@ from edgelin.errors import EdgelinError
 if TYPE_CHECKING:
     import torch
 
-    from edgelin.export.tensors import TensorIO
+    from edgelin.artifact.tensors import TensorIO
     from edgelin.model.lm import CausalLM
 
 BUG = "report this model config as an edgelin bug (run with --debug for the trace)"

@@ -27,7 +27,7 @@ from edgelin.export.coreml_convert import feature_name
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
 
 _DTYPES = {"float16": np.float16, "float32": np.float32}
 

@@ -40,7 +40,7 @@ from edgelin.export.base import Artifact, Phase, Target, missing_module
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile, ExportSettings
     from edgelin.export.base import Runner
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.model.lm import CausalLM
 
 STYLES = ("explicit", "mlstate")

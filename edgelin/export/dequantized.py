@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 if TYPE_CHECKING:
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.model.lm import CausalLM
 
 SLACK = 1.0 + 1e-3  # on the half-step bound: the dequantised product's own float rounding

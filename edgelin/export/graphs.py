@@ -4,7 +4,7 @@ Step:    (input_ids [batch], [position_ids [batch]], past_key_values.*) -> (logi
 Prefill: (input_ids [batch, sequence], [position_ids [batch]], past_key_values.*)
                                                                  -> (logits of the last position, present.*)
 Names follow optimum / onnxruntime-genai: `past_key_values.{layer}.{name}` in, `present.{layer}.{name}`
-out (spelled only by edgelin.export.state), and each present feeds the past of the same name on the
+out (spelled only by edgelin.artifact.state), and each present feeds the past of the same name on the
 next call. position_ids (the position of the first token) exists only when a layer needs it (softmax
 attention, rotary families). Prefill takes a state too, so a long prompt can be prefilled piecewise
 in bounded memory. How a recurrence is lowered while these modules are traced is the target's
@@ -18,8 +18,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from edgelin.export.state import state_input_name, state_output_name, state_tensors
-from edgelin.export.tensors import TensorIO, grown_dims  # the contract's types: torch-free, for runtimes
+from edgelin.artifact.state import state_input_name, state_output_name, state_tensors
+from edgelin.artifact.tensors import TensorIO, grown_dims  # the contract's types: torch-free, for runtimes
 from edgelin.model.lm import CausalLM
 
 Tensor = torch.Tensor

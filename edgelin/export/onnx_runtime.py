@@ -31,8 +31,8 @@ import numpy as np
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
-from edgelin.export.manifest import NUMPY_DTYPES, GraphEntry, Manifest
-from edgelin.export.state import outputs_by_input
+from edgelin.artifact.manifest import NUMPY_DTYPES, GraphEntry, Manifest
+from edgelin.artifact.state import outputs_by_input
 
 if TYPE_CHECKING:
     from edgelin.ortops import OpsLibrary

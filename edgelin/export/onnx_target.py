@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 from edgelin.errors import EdgelinError, environment_fault, one_line
 from edgelin.ortops import DOMAIN as ORT_OPS_DOMAIN
 from edgelin.export.base import Artifact, Phase, Target, missing_module
-from edgelin.export.tensors import TensorIO
+from edgelin.artifact.tensors import TensorIO
 
 if TYPE_CHECKING:
     import torch
 
     from edgelin.devices import DeviceProfile, ExportSettings
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.export.onnx_runtime import OnnxRunner
     from edgelin.model.lm import CausalLM
 
@@ -406,7 +406,7 @@ def _kv_retyped(tensors: tuple[TensorIO, ...], dtype: str) -> tuple[TensorIO, ..
 
 
 def kv_cache_entry(capacity: int, dtype: str = "float32") -> dict:
-    """manifest extra["kv_cache"] of a static-cache export (edgelin.export.manifest reads it)."""
+    """manifest extra["kv_cache"] of a static-cache export (edgelin.artifact.manifest reads it)."""
     return {"layout": "static", "capacity": capacity, "op": "com.microsoft.GroupQueryAttention", "dtype": dtype}
 
 

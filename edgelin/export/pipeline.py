@@ -17,7 +17,7 @@ from edgelin.devices import DeviceProfile, ExportSettings, check_state_dims, exp
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, phase_refusal
 from edgelin.export.graphs import GRAPHS, graph_io
-from edgelin.export.manifest import MANIFEST, GraphEntry, Manifest
+from edgelin.artifact.manifest import MANIFEST, GraphEntry, Manifest
 from edgelin.export.targets import get_target
 from edgelin.integrity import digest_folder
 from edgelin.model.lm import CausalLM, beyond_range

@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgelin import __version__
-from edgelin.export.state import state_input_name
+from edgelin.artifact.state import state_input_name
 from edgelin.integrity import sha256_of  # noqa: F401 (replay.py imports it from here)
 from edgelin.quality import (GREEDY_PROMPT, GREEDY_STEPS, RANDOM_SOURCE, TEXT_TOKENS, QualityReference,
                              precision_key, read_text_tokens, recipe_held_out, threshold_key)
 
 if TYPE_CHECKING:
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.model.lm import CausalLM
 
 REFERENCE_FILE = "reference.npz"

@@ -31,7 +31,7 @@ from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
 
 TRT_DIR = "tensorrt"
 BUILD_RECORD = "build.json"
@@ -236,7 +236,7 @@ def engine_possible() -> str | None:
 def build_folder(folder: Path, device: "DeviceProfile | None" = None, trt_include: Path | None = None,
                  archs: list[str] | None = None) -> BuildResult:
     """Build the plugin library into folder/tensorrt/, then the engines when TensorRT and a GPU are here."""
-    from edgelin.export.manifest import Manifest
+    from edgelin.artifact.manifest import Manifest
     from edgelin.plugins.tensorrt import build_plugin, header_version
 
     folder = Path(folder)

@@ -39,8 +39,8 @@ import numpy as np
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
-from edgelin.export.manifest import NUMPY_DTYPES, Manifest
-from edgelin.export.state import outputs_by_input
+from edgelin.artifact.manifest import NUMPY_DTYPES, Manifest
+from edgelin.artifact.state import outputs_by_input
 from edgelin.export.tensorrt_build import BUILD_RECORD, GRAPHS, TRT_DIR
 
 TRT_LABEL = "tensorrt engine"

@@ -28,8 +28,8 @@ import numpy as np
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
-from edgelin.export.manifest import NUMPY_DTYPES, Manifest
-from edgelin.export.state import state_input_name
+from edgelin.artifact.manifest import NUMPY_DTYPES, Manifest
+from edgelin.artifact.state import state_input_name
 
 if TYPE_CHECKING:
     import torch

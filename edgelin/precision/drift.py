@@ -3,7 +3,7 @@ recurrent state rounded to a lower dtype after every step, next to the same roll
 
 What is rounded: every state tensor of every layer (recurrent states, normalisers, short-conv taps,
 softmax KV caches), because an export with `state_dtype = "float16"` stores all of them in that
-dtype (edgelin.export.state). The step math itself stays float32, as it does in an fp16-state
+dtype (edgelin.artifact.state). The step math itself stays float32, as it does in an fp16-state
 export that computes in fp32: only the value carried from one step to the next loses bits.
 
 Every variant runs as a row of one batch: per token stream, a float32 reference row and one row per

@@ -38,8 +38,8 @@ from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile, ServingLimits
-    from edgelin.export.manifest import Manifest
-    from edgelin.export.tensors import TensorIO
+    from edgelin.artifact.manifest import Manifest
+    from edgelin.artifact.tensors import TensorIO
 
 SERVERS = ("triton",)
 FOLDER = "triton"
@@ -100,7 +100,7 @@ def controls(backend: str, needs_position: bool) -> list[tuple[str, str, str]]:
 
 def state_pairs(manifest: "Manifest") -> list[tuple[str, str, str, list[int]]]:
     """(input, output, Triton data type, dims without the batch) of every implicit state."""
-    from edgelin.export.state import state_output_name
+    from edgelin.artifact.state import state_output_name
 
     pairs = [(t.name, state_output_name(t.layer, t.state_name), TRITON_DTYPES[t.dtype], list(t.dims[1:]))
              for t in manifest.state_inputs]

@@ -12,8 +12,8 @@ import numpy as np
 from edgelin import __version__
 from edgelin.errors import EdgelinError
 from edgelin.integrity import safe_relative
-from edgelin.export.tensors import TensorIO
-from edgelin.export.state import state_output_name
+from edgelin.artifact.tensors import TensorIO
+from edgelin.artifact.state import state_output_name
 
 MANIFEST = "manifest.json"
 FORMAT = "edgelin-export"
@@ -286,8 +286,8 @@ def check_consistency(data: dict[str, Any]) -> None:
     graphs' I/O, and the step and prefill graphs against each other. (The runner then checks the
     graph files against `graphs`.) A mismatch raises EdgelinError naming the fact and both values;
     a missing key or a wrong type raises KeyError/TypeError/ValueError (the caller: "malformed")."""
-    from edgelin.export.tensors import grown_dims as _grown
-    from edgelin.export.state import state_input_name, state_output_name
+    from edgelin.artifact.tensors import grown_dims as _grown
+    from edgelin.artifact.state import state_input_name, state_output_name
 
     model = data["model"]
     vocab, needs_position = model["vocab_size"], model["needs_position"]

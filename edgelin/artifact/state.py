@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:  # the names below are read by runtimes too, which import no torch: keep this module light
-    from edgelin.export.tensors import TensorIO
+    from edgelin.artifact.tensors import TensorIO
     from edgelin.families.spec import StateTensor
     from edgelin.model.lm import CausalLM
 
