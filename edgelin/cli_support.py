@@ -271,8 +271,8 @@ OPTIONAL_MODULES = {
 def missing_library(module: str, command_name: str) -> EdgelinError:
     top = module.split(".")[0]
     return EdgelinError(f"`edgelin {command_name.replace('_', '-')}` needs {top} here",
-                        f"this install does not have it (a runtime-only install, edgelin[runtime], runs validate, "
-                        f"bench, generate and build on export folders)", OPTIONAL_MODULES[top])
+                        "this install does not have it (a runtime-only install, edgelin[runtime], runs validate, "
+                        "bench, generate and build on export folders)", OPTIONAL_MODULES[top])
 
 
 def command(fn: Callable) -> Callable:

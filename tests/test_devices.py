@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import family_layers, tiny_config
+from wheels import build_wheel
 from edgelin.cli import app
 from edgelin.devices import (DEVICES_DIR, FIELDS, TARGET_LIMITS, ExportSettings, check_state_dims, export_settings,
                              get_device, load_devices)
@@ -44,7 +44,8 @@ def refusal(folder: Path) -> str:
 
 # ---- package data ---------------------------------------------------------------------------------
 def test_builtin_profiles_come_from_the_installed_package():
-    assert DEVICES_DIR == files("edgelin.devices")
+    # one copy in git, the top-level devices/: read there from a source checkout, from the package once installed
+    assert DEVICES_DIR in (files("edgelin.devices") / "profiles", REPO / "devices")
     profiles = load_devices()
     assert set(profiles) == BUILT_IN
     orin = profiles["jetson-orin"]
@@ -52,19 +53,14 @@ def test_builtin_profiles_come_from_the_installed_package():
         ("tensorrt", "onnx"), "cuda", "fp16", "float32", 87)
     assert profiles["iphone"].state_dim_multiple == 32 and profiles["android"].threads == 4
     assert Path(orin.source) == Path(str(DEVICES_DIR)) / "jetson-orin.toml"
-    assert not (REPO / "devices").exists()  # the old top-level folder is gone: one place for profiles
+    assert not list((REPO / "edgelin" / "devices").glob("*.toml"))  # no second copy inside the package's source
 
 
 def test_wheel_ships_the_profiles_and_they_load_from_it(tmp_path):
-    src = tmp_path / "src"  # build from a copy: pip wheel writes build/ and egg-info into its source tree
-    shutil.copytree(REPO / "edgelin", src / "edgelin", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "wheel"), str(src)], check=True, capture_output=True)
-    (wheel,) = (tmp_path / "wheel").glob("edgelin-*.whl")
+    wheel = build_wheel(tmp_path, "EDGELIN_BUILD_ORTOPS=OFF")  # the profiles only: no kernels to compile
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"edgelin/devices/{d}.toml" for d in BUILT_IN} | {"edgelin/devices/README.md"} <= names
+    assert {f"edgelin/devices/profiles/{d}.toml" for d in BUILT_IN} | {"edgelin/devices/profiles/README.md"} <= names
+    assert not [n for n in names if n.startswith("edgelin/ortops/lib")]
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # -S: no site-packages, so no editable install pointing back at the repo; only the unpacked wheel.
@@ -74,11 +70,11 @@ def test_wheel_ships_the_profiles_and_they_load_from_it(tmp_path):
                           cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
     folder, loaded, sm = json.loads(proc.stdout)
-    assert Path(folder) == site / "edgelin" / "devices" and set(loaded) == BUILT_IN and sm == 87
+    assert Path(folder) == site / "edgelin" / "devices" / "profiles" and set(loaded) == BUILT_IN and sm == 87
 
 
 def test_readme_documents_every_field():
-    readme = (REPO / "edgelin" / "devices" / "README.md").read_text()
+    readme = (REPO / "devices" / "README.md").read_text()
     missing = [name for name in FIELDS if f"| `{name}` |" not in readme]
     assert missing == []
 
@@ -251,7 +247,7 @@ def test_devices_json_gives_nested_tables_as_objects():
 def test_a_profile_saved_with_a_byte_order_mark_loads(tmp_path):
     from edgelin.devices import get_device
 
-    shipped = (REPO / "edgelin" / "devices" / "desktop-cpu.toml").read_text()
+    shipped = (REPO / "devices" / "desktop-cpu.toml").read_text()
     (tmp_path / "notepad.toml").write_bytes(b"\xef\xbb\xbf" + shipped.encode())  # Windows Notepad's UTF-8
     assert get_device("notepad", tmp_path).targets == get_device("desktop-cpu").targets
 

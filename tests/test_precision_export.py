@@ -47,8 +47,8 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     # A wide MLP (3 x 128 x 2048 weights per layer): the weights dominate the graph files.
     ckpt = make_checkpoint(root / "ckpt", tokenizer=False, layers=LAYERS, hidden_size=128, intermediate_size=2048)
     folders = {"ckpt": ckpt}
-    for name, precision, quantize, block in (("fp16", "fp16", None, None), ("int4", "fp32", "int4", 64)):
-        settings = export_settings(None, "onnx", precision, quantize, block)
+    for name, precision, weights, block in (("fp16", "fp16", None, None), ("int4", "fp32", "int4", 64)):
+        settings = export_settings(None, "onnx", precision, weights, block)
         folders[name] = export_checkpoint(ckpt, root / name, settings=settings).folder
     return folders
 
@@ -231,7 +231,7 @@ def test_int4_parity_is_checked_against_the_exports_own_dequantised_weights(expo
     import json
 
     from edgelin.export.dequantized import parity_reference
-    from edgelin.export.reference_vectors import STEPS, batch_key, flat_state, state_key
+    from edgelin.export.reference_vectors import STEPS, batch_key, flat_state
     from edgelin.replay import load_vectors, replay
 
     folder = exports["int4"]

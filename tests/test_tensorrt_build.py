@@ -213,14 +213,11 @@ def test_engine_builds_and_matches_onnxruntime(exported, tmp_path):
     why = _tensorrt_available()
     if why:
         pytest.skip(f"requires_tensorrt: {why}")
-    import tensorrt as trt
-
     from edgelin.export.tensorrt_build import build_folder
 
     _, exported_folder = exported
     folder = tmp_path / "out"
     shutil.copytree(exported_folder, folder)
-    major = int(trt.__version__.split(".")[0])
     include = os.environ.get("TENSORRT_INCLUDE_DIR")
     result = build_folder(folder, None, Path(include) if include else None)
     assert result.missing is None and result.files["step"] == "step.engine"

@@ -1,4 +1,4 @@
-"""Device profiles: TOML data shipped inside this package (`edgelin/devices/*.toml`; README.md next to
+"""Device profiles: TOML data in the repository's top-level `devices/` (`devices/*.toml`; README.md next to
 them describes every field), checked field by field when read, and turned into export choices by
 `export_settings`, the one place where a profile's values reach the exporter.
 
@@ -24,11 +24,20 @@ from edgelin.errors import EdgelinError
 if TYPE_CHECKING:
     from edgelin.families.spec import StateTensor
 
-# Where the built-in profiles live: inside the installed package (a wheel ships them as package data),
-# never a folder next to a source checkout. `edgelin devices` prints it.
-DEVICES_DIR: Traversable = files(__name__)
+def _builtin_devices_dir() -> Traversable:
+    """Where the built-in profiles live. One copy in git, the repository's top-level devices/: a wheel (and an
+    editable install) carries it as edgelin/devices/profiles/ (CMakeLists.txt's install rule); a source checkout
+    without an install reads the repository's folder itself."""
+    packaged = files(__name__) / "profiles"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "devices"
+
+
+# `edgelin devices` prints it.
+DEVICES_DIR: Traversable = _builtin_devices_dir()
 USER_DEVICES_ENV = "EDGELIN_DEVICES"
-README = "edgelin/devices/README.md"
+README = "devices/README.md"
 
 KINDS = ("desktop", "jetson", "phone", "server")
 COMPUTES = ("cpu", "cuda", "ane", "gpu")

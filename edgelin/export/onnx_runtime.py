@@ -209,7 +209,6 @@ class OnnxRunner(Runner):
 
             self.ort_ops = locate()
         self.prepack = prepack_choice(manifest, prepack, library=_takes_ops(self.ort_ops))
-        options = _options(ort, threads, self.prepack)
         # Left to itself, each session maps weights.bin on its own (one mapping per tensor), so each resident
         # weight page counts twice in RSS (Pss = Rss / 2): +47 MiB of peak RSS for the fp32 Mamba2 peer. Instead
         # (prepacking off, the float default): one read-only mapping of the file, and each session gets OrtValues

@@ -14,7 +14,10 @@ Export-side module: imports onnx and numpy inside its functions.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 PANEL = 16  # columns per panel (TILE_N in edgelin/ortops/tiles_kernel.h)
 F32_OP = "MatMulF32"  # float32 activations by a float32 weight in panels
@@ -108,7 +111,6 @@ def pack_products(proto: Any, half: bool = False) -> int:
     """In place: each ONNX MatMul on a constant 2-D float32 weight becomes ai.edgelin::MatMulF32 on the weight
     packed in panels (`half`: ai.edgelin::MatMulF16 on a float16 copy, --quantize fp16), each weight packed once
     however many nodes read it; the unpacked weights nothing else reads are dropped. Returns how many nodes."""
-    import numpy as np
     import onnx
     from onnx import numpy_helper
 

@@ -25,10 +25,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
 from edgelin.families.feature_maps import FEATURE_MAPS
 from edgelin.rules import COUNT, FLAG, POSITIVE, SIZE, Rule, invalid
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Decay(str, Enum):

@@ -22,7 +22,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from edgelin.families import StateTensor

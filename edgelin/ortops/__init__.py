@@ -46,14 +46,17 @@ AVX2 + FMA (elsewhere, e.g. an ARM board, ONNX Runtime's own kernels run: kernel
 An export made with `--step-ops edgelin` (the ONNX default) names these ops in its step graph and carries, for each, an ONNX
 function of the same name whose body is ONNX Runtime's own op: a runtime without the library runs the same file
 (bit for bit ONNX Runtime's numbers), one with it runs edgelin's kernels. The runner loads the library when the
-manifest lists these ops (`EDGELIN_ORT_OPS`: unset = build it here once with the C compiler and cache it,
+manifest lists these ops (`EDGELIN_ORT_OPS`: unset = the library an installed wheel carries, built with it
+(edgelin.ortops.packaged), else, in a source checkout, build it here once with the C compiler and cache it,
 `0` = never, a path = that prebuilt library, e.g. cross-compiled for a board without a compiler: loaded as it is,
 the user's choice). A cached build is loaded only once verified against the sha256 edgelin recorded when it built
 it, in a private folder of this user's (edgelin.ortops.cache: where the cache lives, what is refused, the build's
 timeout and its recorded failures).
 
-The C sources need no ONNX Runtime headers (ort_abi.h declares the few C API slots they call) and nothing but a
-C11 compiler: `cc -O3 -std=gnu11 -shared -fPIC *.c -lm`. Runtime-side module: no torch, no onnx.
+The library is built by the project's CMake build (edgelin/ortops/CMakeLists.txt; docs/development.md), against
+ONNX Runtime's onnxruntime_c_api.h when it has one (ort_api.h), else against ort_abi.h's declarations of the few C
+API slots it calls, which need nothing but a C11 compiler: `cc -O3 -std=gnu11 -shared -fPIC *.c -lm`.
+Runtime-side module: no torch, no onnx.
 """
 
 from __future__ import annotations
@@ -68,15 +71,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgelin.ortops import cache
+from edgelin.ortops import cache, packaged
 
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
 SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "ops_mlp.c", "glue.c", "q4_gemv.c",
            "q4_gemm.c", "q8_gemv.c", "q8_gemm.c", "f32_gemv.c", "f16_gemm.c", "panels.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
-HEADERS = ("ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "q8_gemv.h", "f32_gemv.h", "f16_gemm.h", "conv.h",
-           "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h", "rows_kernel.h",
-           "tiles_kernel.h", "panels.h")
+HEADERS = ("ort_api.h", "ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "q8_gemv.h", "f32_gemv.h", "f16_gemm.h",
+           "conv.h", "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h", "rows_kernel.h", "tiles_kernel.h",
+           "panels.h")
 LIBRARY = "libedgelin_ortops.so"
 _HERE = Path(__file__).resolve().parent
 _CFLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -189,13 +192,20 @@ def _ready(where: Path, timeout: float) -> tuple[Path, str] | None:
 
 def locate() -> OpsLibrary:
     """The library the runner should load, per EDGELIN_ORT_OPS (see the module docstring); never raises. A path
-    the user names is loaded as it is (their choice); a cached build only once verified (edgelin.ortops.cache)."""
+    the user names is loaded as it is (their choice); the one the package carries (an installed wheel), else a
+    cached build, only once verified (edgelin.ortops.packaged, edgelin.ortops.cache)."""
     setting = os.environ.get(ENV, "").strip()
     if setting == "0":
         return OpsLibrary(None, f"{ENV}=0")
     if setting:
         path = Path(setting).expanduser()
         return OpsLibrary(path, f"{ENV}") if path.is_file() else OpsLibrary(None, f"{ENV}={setting}: no such file")
+    try:  # the library the installed package carries, built with it (edgelin.ortops.packaged), else the cache
+        shipped = packaged.find()
+    except cache.CacheError as exc:
+        return OpsLibrary(None, str(exc))
+    if shipped is not None:
+        return OpsLibrary(shipped[0], "packaged", shipped[1])
     compiler = _compiler()
     if compiler is None:
         return OpsLibrary(None, "could not build it: no C compiler (set CC, or install gcc or clang)")

@@ -4,7 +4,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "ort_abi.h"
+#include "ort_api.h"
 
 extern const OrtApi* g_api;  /* set by RegisterCustomOps */
 extern int g_parallel_for;   /* 1: the runtime has KernelContext_ParallelFor */

@@ -266,37 +266,37 @@ static void destroy_la(void* kernel) { free(kernel); }
 
 /* ---- registration ------------------------------------------------------------------------------------------ */
 static const char* name_matmul(const OrtCustomOp* op) { (void)op; return "MatMulNBits"; }
-static int input_type_matmul(const OrtCustomOp* op, size_t i) {
+static EdgelinElementType input_type_matmul(const OrtCustomOp* op, size_t i) {
   (void)op;
   return i == 0 || i == 2 ? ORT_TYPE_FLOAT : ORT_TYPE_UINT8;
 }
-static int input_kind_matmul(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
+static EdgelinIoKind input_kind_matmul(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
 static size_t outputs_matmul(const OrtCustomOp* op) { (void)op; return 1; }
 
 static const char* name_conv(const OrtCustomOp* op) { (void)op; return "CausalConvWithState"; }
-static int all_float(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT; }
-static int input_kind_conv(const OrtCustomOp* op, size_t i) { (void)op; return i == 2 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
+static EdgelinElementType all_float(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT; }
+static EdgelinIoKind input_kind_conv(const OrtCustomOp* op, size_t i) { (void)op; return i == 2 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
 static size_t two_outputs(const OrtCustomOp* op) { (void)op; return 2; }
 
 static const char* name_la(const OrtCustomOp* op) { (void)op; return "LinearAttention"; }
-static int input_kind_la(const OrtCustomOp* op, size_t i) { (void)op; return i >= 3 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
+static EdgelinIoKind input_kind_la(const OrtCustomOp* op, size_t i) { (void)op; return i >= 3 ? ORT_IO_OPTIONAL : ORT_IO_REQUIRED; }
 static size_t inputs_la(const OrtCustomOp* op) { (void)op; return 6; }
 
 static const char* name_attention(const OrtCustomOp* op) { (void)op; return "GroupQueryAttention"; }
-static int input_type_attention(const OrtCustomOp* op, size_t i) { (void)op; return i >= 5 ? ORT_TYPE_INT32 : ORT_TYPE_FLOAT; }
+static EdgelinElementType input_type_attention(const OrtCustomOp* op, size_t i) { (void)op; return i >= 5 ? ORT_TYPE_INT32 : ORT_TYPE_FLOAT; }
 static size_t inputs_attention(const OrtCustomOp* op) { (void)op; return 7; }
-static int input_type_attention_half(const OrtCustomOp* op, size_t i) {
+static EdgelinElementType input_type_attention_half(const OrtCustomOp* op, size_t i) {
   (void)op;
   return i >= 5 ? ORT_TYPE_INT32 : ORT_TYPE_FLOAT16;
 }
-static int output_type_half(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT16; }
-static int all_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
+static EdgelinElementType output_type_half(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT16; }
+static EdgelinIoKind all_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
 static size_t three_outputs(const OrtCustomOp* op) { (void)op; return 3; }
 
 static const char* name_f32_matmul(const OrtCustomOp* op) { (void)op; return "MatMul"; }
 static const char* name_f16_matmul(const OrtCustomOp* op) { (void)op; return "MatMulF16"; }
 static const char* name_panel_matmul(const OrtCustomOp* op) { (void)op; return "MatMulF32"; }
-static int input_type_f16_matmul(const OrtCustomOp* op, size_t i) { (void)op; return i ? ORT_TYPE_FLOAT16 : ORT_TYPE_FLOAT; }
+static EdgelinElementType input_type_f16_matmul(const OrtCustomOp* op, size_t i) { (void)op; return i ? ORT_TYPE_FLOAT16 : ORT_TYPE_FLOAT; }
 static size_t two_inputs(const OrtCustomOp* op) { (void)op; return 2; }
 static const char* name_ssd(const OrtCustomOp* op) { (void)op; return "SsdRecurrence"; }
 static size_t eight_inputs(const OrtCustomOp* op) { (void)op; return 8; }
@@ -310,13 +310,14 @@ static size_t one_input(const OrtCustomOp* op) { (void)op; return 1; }
 
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static size_t four_inputs(const OrtCustomOp* op) { (void)op; return 4; }
-static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT; }
-static int output_kind(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
-static int memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+static EdgelinElementType output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_TYPE_FLOAT; }
+static EdgelinIoKind output_kind(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_IO_REQUIRED; }
+static EdgelinMemoryKind memory_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORT_MEM_DEFAULT; }
 static int one(const OrtCustomOp* op) { (void)op; return 1; }
 
-static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*), int (*input_type)(const OrtCustomOp*, size_t),
-                            size_t (*inputs)(const OrtCustomOp*), int (*input_kind)(const OrtCustomOp*, size_t),
+static OrtCustomOp describe(const char* (*name)(const OrtCustomOp*),
+                            EdgelinElementType (*input_type)(const OrtCustomOp*, size_t),
+                            size_t (*inputs)(const OrtCustomOp*), EdgelinIoKind (*input_kind)(const OrtCustomOp*, size_t),
                             size_t (*outputs)(const OrtCustomOp*),
                             OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
                             OrtStatus* (*run)(void*, OrtKernelContext*), void (*destroy)(void*)) {

@@ -163,7 +163,7 @@ def parse_config(text: str, where: str) -> bool:
         text_format.Parse(text, ModelConfig())
     except text_format.ParseError as exc:
         raise EdgelinError(f"{where} would not load in Triton", f"Triton's ModelConfig parser rejects it: {exc}",
-                           "check the device profile's [serving] values (edgelin/devices/README.md), or report "
+                           "check the device profile's [serving] values (devices/README.md), or report "
                            "this as an edgelin bug") from None
     return True
 

@@ -1,0 +1,57 @@
+"""The operator library an installed edgelin carries (built once by the wheel's build: CMakeLists.txt), and the
+check made before it is loaded.
+
+The build writes `libedgelin_ortops.json` beside the library: its sha256, size and machine, from the installed
+bytes. The library is loaded only if it matches that record (a damaged or replaced file is refused, with the fix);
+a package without one (a source checkout that was never built) falls back to the compile-at-first-use cache
+(edgelin.ortops.cache). No ownership check, unlike the cache: the package's folder is the installer's, like the
+Python code beside it.
+
+Runtime-side module: no torch, no onnx.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from importlib.resources import files
+from pathlib import Path
+
+from edgelin.ortops.cache import CacheError, digest
+
+LIBRARY = "libedgelin_ortops.so"
+RECORD = "libedgelin_ortops.json"
+REINSTALL = ("reinstall edgelin (pip install --force-reinstall edgelin), or set EDGELIN_ORT_OPS=0 to run ONNX "
+             "Runtime's own kernels")
+
+
+def folder() -> Path | None:
+    """The installed package's edgelin/ortops folder holding the built library (an editable install's build
+    output included: importlib.resources sees both), or None when there is none."""
+    found = files(__package__ or "edgelin.ortops") / LIBRARY
+    return Path(str(found)).parent if found.is_file() else None
+
+
+def find(where: Path | None = None) -> tuple[Path, str] | None:
+    """(the packaged library, its verified sha256), None when the package carries none; CacheError when it carries
+    one that is not what its build recorded."""
+    where = folder() if where is None else where
+    if where is None or not (where / LIBRARY).is_file():
+        return None
+    library, record_path = where / LIBRARY, where / RECORD
+    try:
+        record = json.loads(record_path.read_text())
+        expected, size, machine = str(record["sha256"]), int(record["bytes"]), str(record["machine"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CacheError(f"the packaged library {library} has no readable build record ({RECORD}: "
+                         f"{type(exc).__name__}), so it was not loaded: {REINSTALL}") from exc
+    if machine != platform.machine():
+        raise CacheError(f"the packaged library {library} was built for {machine[:20]}, this is {platform.machine()}, "
+                         f"so it was not loaded: install the wheel for this machine, or {REINSTALL}")
+    actual_size = library.stat().st_size
+    actual = digest(library) if actual_size == size else None
+    if actual != expected:
+        change = f"{actual_size} bytes, recorded {size}" if actual is None else "its sha256 differs"
+        raise CacheError(f"the packaged library {library} is not the one its build recorded ({change}: damaged or "
+                         f"replaced), so it was not loaded: {REINSTALL}")
+    return library, actual

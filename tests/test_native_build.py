@@ -1,0 +1,97 @@
+"""The native code's one build (CMakeLists.txt) and the packaged CPU kernel library: built from the sources the
+compile-at-first-use path compiles, and loaded only once it matches the record its build wrote
+(edgelin.ortops.packaged). The whole wheel, installed without a compiler: tests/test_wheel.py (slow)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import re
+from pathlib import Path
+
+import pytest
+
+from edgelin import ortops
+from edgelin.ortops import cache, packaged
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cmake_sources() -> tuple[str, ...]:
+    text = (ROOT / "edgelin" / "ortops" / "CMakeLists.txt").read_text()
+    block = re.search(r"set\(EDGELIN_ORTOPS_SOURCES\s+([^)]*)\)", text)
+    assert block is not None
+    return tuple(block.group(1).split())
+
+
+def test_cmake_builds_the_sources_the_first_use_build_compiles():
+    assert cmake_sources() == ortops.SOURCES
+    assert {p.name for p in (ROOT / "edgelin" / "ortops").glob("*.c")} == set(ortops.SOURCES)
+
+
+def shipped(folder: Path, content: bytes = b"a library", **record: object) -> Path:
+    """A package folder holding a 'library' and the record a build writes for it (fields overridable)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / packaged.LIBRARY).write_bytes(content)
+    fields = {"sha256": hashlib.sha256(content).hexdigest(), "bytes": len(content), "machine": platform.machine()}
+    (folder / packaged.RECORD).write_text(json.dumps({**fields, **record}))
+    return folder
+
+
+def test_a_packaged_library_that_matches_its_record_is_found(tmp_path):
+    folder = shipped(tmp_path)
+    assert packaged.find(folder) == (folder / packaged.LIBRARY, hashlib.sha256(b"a library").hexdigest())
+
+
+def test_a_package_without_a_library_falls_back_to_the_cache(tmp_path):
+    assert packaged.find(tmp_path) is None
+
+
+@pytest.mark.parametrize("change", ["same size, other bytes", "truncated", "no record", "other machine",
+                                    "unreadable record"])
+def test_a_packaged_library_unlike_its_record_is_refused(tmp_path, change):
+    folder = shipped(tmp_path)
+    library, record = folder / packaged.LIBRARY, folder / packaged.RECORD
+    if change == "same size, other bytes":
+        library.write_bytes(b"a librarx")
+    elif change == "truncated":
+        library.write_bytes(b"a lib")
+    elif change == "no record":
+        record.unlink()
+    elif change == "other machine":
+        shipped(tmp_path, machine="riscv128")
+    else:
+        record.write_text("{")
+    with pytest.raises(cache.CacheError, match=r"was not loaded: .*reinstall edgelin"):
+        packaged.find(folder)
+
+
+@pytest.fixture
+def no_compiler(tmp_path, monkeypatch) -> Path:
+    """A stand-in CC that only logs its calls (a compile at first use would call it) and an empty cache."""
+    log = tmp_path / "calls.log"
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\necho call >> '{log}'\nexit 1\n")
+    cc.chmod(0o755)
+    (tmp_path / "xdg").mkdir()
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(ortops.ENV, raising=False)
+    return log
+
+
+def test_locate_loads_the_packaged_library_without_compiling(tmp_path, monkeypatch, no_compiler):
+    folder = shipped(tmp_path / "site" / "edgelin" / "ortops")
+    monkeypatch.setattr(packaged, "folder", lambda: folder)
+    found = ortops.locate()
+    assert found == ortops.OpsLibrary(folder / packaged.LIBRARY, "packaged", hashlib.sha256(b"a library").hexdigest())
+    assert not no_compiler.exists()
+
+
+def test_locate_refuses_a_damaged_packaged_library_and_does_not_compile_another(tmp_path, monkeypatch, no_compiler):
+    folder = shipped(tmp_path / "site" / "edgelin" / "ortops")
+    (folder / packaged.LIBRARY).write_bytes(b"a librarx")
+    monkeypatch.setattr(packaged, "folder", lambda: folder)
+    found = ortops.locate()
+    assert found.path is None and "sha256 differs" in found.reason and not no_compiler.exists()
