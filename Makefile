@@ -11,11 +11,14 @@ OUT    := out/tiny
 # Python compiles a module the first time it is imported instead.
 EXTRAS ?= onnx,dev
 
-.PHONY: demo test test-all install clean peers-setup
+.PHONY: demo test test-all lint install clean peers-setup
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# `pip install -e` runs the CMake build (CMakeLists.txt: the CPU kernel library, the device profiles) through
+# scikit-build-core, with cmake and ninja from PyPI; a change to the C sources needs `make install` again (until
+# then the runner compiles the changed sources at first use: edgelin.ortops.packaged). docs/development.md.
+$(VENV)/.installed: pyproject.toml constraints.txt CMakeLists.txt edgelin/ortops/CMakeLists.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(if $(findstring onnx,$(EXTRAS)),$(BIN)/python -m pip install -q --no-compile torch==2.13.0)
@@ -41,8 +44,12 @@ test: install
 test-all: install
 	$(PYTEST)
 
+# ruff: the rules in pyproject.toml [tool.ruff] (pyflakes, syntax errors), on the whole tree; run by .ci/run first.
+lint: install
+	$(BIN)/ruff check .
+
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out .pytest_cache build dist
 
 # The CPU peers benchmark's own environments (bench/peers.md; never part of `make test` or CI):
 # llama-cpp-python built from source, ExecuTorch, each in a venv outside the repo ($(PEERS)).

@@ -16,25 +16,34 @@ from edgelin import ortops
 from edgelin.ortops import cache, packaged
 
 ROOT = Path(__file__).resolve().parents[1]
+SOURCE_FILES = [ROOT / "edgelin" / "ortops" / name for name in (*ortops.SOURCES, *ortops.HEADERS)]
 
 
-def cmake_sources() -> tuple[str, ...]:
+def cmake_sources(variable: str = "EDGELIN_ORTOPS_SOURCES") -> tuple[str, ...]:
     text = (ROOT / "edgelin" / "ortops" / "CMakeLists.txt").read_text()
-    block = re.search(r"set\(EDGELIN_ORTOPS_SOURCES\s+([^)]*)\)", text)
+    block = re.search(rf"set\({variable}\s+(?:#[^\n]*\n)?([^)]*)\)", text)
     assert block is not None
     return tuple(block.group(1).split())
 
 
 def test_cmake_builds_the_sources_the_first_use_build_compiles():
     assert cmake_sources() == ortops.SOURCES
+    assert cmake_sources("EDGELIN_ORTOPS_HEADERS") == ortops.HEADERS
     assert {p.name for p in (ROOT / "edgelin" / "ortops").glob("*.c")} == set(ortops.SOURCES)
 
 
+def sources_hex_sha256(sources: list[Path]) -> str:
+    """The build's recipe (edgelin/ortops/CMakeLists.txt): sha256 of the hex of the sources' bytes, in order."""
+    return hashlib.sha256("".join(path.read_bytes().hex() for path in sources).encode()).hexdigest()
+
+
 def shipped(folder: Path, content: bytes = b"a library", **record: object) -> Path:
-    """A package folder holding a 'library' and the record a build writes for it (fields overridable)."""
+    """A package folder holding a 'library' and the record a build of the sources beside it writes for it (fields
+    overridable)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / packaged.LIBRARY).write_bytes(content)
-    fields = {"sha256": hashlib.sha256(content).hexdigest(), "bytes": len(content), "machine": platform.machine()}
+    fields = {"sha256": hashlib.sha256(content).hexdigest(), "bytes": len(content), "machine": platform.machine(),
+              "sources_hex_sha256": sources_hex_sha256(SOURCE_FILES)}
     (folder / packaged.RECORD).write_text(json.dumps({**fields, **record}))
     return folder
 
@@ -95,3 +104,15 @@ def test_locate_refuses_a_damaged_packaged_library_and_does_not_compile_another(
     monkeypatch.setattr(packaged, "folder", lambda: folder)
     found = ortops.locate()
     assert found.path is None and "sha256 differs" in found.reason and not no_compiler.exists()
+
+
+def test_a_packaged_library_built_from_other_sources_gives_way_to_a_build_of_these(tmp_path, monkeypatch,
+                                                                                     no_compiler):
+    """An editable install whose C sources changed after its build: the packaged library is stale, so the first-use
+    build compiles the sources as they are (the stand-in compiler is called)."""
+    folder = shipped(tmp_path / "site" / "edgelin" / "ortops", sources_hex_sha256="0" * 64)
+    monkeypatch.setattr(packaged, "folder", lambda: folder)
+    assert packaged.find(folder) is not None  # no sources given: nothing to compare
+    assert packaged.find(folder, SOURCE_FILES) is None
+    found = ortops.locate()
+    assert found.path is None and "could not build it" in found.reason and no_compiler.exists()

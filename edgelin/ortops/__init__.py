@@ -201,7 +201,7 @@ def locate() -> OpsLibrary:
         path = Path(setting).expanduser()
         return OpsLibrary(path, f"{ENV}") if path.is_file() else OpsLibrary(None, f"{ENV}={setting}: no such file")
     try:  # the library the installed package carries, built with it (edgelin.ortops.packaged), else the cache
-        shipped = packaged.find()
+        shipped = packaged.find(sources=[_HERE / name for name in (*SOURCES, *HEADERS)])
     except cache.CacheError as exc:
         return OpsLibrary(None, str(exc))
     if shipped is not None:

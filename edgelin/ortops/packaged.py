@@ -2,9 +2,10 @@
 check made before it is loaded.
 
 The build writes `libedgelin_ortops.json` beside the library: its sha256, size and machine, from the installed
-bytes. The library is loaded only if it matches that record (a damaged or replaced file is refused, with the fix);
-a package without one (a source checkout that was never built) falls back to the compile-at-first-use cache
-(edgelin.ortops.cache). No ownership check, unlike the cache: the package's folder is the installer's, like the
+bytes, and the sha256 of the C sources it was built from. The library is loaded only if it matches that record (a
+damaged or replaced file is refused, with the fix). A package without one (a source checkout that was never built),
+or one built from other sources than those beside it (an editable install whose C code changed since), falls back
+to the compile-at-first-use cache (edgelin.ortops.cache), which builds the sources as they are. No ownership check, unlike the cache: the package's folder is the installer's, like the
 Python code beside it.
 
 Runtime-side module: no torch, no onnx.
@@ -12,8 +13,10 @@ Runtime-side module: no torch, no onnx.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
+from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
 
@@ -32,9 +35,15 @@ def folder() -> Path | None:
     return Path(str(found)).parent if found.is_file() else None
 
 
-def find(where: Path | None = None) -> tuple[Path, str] | None:
-    """(the packaged library, its verified sha256), None when the package carries none; CacheError when it carries
-    one that is not what its build recorded."""
+def sources_digest(sources: Sequence[Path]) -> str:
+    """What the build records as `sources_hex_sha256`: the sha256 of the sources' bytes, concatenated in order, as
+    lowercase hex (CMake reads them as hex: edgelin/ortops/CMakeLists.txt)."""
+    return hashlib.sha256(b"".join(path.read_bytes() for path in sources).hex().encode()).hexdigest()
+
+
+def find(where: Path | None = None, sources: Sequence[Path] = ()) -> tuple[Path, str] | None:
+    """(the packaged library, its verified sha256), None when the package carries none or one built from other
+    `sources` (SOURCES then HEADERS) than these; CacheError when it carries one unlike what its build recorded."""
     where = folder() if where is None else where
     if where is None or not (where / LIBRARY).is_file():
         return None
@@ -42,6 +51,7 @@ def find(where: Path | None = None) -> tuple[Path, str] | None:
     try:
         record = json.loads(record_path.read_text())
         expected, size, machine = str(record["sha256"]), int(record["bytes"]), str(record["machine"])
+        built_from = str(record["sources_hex_sha256"])
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise CacheError(f"the packaged library {library} has no readable build record ({RECORD}: "
                          f"{type(exc).__name__}), so it was not loaded: {REINSTALL}") from exc
@@ -54,4 +64,6 @@ def find(where: Path | None = None) -> tuple[Path, str] | None:
         change = f"{actual_size} bytes, recorded {size}" if actual is None else "its sha256 differs"
         raise CacheError(f"the packaged library {library} is not the one its build recorded ({change}: damaged or "
                          f"replaced), so it was not loaded: {REINSTALL}")
+    if sources and all(path.is_file() for path in sources) and sources_digest(sources) != built_from:
+        return None  # built before the C sources beside it changed: the first-use build compiles them as they are
     return library, actual
