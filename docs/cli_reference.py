@@ -38,6 +38,26 @@ below are generated from the CLI of the commit that holds this page.
 """
 
 
+OUTRO = """## optimum-cli
+
+`pip install 'edgelin[optimum]'` (the dev install has it) registers an `edgelin` export in Hugging Face
+optimum's CLI (optimum 2.3; edgelin ships `optimum/commands/register/register_edgelin.py` into optimum's
+namespace package):
+
+```bash
+optimum-cli export edgelin --model recipes/tiny-gdn-hybrid out/tiny-optimum [--task text-generation-with-past] \\
+    [--device cpu|cuda] [--dtype fp32|fp16] [--target onnx|tensorrt|coreml] [--device-profile NAME] [--serve triton]
+```
+
+It runs `edgelin export` itself (same checks, messages, exit codes and files: CI compares the two artifacts
+byte for byte); its error and warning lines name this command's options (the positional output, `--dtype`,
+`--device-profile`, `optimum-cli export edgelin --help`), not `edgelin export`'s. `--device cpu` means the `desktop-cpu` profile and `--device cuda` the `desktop-gpu` one (fp16
+graphs unless `--dtype fp32`); without `--device`, no profile, as `edgelin export`. `--task` takes only
+`text-generation-with-past` (optimum's name for a decoder with its cache); another task, `--dtype bf16` or a
+`--device` that contradicts `--device-profile` is one line, exit 2.
+"""
+
+
 def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
@@ -68,9 +88,10 @@ def render() -> str:
     group = typer.main.get_command(app)
     ctx = click.Context(group, info_name="edgelin")
     names = group.list_commands(ctx)
-    lines = [INTRO, "Commands: " + ", ".join(f"[{n}](#{n})" for n in names) + ".", ""]
+    lines = [INTRO, "Commands: " + ", ".join(f"[{n}](#{n})" for n in names) + "; [optimum-cli](#optimum-cli).", ""]
     for name in names:
         lines += command_section(group, ctx, name)
+    lines += [OUTRO]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
