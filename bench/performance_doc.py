@@ -5,7 +5,8 @@
 
 A result file is one table: where it belongs (`topic`, a section below), what was measured (`title`), how
 (`command`, `method`), on what (`commit`, `date`, `machine`), where the figures were first recorded (`source`),
-then `columns` and `rows` (cells as text, as measured). A new measurement replaces its file: the page holds
+then `columns` and `rows` (cells as text, as measured) and optionally `notes` and `image` (a plot of
+the same run under docs/img/). A new measurement replaces its file: the page holds
 only the current numbers, and git keeps the history. tests/test_performance_doc.py checks that the committed
 page is this rendering.
 """
@@ -74,6 +75,8 @@ def load(folder: Path = RESULTS) -> list[dict]:
             raise ValueError(f"{path.name}: id {data['id']!r} is not the file's name")
         if data["topic"] not in {slug(s.heading) for s in SECTIONS}:
             raise ValueError(f"{path.name}: topic {data['topic']!r} is no section of the page")
+        if data.get("image") and not (PAGE.parent / data["image"]).is_file():
+            raise ValueError(f"{path.name}: image {data['image']} is not under docs/")
         width = len(data["columns"])
         if any(len(row) != width for row in data["rows"]):
             raise ValueError(f"{path.name}: a row does not have the {width} columns")
@@ -112,6 +115,8 @@ def render(results: list[dict]) -> str:
                     f"- Method: {result['method']}",
                     f"- Recorded first in: {result['source']}", ""]
             out += table(result) + [""]
+            if result.get("image"):  # a plot of the same run, beside the page (docs/img/)
+                out += [f"![{result['title']}]({result['image']})", ""]
             if result.get("notes"):
                 out += [result["notes"], ""]
     return "\n".join(out).rstrip("\n") + "\n"
