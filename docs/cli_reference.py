@@ -68,18 +68,23 @@ def _row(param, ctx) -> str:
     return f"| `{_cell(flags)}` | {_cell(text)} |"
 
 
-def command_section(group, ctx, name: str) -> list[str]:
+def command_section(group, ctx, name: str, path: tuple[str, ...] = ()) -> list[str]:
+    """A command's heading, usage, summary and parameter tables; a command group (`edgelin export TARGET`, one
+    subcommand per target) adds one section per subcommand."""
     command = group.get_command(ctx, name)
     sub = click.Context(command, info_name=name, parent=ctx)
-    usage = " ".join(["edgelin", name, *command.collect_usage_pieces(sub)])
-    lines = [f"## {name}", "", f"`{usage}`", "", _cell(command.help or ""), ""]
+    words = (*path, name)
+    usage = " ".join(["edgelin", *words, *command.collect_usage_pieces(sub)])
+    lines = [f"{'#' * (len(words) + 1)} {' '.join(words)}", "", f"`{usage}`", "", _cell(command.help or ""), ""]
     params = [p for p in command.get_params(sub) if not p.hidden]
     arguments = [p for p in params if p.param_type_name == "argument"]
     if arguments:
         lines += ["| argument | what it is |", "|---|---|"] + [_row(p, sub) for p in arguments] + [""]
     lines += ["| flag | what it does |", "|---|---|"]
-    lines += [_row(p, sub) for p in params if p.param_type_name == "option"]
-    return lines + [""]
+    lines += [_row(p, sub) for p in params if p.param_type_name == "option"] + [""]
+    for child in getattr(command, "list_commands", lambda _: [])(sub):
+        lines += command_section(command, sub, child, words)
+    return lines
 
 
 def render() -> str:
