@@ -9,7 +9,7 @@ partial one; the replay's 15-token prompt is prefill_12 + 3 steps), batch 1 and 
 - mlstate: fp16 compute, float16 state (MLState), exported only where the measured fp16-state verdict
   (edgelin/precision/state_precision.toml) allows it; elsewhere the row is the export's refusal.
 The figure is the worst max-relative error over every replay check (logits and states). A check of the
-conversion, not of Apple's runtime (that needs a Mac). docs/coreml.md records a run.
+conversion, not of Apple's runtime (that needs a Mac). docs/performance.md#core-ml records a run.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python bench/cpu_targets.py [CHECKPOINT] [--json]
 
-Targets (docs/benchmarks.md records the results with commit and machine):
+Targets (docs/performance.md#constant-memory records the results with commit and machine):
   1. ONNX Runtime step >= 2x faster than the torch eager step, batch 1
   2. step latency at position 32768 within 10% of position 1 (the KV-cache baseline grows)
   3. RSS growth < 1 MiB over 10,000 generated tokens

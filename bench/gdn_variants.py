@@ -6,7 +6,7 @@ batch and seq_len as the shipped model (recipes/tiny-gdn-hybrid).
                                  [--json FILE]
     python bench/gdn_variants.py --summarize runs/gdn-variants [--json FILE]    # the table from existing logs
 
-docs/benchmarks.md ("Gated DeltaNet variants") records the results. Method:
+docs/performance.md#gated-deltanet-variants records the results. Method:
   - one `python -m edgelin.train RECIPE --seed S --device D --out OUT/ARCH-sS` per architecture and seed,
     --jobs of them at a time (separate processes; on one GPU they overlap well: these models are tiny
     and launch-bound); a run whose training_log.json exists is kept, not redone;

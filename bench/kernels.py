@@ -2,7 +2,7 @@
 
     python bench/kernels.py [--commit SHA] [--json out.json] [--skip sweep]
 
-Targets (issue 4; docs/benchmarks.md records the results with commit and machine):
+Targets (issue 4; docs/performance.md#gpu-decode records the results with commit and machine):
   1. step, B=256, H=16, K=V=128: >= 90% of the device copy bandwidth, every gate kind x rule,
      Triton and CUDA (anchors: copy bandwidth, fla 0.6.0 fused_recurrent_*, torch eager)
   2. step, B=1: <= 5 us per layer under CUDA-graph replay

@@ -3,7 +3,7 @@ int4, with the weights shared by the step and prefill graphs (after) and embedde
 
     python bench/precision_size.py [CHECKPOINT] [--work DIR] [--iters 1000] [--repeat 3] [--json]
 
-Issue 11 (docs/benchmarks.md, "Precision and size", records the results). Exports go to --work
+Issue 11 (docs/performance.md#precision-and-size records the results). Exports go to --work
 (reused when already there: delete the folder to re-export). "Before" is the fp32 export with every
 weight embedded in both graph files again (onnx.load + onnx.save without external data): the layout
 `edgelin export` wrote before the weights were shared, run with ONNX Runtime's defaults (prepacking on).

@@ -1,6 +1,6 @@
 """Greedy staged sweep of `chunk_config` overrides for the chunked prefill, against fla on one GPU.
 
-How `chunk_config`'s defaults were chosen (docs/benchmarks.md "3c"). Per family and shape, stage by
+How `chunk_config`'s defaults were chosen (results: docs/performance.md#gpu-prefill). Per family and shape, stage by
 stage: every candidate of a stage is timed on top of the best so far (the empty candidate = keep it);
 a candidate wins when its output is finite, within 0.05 (max abs) of fla's, and >= 1% faster. At B=1
 the error vs the fp32 reference (`recurrence.chunked`) is printed beside fla's: read it before

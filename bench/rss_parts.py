@@ -1,6 +1,6 @@
 """Where an export's resident memory goes: RSS (anonymous and file-backed, from /proc/self/status; Linux) after
 each stage of one edgelin run in this process: Python, numpy, ONNX Runtime, the runner (its sessions and the mapped
-weights), a prefill of N tokens, then 64 decode steps. A benchmark (not a test): docs/benchmarks.md, issue 13.
+weights), a prefill of N tokens, then 64 decode steps. A benchmark (not a test): docs/performance.md#cpu-step-latency.
 
     python bench/rss_parts.py EXPORT_DIR [THREADS] [PROMPT_TOKENS]
 

@@ -19,7 +19,7 @@ steps and its final value (worst of the two streams) and top-1 agreement (lowest
 
 Writes the rows to edgelin/precision/state_precision.toml (the table the exporter reads; rows of
 families not run are kept) unless --no-write, and prints the table with the verdict of each row
-against edgelin.precision's bound. docs/benchmarks.md ("State precision") records a run.
+against edgelin.precision's bound. docs/performance.md#state-precision records a run.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def write_table(path: Path, families: dict[str, dict], models: dict[str, dict]) 
              "# its final value, top-1 agreement with the float32 state (worst of a greedy and a random token",
              "# stream; each stream's own figures follow), and where the figures come from.",
              f"# Bound (edgelin.precision): max_rel_error <= {MAX_REL_ERROR_BOUND:g} and top1_agreement >= "
-             f"{TOP1_BOUND:g}. Method and results: docs/benchmarks.md, State precision.", ""]
+             f"{TOP1_BOUND:g}. Method and results: docs/performance.md#state-precision.", ""]
     for section, rows in (("families", families), ("models", models)):
         for name in sorted(rows):
             for dtype in sorted(rows[name]):

@@ -1,4 +1,4 @@
-"""The torch target (the GPU reference) through `edgelin bench`, on a CUDA machine (docs/benchmarks.md 4b).
+"""The torch target (the GPU reference) through `edgelin bench`, on a CUDA machine (docs/performance.md#gpu-decode).
 
 Builds bench/decode.py's 147.6 M Gated DeltaNet model (random init, seed 0), saves it as a checkpoint,
 exports it with `edgelin export --target torch --precision fp16`, then runs `edgelin bench` at positions

@@ -39,7 +39,7 @@ def tensorrt_step(spec) -> str:
 
 
 def fp16_state(family: str) -> str:
-    """The measured verdict on a float16 state (edgelin.precision; docs/benchmarks.md, State precision)."""
+    """The measured verdict on a float16 state (edgelin.precision; docs/performance.md#state-precision)."""
     verdict = state_verdict(family, "float16")
     if verdict is None:
         return "not measured: refused unless --force"

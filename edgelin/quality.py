@@ -56,7 +56,7 @@ class Bounds:
     max_ppl_change: float | None = None  # largest allowed relative perplexity increase (0.05 = +5%)
 
 
-# Default bounds per export precision (README, "validate: quality figures", has the measurements:
+# Default bounds per export precision (docs/precision.md#validation-thresholds-and-quality-figures has the measurements:
 # the shipped model's int4 export loses 1.6% perplexity, fp16/int8 under 0.1%, all 100% greedy top-1).
 # fp32 exports are held to the tight logit threshold instead; an explicit --min-top1 or
 # --max-ppl-change applies to any precision.

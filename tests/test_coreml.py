@@ -237,7 +237,7 @@ def test_mlstate_fp16_conversion_tracks_the_reference(mlstate, ckpt):
     assert padded.shape == (1, 2, 8, 32) and not padded[..., 8:].any()  # the padding stays zero
 
 
-# ---- families beyond the hybrid (every family: bench/coreml_families.py, docs/coreml.md) -------------
+# ---- families beyond the hybrid (every family: bench/coreml_families.py, docs/performance.md#core-ml) -------------
 def _family_checkpoint(folder: Path, family: str) -> Path:
     """Tiny random checkpoint, chunk size 8: prefill_12 is a full chunk and a partial one, and the
     replay's 15-token prompt is prefill_12 + 3 steps. Gated DeltaNet-2's zero-initialised erase/write
@@ -265,7 +265,7 @@ def test_family_explicit_fp32_replays_through_the_mil_program(family, tmp_path):
     report = replay(folder)
     assert report.passed, [m.to_dict() for m in report.failures]
     assert {m.check for m in report.metrics} >= {"prefill", "rollout", "prefill-vs-steps"}
-    assert max(m.max_rel for m in report.metrics) < 1e-5  # fp32 rounding (figures: docs/coreml.md)
+    assert max(m.max_rel for m in report.metrics) < 1e-5  # fp32 rounding (figures: docs/performance.md#core-ml)
 
 
 def test_mlstate_refused_for_a_family_whose_measured_fp16_drift_fails(tmp_path):

@@ -34,7 +34,7 @@ from helpers import make_checkpoint, rms_rel
 # 0.27 / 0.25 (top-1 agreement 100% / 98.7%); fp32 exports measure 8e-7. fp16 rounds weights and
 # activations to 11 significant bits (2^-11 = 4.9e-4 relative); int4 keeps 16 levels per block, ~10%
 # error per weight of this random N(0, 0.02) model, whose near-uniform logits make relative errors large
-# (the shipped trained model loses 1.6% perplexity at int4: docs/benchmarks.md). Bounds: ~2-3x measured.
+# (the shipped model loses 1.4-1.6% perplexity at int4: docs/performance.md#precision-and-size). Bounds: ~2-3x measured.
 BOUNDS = {"fp16": 2.5e-3, "int4": 0.5}
 TOP1 = {"fp16": 0.99, "int4": 0.9}
 RUNTIME_FILES = ("step.onnx", "prefill.onnx", "weights.bin")

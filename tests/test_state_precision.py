@@ -90,7 +90,7 @@ def test_float32_state_is_a_noop(table):
 def test_family_over_the_bound_is_refused_with_its_figure_and_accepted_with_force(table):
     err = refusal(["gated_deltanet", "softmax", "gla"], "float16", False, "Core ML MLState")
     assert err.what == "fp16 state for gla layers (Core ML MLState)"
-    assert "measured drift 0.031 over 4096 steps > bound 0.01" in err.why and "docs/benchmarks.md" in err.why
+    assert "measured drift 0.031 over 4096 steps > bound 0.01" in err.why and "docs/performance.md#state-precision" in err.why
     assert "--force" in err.fix and "float32 state" in err.fix
     verdicts = check_state_dtype(["gated_deltanet", "softmax", "gla", "gated_deltanet"], "float16", True, "x")
     assert [(v.family, v.ok, v.max_rel_error, v.top1_agreement) for v in verdicts] == [

@@ -1,8 +1,8 @@
 """edgelin's TensorRT plugin library without TensorRT: built with CMake + nvcc against each TensorRT
-header folder in .trt-headers/ (git-ignored; see docs/tensorrt.md for how to get them), checked
+header folder in .trt-headers/ (git-ignored; see docs/targets/tensorrt.md for how to get them), checked
 with nm/readelf (exports, no nvinfer1 reference, no libnvinfer link), and driven by the C++ harness
 in tests/trt_harness/ through every method TensorRT's builder and runtime call. The enqueue half
-of the harness (--gpu) needs a GPU and is run on one by hand (docs/tensorrt.md)."""
+of the harness (--gpu) needs a GPU and is run on one by hand (docs/targets/tensorrt.md)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ HARNESS = Path(__file__).resolve().parent / "trt_harness" / "harness.cpp"
 HEADERS = sorted(p for p in HEADER_ROOT.glob("*/include") if (p / "NvInferRuntime.h").is_file())
 NO_HEADERS = ("no TensorRT headers in .trt-headers/: the plugin build check needs them; get NVIDIA/TensorRT's "
               "include/ at a 10.3 tag and the newest one: git --git-dir=<TensorRT clone> archive v10.3.0 include "
-              "| tar -x -C .trt-headers/v10.3.0 (docs/tensorrt.md)")
+              "| tar -x -C .trt-headers/v10.3.0 (docs/targets/tensorrt.md)")
 NVCC = shutil.which("nvcc")
 CMAKE = shutil.which("cmake")
 

@@ -142,7 +142,7 @@ class OnnxEngine(TorchEngine):
     # The chunked form's per-chunk preparation (decays, P, the WY inverse) inside the Scan body, one chunk per
     # iteration, instead of batched over every chunk of the piece before the Scan: ONNX Runtime then holds one
     # chunk's intermediates at a time, not the piece's (per-key decays' [C, C, d_k] ones above all: KDA prefill
-    # peak RSS 269 -> 183 MiB, GLA 382 -> 210, both faster; docs/benchmarks.md, issue 13, eighth session).
+    # peak RSS 269 -> 183 MiB, GLA 382 -> 210, both faster; issue 13; docs/performance.md#cpu-step-latency).
     prep_in_loop: bool = True
     # q and k of one key head shared by every value head (Mamba2's single group) stay one head in the chunked
     # form: its products broadcast over the heads (edgelin.model.mixer), one q k^T per chunk instead of H.

@@ -5,7 +5,7 @@ step graph's metadata for the runner: IN_PLACE_KEY).
 Why: ping-pong buffers (the past in one set, the present written to another) double the state's cache
 footprint, and each step writes to lines it has not read. Bound in place, a state's update writes over
 what it just read: the Mamba2 peer's int4 step 1.20 -> 1.10 ms, int8 1.44 -> 1.36, fp32 2.91 -> 2.82 on one
-thread (medians of five runs; docs/benchmarks.md, issue 13, ninth session).
+thread (medians of five runs, issue 13's ninth session; docs/performance.md#cpu-step-latency).
 
 When it is safe: ONNX Runtime runs nodes in an order that respects data dependencies and never writes a
 graph input, so one buffer can serve both roles when every read of the past is finished before the

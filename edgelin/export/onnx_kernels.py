@@ -120,7 +120,7 @@ def route_to_edgelin_kernels(path: Path, products_only: bool = False) -> int:
     """Rewrite the graph at `path` (its weights stay where they are) as the module docstring says; returns how
     many nodes now run edgelin's kernels (0: the file is left as it was). `products_only` (the prefill graph):
     its 4-bit and 8-bit weight products and nothing else, so that both graphs read one mapping of the weights
-    instead of ONNX Runtime prepacking a private copy per session (peak RSS, docs/benchmarks.md, issue 13)."""
+    instead of ONNX Runtime prepacking a private copy per session (peak RSS, docs/performance.md#cpu-step-latency)."""
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)

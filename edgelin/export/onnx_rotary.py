@@ -7,7 +7,7 @@ to [B, T, heads x head_dim], plus ~10 shared nodes that compute cos and sin from
 RotaryEmbedding contrib op does one head tensor's (partial) rotary in one node, reading cos and sin from tables of
 N rows: each q and k becomes a Reshape and one RotaryEmbedding, and the cos/sin nodes go. The tables are what the
 graph computed, cos / sin(float32(p) x inv_freq) in float32, for p < N (a static cache never holds more). 36 of the
-Qwen3.5 peer's ~180 step nodes (docs/benchmarks.md, issue 13).
+Qwen3.5 peer's ~180 step nodes (issue 13; docs/performance.md#cpu-step-latency).
 
 Matched only where the pattern is exact: the slices of the last axis (rot, then the rest; the two halves of the
 rot part; over the whole head, the halves of the head), the frequencies a constant of rot / 2 values times the cast

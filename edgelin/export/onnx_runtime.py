@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
 # ONNX Runtime's weight prepacking for exports whose graphs share a weights file: None (default) leaves
-# it off for float exports (one mapped copy of the weights; docs/benchmarks.md "Precision and size" has
+# it off for float exports (one mapped copy of the weights; docs/performance.md#precision-and-size has
 # the cost, ~9% on fp32 steps with ONNX Runtime's MatMul; a --step-ops edgelin step's products are edgelin's
 # kernel, which reads the mapped weights and never prepacks) and on for quantised ones (MatMulNBits needs it).
 # The runner's `prepack` argument, or this environment variable ("1" on, "0" off; `edgelin bench --prepack` sets
@@ -68,13 +68,13 @@ def prepack_choice(manifest: Manifest, prepack: bool | None = None, library: boo
 # flash path for float16: per call it fills a float32 [heads, piece, capacity] score buffer and float32 copies of
 # each head's cached keys and values, and its arena keeps growing with the position. Qwen3.5 peer, int4, 34,944
 # rows: peak RSS after a 32k prompt 442 MiB in pieces of 256, 257 in 128, 191 in 64 (the float32 cache: 193),
-# prefill at 8k-12k 1,152 -> 1,006 tok/s (the float32 cache's 1,083); docs/benchmarks.md, issue 13.
+# prefill at 8k-12k 1,152 -> 1,006 tok/s (the float32 cache's 1,083); issue 13, docs/performance.md#cpu-step-latency.
 HALF_CACHE_PREFILL_PIECE = 64
 # Prefill pieces of a constant-memory model (no KV cache): ONNX Runtime's arena keeps the largest piece's
 # activations. Mamba2 peer, 2,048-token prompt, 1 thread: 256 -> 128 tokens cost no speed and cut peak RSS
 # 125.0 -> 116.2 MiB (float16 weights), 108.3 -> 100.1 (int4); 128 -> 64 cut another ~5 MiB at every precision
 # (int8 106.0 -> 100.9, int4 100.2 -> 95.1, f16w 116.4 -> 111.6, fp32 138.3 -> 133.5) for 3-10% of the prefill
-# speed, which stays ahead of llama.cpp's; 32 saves 1.2 MiB more for 29% (docs/benchmarks.md, issue 13).
+# speed, which stays ahead of llama.cpp's; 32 saves 1.2 MiB more for 29% (docs/performance.md#cpu-step-latency).
 CONSTANT_MEMORY_PREFILL_PIECE = 64
 
 # "0" turns off the one shared mapping of weights.bin (each session then maps the file itself; for A/B runs).
@@ -88,7 +88,7 @@ def _options(ort: Any, threads: int | None, prepack: bool, kind: str = "step") -
         options.enable_mem_pattern = False
         # ORT's default node order kept tensors of every layer alive to the end of a prefill run (RSS rose
         # layer by layer); the priority-based order frees them as it goes: Mamba2 12 M, 2,048-token prefill,
-        # peak RSS 160.4 -> 152.7 MiB at the same speed (docs/benchmarks.md, issue 13).
+        # peak RSS 160.4 -> 152.7 MiB at the same speed (issue 13; docs/performance.md#cpu-step-latency).
         options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
         # Each session has its own intra-op pool, and an idle pool's workers keep spinning for a while after
         # Run(): the prefill's spun on the cores the decode steps right after it need (Mamba2 int4, 2 threads:
@@ -196,7 +196,7 @@ class OnnxRunner(Runner):
             _check_weights(Path(folder), manifest.extra["weights"])
         # One copy of the weights in memory, read by both sessions (below). Prepacking gives each session a
         # private copy of every float matmul weight (+25 MiB for the shipped fp32 model) for ~9% faster fp32
-        # steps (docs/benchmarks.md, "Precision and size"): off by default for float exports. MatMulNBits
+        # steps (docs/performance.md#precision-and-size): off by default for float exports. MatMulNBits
         # (int8/int4) is another matter: unpacked it runs ~100x slower, so quantised exports keep it, unless every
         # weight product of both graphs is edgelin's (an int4 or int8 export's, block 32), which reads the mapped
         # weights.

@@ -5,7 +5,7 @@ Every pre-norm block writes h = x + f(x) and then RMSNorm(h). ONNX Runtime fuses
 SimplifiedLayerNormalization, but its own Add + norm fusion (SkipLayerNormFusion) takes LayerNormalization only, and
 only an Add whose sum has no other reader, which a residual stream's sum always has. So the step kept 21 Adds and 21
 norms for Qwen3.5's eight layers, each a node of a few microseconds of dispatch around a few hundred floats of work
-(docs/benchmarks.md, issue 13). A contrib op: no edgelin library needed, so it applies with --step-ops contrib too.
+(docs/performance.md#cpu-step-latency). A contrib op: no edgelin library needed, so it applies with --step-ops contrib too.
 
 Matched only where the Add's two inputs are tensors of one shape (not a broadcast bias) and the norm is exactly the
 six nodes `rms_norm` matches, over float32. Export-side module: imports onnx inside its functions.

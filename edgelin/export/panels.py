@@ -5,7 +5,7 @@ ONNX's MatMul stores a weight [K, N] row-major. Decoding reads every weight once
 run at the rate the weights stream in, and in that layout a slice of rows is many short streams N values apart.
 Packed as [ceil(N / 16), K, 16] (panel p: columns 16p .. 16p + 15, zeros past N) each panel is one contiguous piece
 of memory and the panels follow one another: the hardware prefetchers' best case (on the Mamba2 peer's float16
-step: 2.2 -> 1.1 ms; docs/benchmarks.md, issue 13). Both graphs read the packed weight (one copy in weights.bin);
+step: 2.2 -> 1.1 ms; docs/performance.md#cpu-step-latency). Both graphs read the packed weight (one copy in weights.bin);
 each node carries `n` (N) and an ONNX function body that unpacks the panels for ONNX's MatMul, which runs where
 edgelin's library is not loaded.
 

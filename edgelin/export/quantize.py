@@ -49,7 +49,7 @@ METHOD_F16 = ("edgelin weight-only float16: each constant-weight MatMul as ai.ed
               "MatMul), embedding lookups as Gather "
               "on the float16 table + Cast")
 # MatMulNBits' accuracy_level 4: the CPU kernel multiplies int8-quantised activation blocks (float
-# accumulation). Measured on the shipped model (docs/benchmarks.md): int8 steps 18x faster than with the
+# accumulation). Shipped model (docs/performance.md#precision-and-size): int8 steps 18x faster than with the
 # default level (7.1 -> 0.38 ms; the default has no fast 8-bit kernel), int4 ~15% faster, perplexity
 # unchanged within 0.1%. Other providers treat the attribute as a minimum precision hint.
 ACCURACY_LEVEL = 4

@@ -149,7 +149,7 @@ class TorchRunner(Runner):
         if self.device.type == "cuda":
             # The chunked Triton kernels hold no arena between calls, and an eager forward costs its
             # launches per call: 256-token pieces (the CPU default) made a 2,048-token prefill of the
-            # 147.6 M model 8x slower on the H200 (docs/benchmarks.md 4b).
+            # 147.6 M model 8x slower on the H200 (docs/performance.md#gpu-decode).
             self.prefill_piece = CUDA_PREFILL_PIECE
         self._layout = [(layer, name, state_input_name(layer, name)) for layer, tensors in
                         enumerate(self.model.state_tensors()) for name in (t.name for t in tensors)]

@@ -262,7 +262,7 @@ def _num_sms(index: int) -> int:
 def chunk_config(num_heads_total: int, d_k: int, d_v: int, dtype: torch.dtype, device: torch.device,
                  delta: bool = False, erase: bool = False, gate: int = 0) -> dict:
     """Tile sizes, warps and paths, from sweeps on an H200 (B=1 and 8, T=4096, H=16, d_k=d_v=128, bf16;
-    streams F and G, then a greedy staged sweep on 2026-12-01: docs/benchmarks.md "3c").
+    streams F and G, then a greedy staged sweep on 2026-12-01: bench/prefill_sweep.py; docs/performance.md#gpu-prefill).
     `gate`: 0 none, 1 one decay per head, 2 one per key. BT 64 unless the [BT, d_k] operand tiles get
     large (fp32, d_k > 64). The state kernel (h) is the only sequential one, and its programs
     (sequences x heads x d_v tiles, x d_k tiles for the additive rule) are all its parallelism: the

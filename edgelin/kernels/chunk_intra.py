@@ -17,7 +17,7 @@ and columns j <= r of a chunk (16-row blocks, A: j < r):
 (Stream G, 2026-12-01: the split replaced one program per row block doing both, whose diagonal block
 was a 3-D product: 233 -> 33 + 101 us for GLA at B=1, T=4096, H=16, d_k=128 on an H200; the row
 groups then 101 -> 56 us; 2026-12-02 the program per row, 62 -> 56 us with the accuracy fix in both, and
-it replaced the row groups, which it beat at every measured shape: docs/benchmarks.md 3d. An exponent
+it replaced the row groups, which it beat at every measured shape (docs/performance.md#gpu-prefill). An exponent
 stored as (b - b_r0) log2 e per row, to save a multiply per product, rounded large |b| (strong decay,
 b ~ -1e3 within a chunk) to 1e-5 RMS-relative error on the H200, 70x the raw difference's.)
 """

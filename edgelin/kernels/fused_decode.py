@@ -1,5 +1,5 @@
 """Fused whole-model decode for Gated DeltaNet stacks: 5 kernels per layer at B <= the small batch
-(DecodeTuning.small_batch), 8 above, instead of ~85 (H200: docs/benchmarks.md section 4).
+(DecodeTuning.small_batch), 8 above, instead of ~85 (H200: docs/performance.md#gpu-decode).
 
 B <= small batch (edgelin.kernels.fused_decode_gemv): the norms, gated output norm, SwiGLU and residual
 adds live in the prologues and epilogues of edgelin's one-wave GEMVs, launched with programmatic

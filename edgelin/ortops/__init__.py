@@ -9,7 +9,7 @@ with `SessionOptions.register_custom_ops_library`.
   8-bit block) per 256-bit step and four weight rows at once, and on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and
   later) four 4-bit blocks (two 8-bit ones) per 512-bit step with vpdpbusd; a prefill piece in tiles of 16 tokens,
   one per 32-bit lane, each weight row's codes broadcast to all 16 (q8_gemm.c; the 4-bit codes unpacked to bytes
-  first, q4_gemm.c) (docs/benchmarks.md, issue 13).
+  first, q4_gemm.c) (docs/performance.md#cpu-step-latency).
 - `ai.edgelin::MatMul` (ops_matmul.c, f32_gemv.c): the float32 weight products of one-token decoding on ONNX's
   [K, N] layout (exports made before the packed panels below, whose steps still run it): each of ONNX Runtime's
   threads takes slices of the weight's rows instead of MLAS's column split.

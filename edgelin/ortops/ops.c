@@ -380,7 +380,7 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
     g_ops[12] = describe(name_panel_matmul, all_float, two_inputs, all_required, outputs_matmul,
                          edgelin_create_matmul, edgelin_compute_matmul_f32, edgelin_destroy_matmul);
   }
-  /* Only where the AVX2 kernels run (measured faster there: docs/benchmarks.md, issue 13). Elsewhere (ARM boards)
+  /* Only where the AVX2 kernels run (measured faster there: docs/performance.md#cpu-step-latency). Elsewhere (ARM boards)
      nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):
      the portable C paths are the AVX2 ones' reference, not measured against ONNX Runtime on such a CPU. */
   if (!edgelin_cpu_avx2()) return NULL;

@@ -1,7 +1,7 @@
 /* ai.edgelin::SsdRecurrence: Mamba2's SSD step around the recurrence, one node instead of the ~20 small ONNX nodes
    (reshapes, the dt path's Add / Softplus / Mul, the key's Unsqueeze / Expand, the skip's Mul / Add) that each cost
-   ONNX Runtime a kernel launch (the Mamba2 peer's int4 step x0.76 at 1 thread, x0.83 at 2; docs/benchmarks.md,
-   issue 13, sixteenth session). Inputs, per token (T of them) of each of B sequences:
+   ONNX Runtime a kernel launch (the Mamba2 peer's int4 step x0.76 at 1 thread, x0.83 at 2; issue 13's
+   sixteenth session, docs/performance.md#cpu-step-latency). Inputs, per token (T of them) of each of B sequences:
      q [B, T, Hq * dk] (C), k [B, T, Hq * dk] (B: one key per query group), x [B, T, H * dv], dt [B, T, H],
      past_state [B, H, dk, dv], dt_bias, A, D (H values each, any shape);
    with sp = softplus(dt + dt_bias): the gated recurrence of linear_attention.c with decay A sp, key k of head h's

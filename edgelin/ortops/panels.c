@@ -3,7 +3,7 @@
    Decoding reads each weight once per token, so its speed is the rate the weights stream in. In ONNX's [K, N]
    layout a slice of eight rows is eight streams a few KiB long (rows_kernel.h: 14 GB/s on the Mamba2 peer's
    float16 step); a packed panel is one stream and the panels of a matrix one after the other, which the hardware
-   prefetchers follow at the memory's rate (the Mamba2 peer's float16 step 2.2 -> 1.1 ms; docs/benchmarks.md). */
+   prefetchers follow at the memory's rate (the Mamba2 peer's float16 step 2.2 -> 1.1 ms; docs/performance.md#cpu-step-latency). */
 #include "panels.h"
 
 #include "tiles_kernel.h"

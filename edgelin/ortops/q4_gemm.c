@@ -7,7 +7,7 @@
    64-token pieces a constant-memory model prefills in, onnx_runtime.CONSTANT_MEMORY_PREFILL_PIECE). The 4-bit codes
    read into registers as nibbles (the earlier layout of this file: four rows by four tokens, each 64-byte
    load unpacked per step) ran at 63-74 GMAC/s per core on the Mamba2 peer's shapes, the tiles at 126-136
-   (docs/benchmarks.md, issue 13, twenty-third session). Otherwise each token goes through the one-token path
+   (issue 13's twenty-third session; docs/performance.md#cpu-step-latency). Otherwise each token goes through the one-token path
    (edgelin_q4_rows), slice by slice of weight rows. */
 #include <stdlib.h>
 

@@ -7,7 +7,7 @@
    token's whole block dot, scaled once (the int -> float conversion, one multiply and one FMA per block, row and 16
    tokens). The one-token layout (two blocks per register, a block's dot spread over 8 lanes) converts and scales
    every 64 weights per row and token: 1676 x 384 weights by 128 tokens ran at 41 GMAC/s on one Zen 4 core that
-   way, 129 GMAC/s this way (docs/benchmarks.md, issue 13, twenty-third session). Otherwise (no VNNI, or
+   way, 129 GMAC/s this way (issue 13's twenty-third session; docs/performance.md#cpu-step-latency). Otherwise (no VNNI, or
    one token) each token goes through the one-token path (edgelin_q8_rows), slice by slice of weight rows. */
 #include <string.h>
 

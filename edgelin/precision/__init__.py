@@ -7,7 +7,7 @@ data). An exporter asked for a state below float32 calls `check_state_dtype`, wh
 whose measured drift exceeds the bound below, or that was never measured, unless --force.
 
 Torch-free (it only reads a TOML file): the Core ML exporter and `edgelin families` import it.
-The bound and why it is where it is: docs/benchmarks.md, "State precision".
+The bound and why it is where it is: docs/performance.md#state-precision, and docs/precision.md#state-precision.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 from edgelin.errors import EdgelinError
 
 TABLE = "state_precision.toml"
-DOCS = "docs/benchmarks.md, State precision"
-# The bound a family's lower-precision state must meet (docs/benchmarks.md says why these values):
+DOCS = "docs/performance.md#state-precision"
+# The bound a family's lower-precision state must meet (docs/performance.md#state-precision says why):
 # max over 4,096 steps of max|logits - fp32 logits| / RMS(fp32 logits), and top-1 agreement.
 MAX_REL_ERROR_BOUND = 1e-2
 TOP1_BOUND = 0.99

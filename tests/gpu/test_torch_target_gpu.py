@@ -140,7 +140,7 @@ def test_validate_replays_on_the_fused_runner(tmp_path):
 
 def test_cuda_runner_prefills_in_long_pieces_with_the_same_numbers(tmp_path):
     """On a GPU runtime.prefill hands the runner pieces of CUDA_PREFILL_PIECE tokens, not the CPU's 256
-    (8x slower on the H200 for a 2,048-token prompt, docs/benchmarks.md 4b); one 700-token piece and
+    (8x slower on the H200 for a 2,048-token prompt, docs/performance.md#gpu-decode); one 700-token piece and
     pieces of 256 + 256 + 188 give the same logits and state (the chunked kernels carry the state across)."""
     from edgelin.export.torch_runtime import CUDA_PREFILL_PIECE, TorchRunner
     from edgelin.runtime import CONSTANT_PIECE, prefill

@@ -10,7 +10,7 @@ namespace {
 
 using edgelin::Tile;
 // The CTA shapes, [d_k rows, value columns] (edgelin/kernels/cuda/step.cuh). Chosen on an H200 at
-// H=16, K=V=128 (docs/benchmarks.md): the small tile was fastest at B=1 and B=8, the large one at
+// H=16, K=V=128 (docs/performance.md#gpu-decode): the small tile was fastest at B=1 and B=8, the large one at
 // B=64 and B=256 (96.5-97.6% of copy bandwidth at B=256; a [128, 32] tile gave 93-94%).
 using SmallTile = Tile<128, 4, 4>;    // [128, 16]: many small CTAs when few heads cannot fill the GPU
 using LargeTile = Tile<128, 16, 16>;  // [128, 64]: 32 KB of state per CTA when there are many heads
