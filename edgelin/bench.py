@@ -376,7 +376,7 @@ def bench(
     report.load_rss_bytes, report.load_pss_bytes = load_rss, load_pss
     kv = None
     if baseline == "kv":  # exported with the folder (export --baseline kv); its memory checked up front
-        from edgelin.export.baselines import baseline_folder
+        from edgelin.artifact.baselines import baseline_folder
 
         kv = open_runner(baseline_folder(folder, runner.manifest, "kv"), threads)
         check_capacity(kv.manifest, "kv-baseline", positions, 0)  # it runs no prefill-vs-steps pass

@@ -202,7 +202,7 @@ def export(
     # Refused here, before the checkpoint loads.
     settings = export_settings(profile, target, precision, quantize, block_size, force)
     if text is not None:
-        from edgelin.quality import read_text
+        from edgelin.data import read_text
 
         read_text(text)  # empty, binary or not UTF-8: one line, before the checkpoint loads
     onnx_options: dict[str, Any] = {}  # OnnxOptions fields the flags set
@@ -327,7 +327,7 @@ def validate(
     --against CKPT roll out prefill + N steps and compare with PyTorch at every step; then the quality
     figures: top-1 agreement with the fp32 reference and perplexity on held-out text."""
     from edgelin.errors import ValidationFailed
-    from edgelin.quality import TEXT_TOKENS
+    from edgelin.artifact.quality import TEXT_TOKENS
 
     if against is None:
         from edgelin.replay import replay
@@ -348,6 +348,7 @@ def validate(
         ran_on = environment("validate", folder, report.runner, None, None)  # what validate --against records
     else:
         try:
+            import torch  # noqa: F401 (edgelin.validate imports it only when --against runs)
             from edgelin.validate import validate as run_validate
         except ImportError as exc:  # a runtime-only install (edgelin[runtime]) has no torch
             if library_load_fault(exc) is not None:  # torch is there but could not be mapped (ulimit -v)

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edgelin.errors import EdgelinError
 
@@ -51,6 +52,13 @@ class OutputKind:
     reads: str = "the model"  # what the protected paths hold, for the refusal's line
 
 
+def inside_path(name: Any) -> bool:
+    """A '/'-separated path inside the export folder (a `files` entry, e.g. triton/NAME/config.pbtxt): not
+    absolute (nor a Windows drive), no '..', '.' or empty part, no backslash or NUL."""
+    return (isinstance(name, str) and bool(name) and not name.startswith("/") and not any(c in name for c in "\\:\0")
+            and all(part not in ("", ".", "..") for part in name.split("/")))
+
+
 def _owned_export(folder: Path) -> tuple[frozenset[str], str]:
     """An export folder is ours when its manifest.json says so; it lists the files the export wrote
     (`files`), or for older exports the manifest, the graphs and the tokenizer it names."""
@@ -66,8 +74,6 @@ def _owned_export(folder: Path) -> tuple[frozenset[str], str]:
     if not (isinstance(files, list) and all(isinstance(n, str) for n in files)):
         graphs = data.get("graphs") if isinstance(data.get("graphs"), dict) else {}
         files = [g.get("file") for g in graphs.values() if isinstance(g, dict)] + [data.get("tokenizer")]
-    from edgelin.artifact.manifest import inside_path  # (files inside its folders, by their paths)
-
     names = {n for n in files if inside_path(n)} | {"manifest.json"}
     recorded = written_record(folder)
     names |= {n for n in recorded if _plain_name(n)} | ({RECORD} if recorded else set())

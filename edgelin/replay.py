@@ -1,7 +1,7 @@
 """`edgelin validate DIR`: replay the reference vectors recorded at export through the runner.
 
 No checkpoint and no torch: this is the check that runs where the model ships (a Jetson, a phone, a
-board with `pip install edgelin[runtime]`). `reference.npz` (edgelin/export/reference_vectors.py)
+board with `pip install edgelin[runtime]`). `reference.npz` (edgelin/artifact/reference_vectors.py)
 holds a seeded prompt and N steps at batch 1 and at batch 3 with the PyTorch reference's logits at
 every step and its state tensors at a few checkpoints. Checks, per batch, every one reported:
 
@@ -10,7 +10,7 @@ every step and its state tensors at a few checkpoints. Checks, per batch, every 
                     tensor at the recorded steps
   prefill-vs-steps  runner steps from the empty state over the prompt vs the runner's prefill
   quality           top-1 agreement over the reference's greedy rollout and perplexity on held-out
-                    text, artifact vs the recorded fp32 reference (edgelin/quality.py), checked
+                    text, artifact vs the recorded fp32 reference (edgelin/artifact/quality.py), checked
                     against bounds for fp16 and quantised exports
 
 A weight-quantised export's logits and states were recorded from the reference carrying its own
@@ -33,13 +33,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from edgelin.errors import EdgelinError
 from edgelin.artifact.manifest import MANIFEST, Manifest
-from edgelin.export.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, QUALITY, batch_key,
-                                              positions_needed, sha256_of, state_key, threshold_for)
+from edgelin.artifact.quality import (QualityCheck, QualityFigures, QualityReference, evaluate, precision_key,
+                                      resolve_bounds, threshold_key)
+from edgelin.artifact.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, QUALITY, batch_key,
+                                                positions_needed, state_key, threshold_for)
 from edgelin.artifact.state import output_name_for
-from edgelin.quality import (QualityCheck, QualityFigures, QualityReference, evaluate, measure, precision_key,
-                             resolve_bounds, threshold_key)
+from edgelin.errors import EdgelinError
+from edgelin.integrity import sha256_of
+from edgelin.quality import measure
 
 FIX = "re-export, or validate against the checkpoint with --against CKPT"
 
@@ -93,7 +95,7 @@ class ValidationReport:
     quality_note: str | None = None
     runner: str = ""  # which runtime ran it (edgelin.runtime.runner_label)
     # A weight-quantised export: the parity reference carried the export's dequantised weights
-    # (edgelin/export/dequantized.py's account); None: the checkpoint's own weights.
+    # (edgelin/reference/parity.py's account); None: the checkpoint's own weights.
     reference_weights: dict | None = None
 
     @property

@@ -15,8 +15,11 @@ Checks, every one reported (not just the first failure):
                     tokens: top-1 only), the reference computed here (edgelin/quality.py)
 
 A weight-quantised export's parity checks run against the reference carrying the export's own
-dequantised weights (edgelin/export/dequantized.py), its quality figures against the fp32 one: the
+dequantised weights (edgelin/reference/parity.py), its quality figures against the fp32 one: the
 first says whether the runtime computes the artifact right, the second what the quantisation costs.
+
+Torch and the checkpoint are imported inside the functions that run the reference: importing this
+module (as the CLI's validate does) pulls no torch.
 
 The rollout streams: the reference's chunked forward runs window by window carrying its state, so
 memory stays flat however many steps are validated.
@@ -27,22 +30,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
-from edgelin.checkpoint import checkpoint_hash, load_model
+from edgelin.artifact.manifest import Manifest
+from edgelin.artifact.quality import TEXT_TOKENS, precision_key, threshold_key
+from edgelin.artifact.reference_vectors import positions_needed, threshold_for
+from edgelin.data import held_out_text
 from edgelin.environment import environment
 from edgelin.errors import EdgelinError
-from edgelin.export.dequantized import parity_reference
-from edgelin.artifact.manifest import Manifest
-from edgelin.export.reference_vectors import (flat_state, held_out_text, positions_needed, reference_quality,
-                                              threshold_for)
-from edgelin.model.lm import CausalLM
-from edgelin.quality import TEXT_TOKENS, measure, precision_key, threshold_key
+from edgelin.quality import measure
+from edgelin.reference.parity import flat_state, parity_reference, reference_quality
 from edgelin.replay import Checks, ValidationReport
 from edgelin.runtime import check_room, open_runner, runner_label
+
+if TYPE_CHECKING:
+    from edgelin.model.lm import CausalLM
 
 # The rollout is compared window by window: reference logits for at most this many bytes (and
 # positions) at a time, whatever the step count.
@@ -93,7 +97,9 @@ class AgainstReport(ValidationReport):
         return {"environment": self.environment, **super().to_dict(), "step_errors": self.step_errors}
 
 
-def load_reference(manifest: Manifest, against: Path | None) -> CausalLM:
+def load_reference(manifest: Manifest, against: Path | None) -> "CausalLM":
+    from edgelin.checkpoint import checkpoint_hash, load_model
+
     path = Path(against) if against else Path(manifest.source["path"])
     if not path.exists():
         raise EdgelinError(f"the source checkpoint {path} is gone", "validate --against compares with it",
@@ -140,7 +146,9 @@ def validate(
 ) -> ValidationReport:
     """The full check against the checkpoint `against` (None: the one the manifest names). `text`:
     held-out text for the perplexity (at most `text_tokens` tokens); `min_top1`/`max_ppl_change`:
-    quality bounds (default: the precision's, edgelin.quality.BOUNDS)."""
+    quality bounds (default: the precision's, edgelin.artifact.quality.BOUNDS)."""
+    import torch  # edgelin.cli refuses --against in one line where torch is missing
+
     if steps < 1 or prompt_len < 1 or batch < 1:
         raise EdgelinError("--steps, --prompt-len and --batch must be >= 1", "nothing to compare otherwise",
                            "pass positive values")

@@ -20,12 +20,12 @@ from edgelin.bench import bench
 from edgelin.checkpoint import load_model
 from edgelin.errors import EdgelinError
 from edgelin.export.pipeline import export_checkpoint
-from edgelin.export.reference_vectors import sha256_of
+from edgelin.integrity import sha256_of
 from helpers import TOKENIZER_VOCAB, make_checkpoint
 from test_cli import assert_clean_failure, run
 
 ROOT = Path(__file__).parent.parent
-PROMPT, STEPS = 15, 24  # what export records (edgelin/export/reference_vectors.py)
+PROMPT, STEPS = 15, 24  # what export records (edgelin/artifact/reference_vectors.py)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The dequantised parity reference of weight-quantised exports (edgelin/export/dequantized.py): the
+"""The dequantised parity reference of weight-quantised exports (edgelin/artifact/quantized.py, edgelin/reference/parity.py): the
 numpy unpacking against ONNX Runtime's own MatMulNBits kernel, and the matching of parameters to
 quantised rows (fused, offset, not found)."""
 
@@ -12,7 +12,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 from edgelin.export import quantize
-from edgelin.export.dequantized import Dequantized, _match, read_quantized
+from edgelin.artifact.quantized import Dequantized, read_quantized
+from edgelin.reference.parity import _match
 
 
 def _one_matmul(path: Path, weight: np.ndarray) -> Path:
@@ -110,7 +111,7 @@ def test_partial_blocks_reference_looks_up_the_float_table_and_multiplies_by_the
     """The premise (the table float, the head quantised), the reference built on it, and the export's own record
     (made with that reference at export) replayed within the same bounds."""
     from edgelin.checkpoint import load_model
-    from edgelin.export.dequantized import parity_reference
+    from edgelin.reference.parity import parity_reference
     from edgelin.artifact.manifest import Manifest
     from edgelin.replay import replay
 

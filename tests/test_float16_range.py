@@ -51,7 +51,7 @@ def test_float16_copy_saturates_instead_of_inf():
 def test_quantize_fp16_pass_saturates_without_a_raw_warning(tmp_path: Path):
     """The float16 pass of --quantize fp16 (matmul panels and the embedding table's float16 copy), and reading the
     stored weights back (the weights' check of validate --against), on a graph whose weights overflow float16."""
-    from edgelin.export.dequantized import read_quantized
+    from edgelin.artifact.quantized import read_quantized
     from edgelin.export.quantize import quantize_graph
 
     weight = np.full((4, 3), 0.5, np.float32)

@@ -113,7 +113,7 @@ def test_float16_weights_take_fp32s_parity_threshold_unless_the_cache_is_float16
     KV cache rounds what the reference keeps in float32 (Qwen3.5's fp16-cache export: 1.8e-3 of the keys' scale)."""
     from types import SimpleNamespace
 
-    from edgelin.quality import precision_key, threshold_key
+    from edgelin.artifact.quality import precision_key, threshold_key
 
     manifest = SimpleNamespace(precision="fp32", kv_dtype=kv_dtype,
                                extra={"quantization": {"bits": 16, "block_size": None}})

@@ -230,8 +230,8 @@ def test_int4_parity_is_checked_against_the_exports_own_dequantised_weights(expo
     quantisation. Here the artifact's states sit >= 3x closer to that reference than to the fp32 one."""
     import json
 
-    from edgelin.export.dequantized import parity_reference
-    from edgelin.export.reference_vectors import STEPS, batch_key, flat_state
+    from edgelin.reference.parity import flat_state, parity_reference
+    from edgelin.artifact.reference_vectors import STEPS, batch_key, state_key
     from edgelin.replay import load_vectors, replay
 
     folder = exports["int4"]

@@ -1,4 +1,4 @@
-"""Quality figures (edgelin/quality.py): top-1 agreement with the fp32 reference and perplexity on
+"""Quality figures (edgelin/quality.py, edgelin/artifact/quality.py, the gate edgelin/export/quality_gate.py): top-1 agreement with the fp32 reference and perplexity on
 held-out text, recorded at export, replayed by `validate DIR`, computed live by `validate --against`,
 bounded per precision (exit 1 below a bound), `--text` refusals, and the export's quality gate.
 
@@ -24,11 +24,13 @@ from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
 from edgelin.artifact.manifest import Manifest
 from edgelin.export.pipeline import export_checkpoint
-from edgelin.export.reference_vectors import sha256_of
-from edgelin import quality
+from edgelin.artifact import quality
+from edgelin.export import quality_gate
+from edgelin.integrity import sha256_of
 from edgelin.replay import replay
 from edgelin.tokenizer import TextTokenizer
-from edgelin.train import Recipe, split_files, stdlib_files
+from edgelin.data import split_files, stdlib_files
+from edgelin.train import Recipe
 from helpers import make_checkpoint
 from test_train import TINY  # the trainer tests' tiny recipe: a 200 kB stdlib corpus, 10% held out
 
@@ -211,17 +213,17 @@ def test_validate_against_measures_any_text_and_the_recipe_split_live(export, tm
 def test_export_gate_refuses_below_the_bound_unless_forced(export, swapped, monkeypatch):
     ckpt, folder = export
     model = load_model(ckpt)[0]
-    assert quality.check_export_quality(model, folder, Manifest.load(folder), ExportSettings()) is None  # fp32
-    passed = quality.check_export_quality(model, folder, Manifest.load(folder), ExportSettings(precision="fp16"))
+    assert quality_gate.check_export_quality(model, folder, Manifest.load(folder), ExportSettings()) is None  # fp32
+    passed = quality_gate.check_export_quality(model, folder, Manifest.load(folder), ExportSettings(precision="fp16"))
     assert passed.passed and passed.figures.top1 == 1.0  # the default fp16 bounds: 95%, +1%
 
     monkeypatch.setitem(quality.BOUNDS, "fp16", quality.Bounds(min_top1=0.999))
     with pytest.raises(EdgelinError) as refused:
-        quality.check_export_quality(model, swapped, Manifest.load(swapped), ExportSettings(precision="fp16"))
+        quality_gate.check_export_quality(model, swapped, Manifest.load(swapped), ExportSettings(precision="fp16"))
     line = refused.value.line()
     assert "the fp16 export fails its quality check" in line and "top-1 agreement 99.80% < 99.90%" in line
     assert "--force" in line and "--precision fp32" in line
-    forced = quality.check_export_quality(model, swapped, Manifest.load(swapped),
+    forced = quality_gate.check_export_quality(model, swapped, Manifest.load(swapped),
                                           ExportSettings(precision="fp16", force=True))
     assert not forced.passed and forced.figures.top1 == (GREEDY - 1) / GREEDY
 
@@ -245,13 +247,13 @@ def test_export_text_is_checked_before_the_checkpoint_loads(tmp_path, make, need
 def test_an_int4_export_is_gated_at_export_and_validate_checks_its_figures(export, tmp_path, monkeypatch):
     ckpt, _ = export
     gates: list[quality.GateResult | None] = []
-    real_gate = quality.check_export_quality
+    real_gate = quality_gate.check_export_quality
 
     def spy(*args):
         gates.append(real_gate(*args))
         return gates[-1]
 
-    monkeypatch.setattr(quality, "check_export_quality", spy)  # the pipeline imports it at each export
+    monkeypatch.setattr(quality_gate, "check_export_quality", spy)  # the pipeline imports it at each export
     monkeypatch.setitem(quality.BOUNDS, "int4", quality.Bounds(min_top1=1.0, max_ppl_change=-1.0))  # unreachable
     out, text = tmp_path / "int4", tmp_path / "held-out.py"
     text.write_text(Path(json.__file__).read_text())  # --text: any UTF-8 text (the json package's source)

@@ -45,11 +45,11 @@ def one_line_error(result, *needles: str) -> str:
 @pytest.fixture(scope="module")
 def benched(tmp_path_factory):
     """One tiny export, benched for real at --threads 1 and --threads 2 (small sizes)."""
-    from edgelin.export import reference_vectors
+    from edgelin.reference import parity
 
     root = tmp_path_factory.mktemp("report")
     patch = pytest.MonkeyPatch()  # fewer greedy reference steps recorded at export: this test benches only
-    patch.setattr(reference_vectors, "GREEDY_STEPS", 16)
+    patch.setattr(parity, "GREEDY_STEPS", 16)
     try:
         folder = export_family(root, "gla")
     finally:

@@ -18,10 +18,10 @@ from edgelin.bench import bench
 from edgelin.errors import EdgelinError
 from edgelin.export.onnx_target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
-from edgelin.export.reference_vectors import positions_needed
+from edgelin.artifact.reference_vectors import positions_needed
 from edgelin.generate import Sampling, generate
 from edgelin.model.config import AttentionConfig
-from edgelin.quality import GREEDY_PROMPT, GREEDY_STEPS
+from edgelin.artifact.quality import GREEDY_PROMPT, GREEDY_STEPS
 from edgelin.runtime import open_runner, prefill
 
 NEED = positions_needed()  # the least --context an export takes: what validate DIR replays

@@ -4,6 +4,7 @@ Android board), and the packaging keeps torch out of the base install and the ru
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 from edgelin.export.pipeline import export_checkpoint
 from helpers import make_checkpoint
+from test_import_graph import MODULES, RUN_SIDE, RUN_SIDE_MAY_IMPORT
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = "torch is poisoned in this test: a runtime-only install has no torch"
@@ -45,6 +47,20 @@ def test_the_poisoned_torch_comes_first(torchless):
     result = run(env, "-c", "import edgelin.cli, edgelin.runtime, edgelin.bench, edgelin.generate, sys; "
                             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+def test_every_run_side_module_imports_without_torch(torchless):
+    """The run side (validate, replay, bench, generate, runtime, quality, data, report, serve, the artifact
+    formats: test_import_graph.RUN_SIDE) imports where torch cannot, and pulls in neither torch nor the
+    trainer nor an export module but the runner base and the registry."""
+    _, env = torchless
+    modules = sorted(m for m in MODULES if any(m == r or m.startswith(r + ".") for r in RUN_SIDE))
+    assert {"edgelin.validate", "edgelin.replay", "edgelin.artifact.quality", "edgelin.data"} <= set(modules)
+    result = run(env, "-c", f"import importlib, json, sys; [importlib.import_module(m) for m in {modules!r}]; "
+                            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or "
+                            "m.startswith(('edgelin.train', 'edgelin.export.')))))")
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)) <= RUN_SIDE_MAY_IMPORT, result.stdout
 
 
 def test_bench_runs_without_torch(torchless):

@@ -12,6 +12,7 @@ import numpy as np
 from edgelin import __version__
 from edgelin.errors import EdgelinError
 from edgelin.integrity import safe_relative
+from edgelin.outputs import inside_path
 from edgelin.artifact.tensors import TensorIO
 from edgelin.artifact.state import state_output_name
 
@@ -170,13 +171,6 @@ def _brief(value: Any, limit: int = 60) -> str:
 def _plain_name(name: Any) -> bool:
     """A file name directly inside the export folder (no folder part, not '.' or '..')."""
     return isinstance(name, str) and Path(name).name == name and name not in ("", ".", "..")
-
-
-def inside_path(name: Any) -> bool:
-    """A '/'-separated path inside the export folder (a `files` entry, e.g. triton/NAME/config.pbtxt): not
-    absolute (nor a Windows drive), no '..', '.' or empty part, no backslash or NUL."""
-    return (isinstance(name, str) and bool(name) and not name.startswith("/") and not any(c in name for c in "\\:\0")
-            and all(part not in ("", ".", "..") for part in name.split("/")))
 
 
 def _expect(where: str, value: Any, kind: type | tuple[type, ...], wanted: str) -> None:

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-PANEL = 16  # columns per panel (TILE_N in edgelin/ortops/tiles_kernel.h)
+# The layout's read side (what a reader of the artifact needs) is edgelin.artifact.quantized's.
+from edgelin.artifact.quantized import F16_OP, PANEL, panel_columns, unpack_panels  # noqa: F401
+
 F32_OP = "MatMulF32"  # float32 activations by a float32 weight in panels
-F16_OP = "MatMulF16"  # float32 activations by a float16 weight in panels (--quantize fp16)
 
 
 def pack_panels(weight: Any) -> Any:
@@ -32,16 +33,6 @@ def pack_panels(weight: Any) -> Any:
     padded = np.zeros((rows, -(-cols // PANEL) * PANEL), weight.dtype)
     padded[:, :cols] = weight
     return np.ascontiguousarray(padded.reshape(rows, -1, PANEL).transpose(1, 0, 2))
-
-
-def unpack_panels(panels: Any, cols: int) -> Any:
-    """pack_panels' inverse: [P, K, 16] -> [K, cols]."""
-    return panels.transpose(1, 0, 2).reshape(panels.shape[1], -1)[:, :cols]
-
-
-def panel_columns(node: Any, panels: Any) -> int:
-    """N of a panel op's node whose weight is `panels` ([P, K, 16]): its attribute n (0 or absent: 16 P)."""
-    return next((a.i for a in node.attribute if a.name == "n" and a.i), PANEL * panels.shape[0])
 
 
 def panel_function(name: str, opsets: dict[str, int]) -> Any:

@@ -131,7 +131,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     state cannot be Triton's implicit state is refused before anything is written. `on_progress(done, total,
     what)` hears each phase as it starts (a progress bar's count)."""
     from edgelin.export import baselines as baseline_exports, reference_vectors
-    from edgelin.quality import check_export_quality
+    from edgelin.export.quality_gate import check_export_quality
 
     baseline_exports.check_names(baselines)
     out = Path(out)
@@ -268,7 +268,7 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: 
     check_names(baselines)  # before the checkpoint loads
     check_server(serve)
     if text is not None:
-        from edgelin.quality import read_text
+        from edgelin.data import read_text
 
         read_text(text)  # the file's own faults, before the checkpoint loads (its tokens are counted at record)
     model, info = load_model(checkpoint)

@@ -38,6 +38,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from edgelin.artifact.quantized import QUANTIZED_OPS, half_tables
 from edgelin.errors import EdgelinError, environment_fault, one_line
 from edgelin.export.onnx_patterns import drop_unread
 from edgelin.export.panels import F16_OP, pack_products, to_float16
@@ -307,9 +308,6 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
     return names
 
 
-QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")  # the ops that carry a quantised weight
-
-
 _WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "Conv")  # ops that read a weight matrix
 
 
@@ -321,17 +319,6 @@ def quantized_weights(entry: dict[str, Any]) -> str:
     apart = entry.get("embedding_bits")
     return f"{entry['bits']}-bit (block {entry['block_size']}" + (
         f"; embedding table and LM head {apart}-bit)" if apart else ")")
-
-
-def half_tables(graph: Any) -> set[str]:
-    """The float16 2-D initializers Gathers read in a --quantize fp16 graph (its embedding tables; none in a graph
-    without MatMulF16 nodes: an fp16 graph's tables are float16 too, and not quantised)."""
-    import onnx
-
-    if not any(n.op_type == F16_OP for n in graph.node):
-        return set()
-    halves = {t.name for t in graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT16}
-    return {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input and n.input[0] in halves}
 
 
 def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None:

@@ -46,6 +46,7 @@ from edgelin.kernels._common import (
     KernelError, Tensor, check_aux, check_device, check_out, check_qkv, check_state, interpreting, last_dim_contiguous,
     next_pow2, strides3,
 )
+from edgelin.kernels.chunk_tiles import _ld_lower
 
 SUB = 16  # sub-block of the per-key intra-chunk products (tl.dot's smallest tile)
 
@@ -119,15 +120,6 @@ def _unit_lower_inverse(A, row0, t0, length, H, BT: tl.constexpr, BC: tl.constex
         _st_blk(A, row0, t0, length, H, t43, 3, 2, BT, BC)
     tl.debug_barrier()
     return _ld_lower(A, row0, t0, length, H, BT, BC)
-
-
-@triton.jit
-def _ld_lower(A, row0, t0, length, H, BT: tl.constexpr, BC: tl.constexpr):
-    """This chunk's T (stored over A): its BC-row blocks on and left of the diagonal, zeros right of them
-    (never stored there: the per-key intra kernels write only what the inverse reads)."""
-    rows = tl.arange(0, BT)
-    m = (t0 + rows < length)[:, None] & (rows[:, None] // BC >= rows[None, :] // BC)
-    return tl.load(A + (row0 + rows[:, None] * H) * BT + rows[None, :], mask=m, other=0.0)
 
 
 @triton.jit(do_not_specialize=["T"])  # T == 1 must take the general path (and not recompile)

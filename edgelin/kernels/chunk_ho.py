@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from edgelin.kernels.chunk import _ld_lower
+from edgelin.kernels.chunk_tiles import _ld_lower
 
 __all__ = ["_chunk_h_kernel", "_chunk_o_kernel"]
 

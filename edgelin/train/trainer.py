@@ -16,7 +16,6 @@ import os
 import platform
 import shutil
 import sys
-import sysconfig
 import time
 import tomllib
 from collections.abc import Callable
@@ -31,24 +30,15 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from edgelin.checkpoint import check_fits_in_memory, write_checkpoint_files
+from edgelin.data import RECIPE_COPY, SEPARATOR, DataConfig, encode_files, split_files, stdlib_files
 from edgelin.devices import MAX_THREADS
 from edgelin.errors import EdgelinError
 from edgelin.model.config import AttentionConfig, ModelConfig
 from edgelin.model.lm import CausalLM
 from edgelin.outputs import CHECKPOINT, CHECKPOINT_FILES, TRAINING_LOG, claim_output, fresh_folder, resolve_output
 
-SEPARATOR = "<|endoftext|>"  # between files: the model learns where a file ends
-EXCLUDED_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages"})
 SAMPLE_PROMPT, SAMPLE_TOKENS = "def main(", 200
 CACHE_FORMAT = 1  # bump when the cached corpus layout changes
-RECIPE_COPY = "recipe.toml"  # the recipe, copied into an output folder other than its own
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    source: str = "python-stdlib"
-    max_bytes: int = 16_000_000
-    val_fraction: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -209,38 +199,6 @@ def _section(path: Path, name: str, doc: dict, cls: type) -> Any:
 
 
 # ---- corpus and tokenizer --------------------------------------------------------------------------
-def _fill_in_hash_order(sizes: dict[str, int], cap: float) -> set[str]:
-    """Names taken in a fixed hash order, skipping any that would overflow the cap: deterministic, and
-    spread over the whole set rather than its first letters."""
-    chosen: set[str] = set()
-    total = 0
-    for name in sorted(sizes, key=lambda n: hashlib.sha256(n.encode()).digest()):
-        if total + sizes[name] <= cap:
-            chosen.add(name)
-            total += sizes[name]
-    return chosen
-
-
-def stdlib_files(max_bytes: int) -> list[tuple[str, str]]:
-    """(relative path, text) of the stdlib's own Python sources, sorted by path, at most max_bytes."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = {p.relative_to(root).as_posix(): p for p in root.rglob("*.py")
-             if not EXCLUDED_DIRS & set(p.relative_to(root).parts[:-1])}
-    chosen = _fill_in_hash_order({name: path.stat().st_size for name, path in files.items()}, max_bytes)
-    return [(name, files[name].read_text(encoding="utf-8", errors="replace")) for name in sorted(chosen)]
-
-
-def split_files(files: list[tuple[str, str]], val_fraction: float) -> tuple[list[str], list[str]]:
-    """Whole held-out files holding ~val_fraction of the text: validation measures unseen files."""
-    val_names = _fill_in_hash_order({name: len(text) for name, text in files},
-                                    val_fraction * sum(len(text) for _, text in files))
-    if not val_names or len(val_names) == len(files):
-        raise EdgelinError("the corpus is too small for a validation split", f"{len(files)} files",
-                           "raise [data] max_bytes or val_fraction")
-    return ([text for name, text in files if name not in val_names],
-            [text for name, text in files if name in val_names])
-
-
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """Byte-level BPE: every string maps to bytes, so any text (any Unicode) round-trips exactly."""
     tok = Tokenizer(models.BPE())
@@ -250,12 +208,6 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
-
-
-def _encode(tok: Tokenizer, texts: list[str]) -> np.ndarray:
-    sep = [tok.token_to_id(SEPARATOR)]
-    encoded = tok.encode_batch(texts, add_special_tokens=False)
-    return np.asarray([i for e in encoded for i in e.ids + sep], dtype=np.int32)
 
 
 @dataclass(frozen=True)
@@ -281,7 +233,7 @@ def build_corpus(recipe: Recipe, cache_root: Path) -> Corpus:
         tmp.mkdir(parents=True, exist_ok=True)
         tok.save(str(tmp / "tokenizer.json"))
         val_bytes = sum(len(t.encode()) for t in val_texts)  # source bytes only, not the separators
-        np.savez(tmp / "tokens.npz", train=_encode(tok, train_texts), val=_encode(tok, val_texts),
+        np.savez(tmp / "tokens.npz", train=encode_files(tok, train_texts), val=encode_files(tok, val_texts),
                  val_bytes=np.int64(val_bytes))
         shutil.rmtree(tmp) if cache.exists() else tmp.rename(cache)  # a racing process wrote the same
     arrays = np.load(cache / "tokens.npz")

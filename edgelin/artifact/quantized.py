@@ -1,0 +1,159 @@
+"""An export's quantised weights read back to float, torch-free: every quantised tensor of the ONNX graphs
+(MatMulNBits weights, GatherBlockQuantized tables, --quantize fp16's float16 weights and tables, the latter
+packed in column panels) unpacked in numpy, each with half the quantisation step it was rounded on.
+
+This is the artifact side of the reference a weight-quantised export is checked against
+(edgelin/reference/parity.py puts these values into the PyTorch model). The layout facts both sides share
+(the panel layout, the quantised ops' names) are defined here; the export side's writers
+(edgelin/export/panels.py, quantize.py) import them. onnx is imported inside the functions.
+"""
+
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+SLACK = 1.0 + 1e-3  # on the half-step bound: the dequantised product's own float rounding
+PANEL = 16  # columns per panel (TILE_N in edgelin/ortops/tiles_kernel.h)
+F16_OP = "MatMulF16"  # float32 activations by a float16 weight in panels (--quantize fp16)
+QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")  # the ops that carry a quantised weight
+
+
+def unpack_panels(panels: Any, cols: int) -> Any:
+    """edgelin.export.panels.pack_panels' inverse: [P, K, 16] -> [K, cols]."""
+    return panels.transpose(1, 0, 2).reshape(panels.shape[1], -1)[:, :cols]
+
+
+def panel_columns(node: Any, panels: Any) -> int:
+    """N of a panel op's node whose weight is `panels` ([P, K, 16]): its attribute n (0 or absent: 16 P)."""
+    return next((a.i for a in node.attribute if a.name == "n" and a.i), PANEL * panels.shape[0])
+
+
+def half_tables(graph: Any) -> set[str]:
+    """The float16 2-D initializers Gathers read in a --quantize fp16 graph (its embedding tables; none in a graph
+    without MatMulF16 nodes: an fp16 graph's tables are float16 too, and not quantised)."""
+    import onnx
+
+    if not any(n.op_type == F16_OP for n in graph.node):
+        return set()
+    halves = {t.name for t in graph.initializer if len(t.dims) == 2 and t.data_type == onnx.TensorProto.FLOAT16}
+    return {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input and n.input[0] in halves}
+
+
+@dataclass(frozen=True)
+class Dequantized:
+    """One quantised tensor unpacked: `rows` [N, K] float32 (a MatMulNBits weight's output columns, or a
+    table's rows) and `bound` [N, K], half the quantisation step each element was rounded on (slack included)."""
+
+    name: str
+    rows: np.ndarray
+    bound: np.ndarray
+
+
+def unpack(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int, cols: int, bits: int,
+           block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values [rows, cols], steps [rows, cols]) of ONNX Runtime's block-quantised layout: per row, blocks of
+    `block_size` along the columns, `bits` per code packed low bits first, one scale and one zero point per
+    block (zero points packed the same way; without them, the midpoint 2^(bits-1))."""
+    if bits not in (4, 8):
+        raise ValueError(f"{bits}-bit codes")
+    blocks = -(-cols // block_size)
+    codes = _codes(data, rows, bits)[:, :blocks * block_size].reshape(rows, blocks, block_size).astype(np.float32)
+    if zero_points is None:
+        zeros = np.full((rows, blocks), 2 ** (bits - 1), np.float32)
+    else:
+        zeros = _codes(zero_points, rows, bits)[:, :blocks].astype(np.float32)
+    scale = np.asarray(scales, np.float32).reshape(rows, blocks)
+    values = (codes - zeros[..., None]) * scale[..., None]
+    steps = np.broadcast_to(np.abs(scale)[..., None], values.shape)
+    return (values.reshape(rows, -1)[:, :cols], steps.reshape(rows, -1)[:, :cols])
+
+
+def _codes(packed: np.ndarray, rows: int, bits: int) -> np.ndarray:
+    """[rows, codes]: the bytes of each row as codes, two 4-bit codes per byte low nibble first."""
+    packed = np.asarray(packed, np.uint8).reshape(rows, -1)
+    return np.stack([packed & 0x0F, packed >> 4], -1).reshape(rows, -1) if bits == 4 else packed
+
+
+def _graph(folder: Path, file: str) -> tuple[Any, dict[str, Any], Callable[[str], np.ndarray]]:
+    """(graph, its initializers by name, name -> array): the graphs share one weights file, so each tensor's bytes
+    are read only when asked for."""
+    import onnx
+    from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    graph = onnx.load(str(Path(folder) / file), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+
+    def array(name: str) -> np.ndarray:
+        tensor = inits[name]
+        if uses_external_data(tensor):
+            load_external_data_for_tensor(tensor, str(folder))
+        return numpy_helper.to_array(tensor)
+
+    return graph, inits, array
+
+
+def float_lookups(folder: Path, graph_files: list[str]) -> list[np.ndarray]:
+    """The embedding tables the graphs look rows up in unquantised: 2-D float initializers plain Gathers read on
+    axis 0 (each once). A table whose rows are not a whole number of blocks stays float (edgelin.export.quantize)
+    while the LM head tied to it is quantised: the reference must then look its rows up in the float table too."""
+    import onnx
+
+    found: dict[str, np.ndarray] = {}
+    for file in graph_files:
+        graph, inits, array = _graph(folder, file)
+        halves = half_tables(graph)  # --quantize fp16's tables: quantised ones (read_quantized)
+        for node in graph.node:
+            name = node.input[0] if node.domain == "" and node.op_type == "Gather" and node.input else None
+            tensor = inits.get(name) if name and name not in halves and name not in found else None
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+            if tensor is not None and len(tensor.dims) == 2 and axis == 0 \
+                    and tensor.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+                found[name] = array(name)
+    return list(found.values())
+
+
+def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
+    """Every quantised tensor the graphs read, unpacked (each distinct initializer once)."""
+    import onnx
+
+    found: dict[str, Dequantized] = {}
+    for file in graph_files:
+        graph, inits, array = _graph(folder, file)
+        tables = half_tables(graph)
+        for node in graph.node:
+            half = node.input[1] if node.op_type == F16_OP else node.input[0] if node.op_type == "Gather" \
+                and node.input and node.input[0] in tables else None
+            if half is not None and half in inits and half not in found:  # --quantize fp16: a float16 weight
+                values = array(half).astype(np.float32)
+                if node.op_type == F16_OP:  # MatMul's [K, N] (packed in panels: [P, K, 16]) -> the module's [N, K]
+                    values = (unpack_panels(values, panel_columns(node, values)) if values.ndim == 3 else values).T
+                # half a float16 step of each element (np.spacing: that element's step; subnormals included). The
+                # largest finite value's step up is inf: it rounds with the step of its binade, 65472's
+                top = np.nextafter(np.finfo(np.float16).max, np.float16(0))
+                steps = np.spacing(np.minimum(np.abs(values).astype(np.float16), top)).astype(np.float32)
+                found[half] = Dequantized(half, np.ascontiguousarray(values), 0.5 * SLACK * steps + 1e-12)
+                continue
+            if node.op_type not in QUANTIZED_OPS:
+                continue
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            weight = node.input[0] if node.op_type == "GatherBlockQuantized" else node.input[1]
+            if weight in found or weight not in inits:
+                continue
+            data = array(weight)
+            if node.op_type == "MatMulNBits":
+                rows, cols = attrs["N"], attrs["K"]
+            else:  # the table [V, D] along its rows (quantize_axis 1)
+                if attrs.get("quantize_axis", 1) != 1 or attrs.get("gather_axis", 0) != 0:
+                    continue
+                rows, cols = data.shape[0], data.shape[1] * 8 // attrs.get("bits", 4)
+            zeros = array(node.input[3]) if len(node.input) > 3 and node.input[3] in inits else None
+            values, steps = unpack(data, array(node.input[2]), zeros, rows, cols, attrs.get("bits", 4),
+                                   attrs["block_size"])
+            found[weight] = Dequantized(weight, values, 0.5 * SLACK * steps + 1e-7)
+    return list(found.values())

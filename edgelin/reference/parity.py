@@ -1,0 +1,189 @@
+"""The PyTorch reference's side of the checks, shared by the export (edgelin/export/reference_vectors.py
+records it) and `validate --against CKPT` (computes it live): the reference's state as flat arrays, its
+quality figures, and the reference a weight-quantised export's parity is checked against.
+
+An int4 model is not the fp32 model. Its recurrent state drifts from the fp32 model's by the
+quantisation alone (a trained 12-layer Mamba2 at int4: states 0.26-0.85 of their scale away, logits
+0.06-0.14, top-1 92%), so a parity check against the fp32 reference mixes two questions: what the
+quantisation costs, and whether the runtime computes this artifact right. edgelin keeps them apart:
+
+  fp32 reference --(quality figures: top-1, perplexity change, against the precision's bounds)-->
+  reference with the export's dequantised weights --(parity: logits and every state, the precision's
+  threshold)--> the artifact
+
+The second reference is built here: every quantised tensor of the graphs, unpacked to float in numpy
+(edgelin/artifact/quantized.py), gives each 2-D parameter or buffer of the model the rows that match it
+within half a quantisation step (round-to-nearest's bound), found by value, so fused matmuls (several
+modules' weights side by side), transposed heads and tied tables need no name bookkeeping. One tie is split:
+a table whose rows are not a whole number of blocks stays float in the graphs while the LM head tied to it is
+quantised, so the reference's head takes the dequantised rows and its embedding keeps the float ones
+(_untie_products). What stays between this reference and the artifact is the runtime's own arithmetic
+(MatMulNBits at accuracy_level 4 also rounds activations to int8 blocks: measured on that Mamba2, 0.013 of
+the logits' scale and 0.045 of the states').
+
+Torch is imported inside the functions (they take a CausalLM); the replay on a device reads only what the
+recorded reference vectors hold.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from edgelin.artifact.quality import GREEDY_PROMPT, GREEDY_STEPS, RANDOM_SOURCE, QualityReference, quantization_of
+from edgelin.artifact.quantized import Dequantized, float_lookups, read_quantized
+from edgelin.artifact.state import state_input_name
+
+if TYPE_CHECKING:
+    from edgelin.artifact.manifest import Manifest
+    from edgelin.model.lm import CausalLM
+
+
+def flat_state(state: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """The reference's per-layer state as {past_key_values.{layer}.{name}: numpy array}."""
+    return {state_input_name(i, name): t.detach().cpu().numpy() for i, layer in enumerate(state)
+            for name, t in layer.items()}
+
+
+def reference_quality(model: "CausalLM", vocab: int, text_ids: np.ndarray | None = None,
+                      source: str = RANDOM_SOURCE, seed: int = 0, greedy_steps: int | None = None,
+                      window_bytes: int = 8 << 20) -> QualityReference:
+    """The fp32 reference's side of the quality figures (edgelin/artifact/quality.py): its greedy rollout from
+    the text's first GREEDY_PROMPT tokens (seeded random ones without text), through the recurrent
+    form, token by token as a decoder runs; and its log p(next) and argmax over the text (chunked
+    forward in windows of at most `window_bytes` of float64 log-probs, carrying the state, so memory
+    stays flat for any vocabulary and text length)."""
+    import torch
+
+    greedy_steps = GREEDY_STEPS if greedy_steps is None else greedy_steps  # read here: tests shorten it
+    rng = np.random.default_rng(seed)
+    prompt = (text_ids[:GREEDY_PROMPT] if text_ids is not None and len(text_ids) > GREEDY_PROMPT
+              else rng.integers(0, vocab, GREEDY_PROMPT, dtype=np.int64))
+    feed = np.concatenate([prompt, np.zeros(greedy_steps - 1, np.int64)])  # the prompt, then each greedy token
+    greedy = np.empty(greedy_steps, np.int64)
+    state = None
+    with torch.no_grad():
+        for t in range(len(feed)):
+            logits, state = model(torch.from_numpy(feed[None, t:t + 1]), state, torch.tensor([t]), mode="recurrent")
+            if t + 1 >= len(prompt):
+                greedy[t + 1 - len(prompt)] = int(logits.reshape(-1).argmax())
+                if t + 1 < len(feed):
+                    feed[t + 1] = greedy[t + 1 - len(prompt)]
+        if text_ids is None:
+            return QualityReference(source, np.concatenate([prompt, greedy]), len(prompt))
+        scored = len(text_ids) - 1
+        window = max(1, min(256, window_bytes // (vocab * 8)))
+        logprob, argmax, state = np.empty(scored), np.empty(scored, np.int64), None
+        for lo in range(0, scored, window):
+            ids = torch.from_numpy(text_ids[None, lo:min(lo + window, scored)])
+            logits, state = model(ids, state, torch.tensor([lo]), mode="chunked")
+            logp = torch.log_softmax(logits[0].double(), -1)
+            nxt = torch.from_numpy(text_ids[lo + 1:lo + 1 + ids.shape[1]])
+            logprob[lo:lo + ids.shape[1]] = logp.gather(-1, nxt[:, None])[:, 0].numpy()
+            argmax[lo:lo + ids.shape[1]] = logits[0].argmax(-1).numpy()
+    return QualityReference(source, np.concatenate([prompt, greedy]), len(prompt), np.asarray(text_ids, np.int64),
+                            logprob, argmax)
+
+
+
+# ---- the reference with the export's dequantised weights -------------------------------------------
+def _match(param: np.ndarray, tensor: Dequantized) -> int | None:
+    """The first row offset at which `param` [A, K] lies within half a step of `tensor`'s rows, or None."""
+    rows, cols = param.shape
+    if cols != tensor.rows.shape[1] or rows > tensor.rows.shape[0]:
+        return None
+    bound = tensor.bound
+    # Candidates by the first element (cheap), then the whole block.
+    first = np.flatnonzero(np.abs(tensor.rows[:, 0] - param[0, 0]) <= bound[:, 0])
+    first = first[first + rows <= tensor.rows.shape[0]]
+    first = first[(np.abs(tensor.rows[first] - param[0]) <= bound[first]).all(1)]
+    for offset in first:
+        window = slice(offset, offset + rows)
+        if (np.abs(tensor.rows[window] - param) <= bound[window]).all():
+            return int(offset)
+    return None
+
+
+@dataclass(frozen=True)
+class Account:
+    """What the dequantised reference took: parameters replaced, and quantised rows no parameter matched
+    (0 when the reference carries every quantised weight of the artifact)."""
+
+    replaced: tuple[str, ...]
+    unmatched_rows: int
+    total_rows: int
+
+    @property
+    def complete(self) -> bool:
+        return self.unmatched_rows == 0 and bool(self.replaced)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weights": "the export's own dequantised weights", "replaced": list(self.replaced),
+                "unmatched_rows": self.unmatched_rows, "total_rows": self.total_rows}
+
+
+def _same_table(param: np.ndarray, table: np.ndarray) -> bool:
+    """`table` is `param` stored float (in the graph's dtype: float16 graphs hold float16 tables)."""
+    return table.shape == param.shape and np.array_equal(param.astype(table.dtype), table)
+
+
+def _untie_products(model: "CausalLM", weight: Any, dequantized: Any) -> list[str]:
+    """The artifact looks `weight`'s rows up in a float copy but multiplies by its quantised copy (a table tied to
+    the LM head whose rows are not a whole number of blocks: edgelin.export.quantize): every module but the
+    embeddings that holds `weight` gets its own parameter with the `dequantized` values; the embeddings keep the
+    float one. Returns the parameters given the dequantised values."""
+    import torch
+
+    untied = []
+    for module_name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        for attr, held in list(module.named_parameters(recurse=False)):
+            if held is weight:
+                setattr(module, attr, torch.nn.Parameter(dequantized.clone(), requires_grad=held.requires_grad))
+                untied.append(f"{module_name}.{attr}" if module_name else attr)
+    return untied
+
+
+def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str]) -> tuple["CausalLM", Account]:
+    """A copy of `model` whose weights are the export's dequantised ones (the model is left as it is)."""
+    import torch
+
+    tensors, lookups = read_quantized(folder, graph_files), float_lookups(folder, graph_files)
+    twin = copy.deepcopy(model)
+    covered = [np.zeros(t.rows.shape[0], bool) for t in tensors]
+    replaced = []
+    named = list(twin.named_parameters()) + list(twin.named_buffers())
+    with torch.no_grad():
+        for name, value in named:
+            if value.ndim != 2 or not value.is_floating_point():
+                continue
+            param, found = value.detach().float().numpy(), None
+            for index, tensor in enumerate(tensors):  # every match: a graph may hold the weight twice
+                offset = _match(param, tensor)
+                if offset is not None:
+                    rows = slice(offset, offset + param.shape[0])
+                    covered[index][rows] = True
+                    found = tensor.rows[rows] if found is None else found
+            if found is None:
+                continue
+            dequantized = torch.from_numpy(np.ascontiguousarray(found)).to(value.dtype)
+            if any(_same_table(param, table) for table in lookups):  # looked up float, multiplied quantised
+                replaced.extend(_untie_products(twin, value, dequantized))
+            else:
+                value.copy_(dequantized)
+                replaced.append(name)
+    total = sum(len(c) for c in covered)
+    return twin.eval(), Account(tuple(replaced), total - int(sum(c.sum() for c in covered)), total)
+
+
+def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest") -> tuple["CausalLM", Account | None]:
+    """(what the artifact's parity is checked against, the account): for a weight-quantised export the
+    model with the export's dequantised weights, else `model` itself (and None)."""
+    if quantization_of(manifest.extra) is None:
+        return model, None
+    return with_export_weights(model, folder, [graph.file for graph in manifest.graphs.values()])
