@@ -231,7 +231,7 @@ def test_int4_parity_is_checked_against_the_exports_own_dequantised_weights(expo
     import json
 
     from edgelin.reference.parity import flat_state, parity_reference
-    from edgelin.artifact.reference_vectors import STEPS, batch_key, state_key
+    from edgelin.artifact.reference_vectors import STEPS, batch_key
     from edgelin.replay import load_vectors, replay
 
     folder = exports["int4"]
