@@ -200,7 +200,7 @@ def test_existing_output_needs_force(tmp_path):
 
 
 def test_failed_export_leaves_nothing(tmp_path, ckpt, monkeypatch):
-    from edgelin.export import onnx_target
+    from edgelin.export.onnx import target as onnx_target
 
     def explode(*_a, **_k):
         raise EdgelinError("boom", "simulated exporter failure", "none")

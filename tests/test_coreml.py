@@ -24,10 +24,10 @@ pytest.importorskip("coremltools")
 from edgelin.checkpoint import load_model  # noqa: E402
 from edgelin.devices import ExportSettings, export_settings, get_device  # noqa: E402
 from edgelin.errors import EdgelinError  # noqa: E402
-from edgelin.export.coreml_check import check_folder  # noqa: E402
-from edgelin.export.coreml_lowering import StaticChunkEngine  # noqa: E402
-from edgelin.export.coreml_runtime import MilRunner, pieces  # noqa: E402
-from edgelin.export.coreml_target import RUN_REFUSAL, CoremlOptions, CoremlTarget  # noqa: E402
+from edgelin.export.coreml.check import check_folder  # noqa: E402
+from edgelin.export.coreml.lowering import StaticChunkEngine  # noqa: E402
+from edgelin.export.coreml.runner import MilRunner, pieces  # noqa: E402
+from edgelin.export.coreml.target import RUN_REFUSAL, CoremlOptions, CoremlTarget  # noqa: E402
 from edgelin.artifact.manifest import Manifest  # noqa: E402
 from edgelin.export.pipeline import export_checkpoint  # noqa: E402
 from edgelin.reference import recurrence  # noqa: E402
@@ -159,7 +159,7 @@ def test_mlstate_package_contract(mlstate):
     assert states["past_key_values_0_conv_state"] == ([1, 48, 32], FLOAT16)  # 48 channels, conv 4 - 1 = 3 -> 32
     assert states["past_key_values_1_value"] == ([1, 1, 8, 32], FLOAT16)
     assert [t.dtype for t in manifest.state_inputs] == ["float16"] * 5 and manifest.precision == "fp16"
-    from edgelin.export.coreml_mil import load_program
+    from edgelin.export.coreml.mil import load_program
 
     ops = [op.op_type for op in load_program(mlstate / "model.mlpackage").functions["step"].operations]
     assert ops.count("read_state") == 5 and ops.count("coreml_update_state") == 5
@@ -386,7 +386,7 @@ def test_mlstate_with_a_failing_precision_verdict_is_refused_unless_forced(ckpt,
                           settings=ExportSettings(precision="fp16", state_dtype="float16"))
     assert "0.3" in err.value.why and "--force" in err.value.fix and not (tmp_path / "x").exists()
     # --force passes the precision check (the conversion itself is the fixture's; not repeated here)
-    from edgelin.export.coreml_target import check_settings
+    from edgelin.export.coreml.target import check_settings
 
     model, _ = load_model(ckpt)
     check_settings(model, ExportSettings(precision="fp16", state_dtype="float16", force=True),
@@ -460,7 +460,7 @@ def test_validate_stderr_holds_only_edgelin_lines(explicit):
 
 # ---- Apple's runtime (macOS only: .github/workflows/coreml-macos.yml) --------------------------------
 def _macos_at_least(major: int) -> bool:
-    from edgelin.export.coreml_target import macos_major
+    from edgelin.export.coreml.target import macos_major
 
     found = macos_major()
     return found is not None and found >= major

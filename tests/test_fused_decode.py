@@ -1,4 +1,4 @@
-"""The fused decode's Triton kernels (edgelin.kernels.fused_decode, fused_decode_gemv) on CPU under
+"""The fused decode's Triton kernels (edgelin.export.torch.fused_decode, fused_decode_gemv) on CPU under
 TRITON_INTERPRET=1, against the unfused model's recurrent step: logits and every state tensor, both
 kernel paths (small batch: edgelin's GEMVs with the norms, embedding gather and conv shift fused in and
 the value-tiled mixer; large batch: cuBLAS-style mm + the mixer with its gated norm). The interpreter
@@ -18,7 +18,7 @@ from edgelin.kernels import triton_available
 
 SCRIPT = r"""
 import torch
-from edgelin.kernels.fused_decode import DecodeTuning, FusedDecoder
+from edgelin.export.torch.fused_decode import DecodeTuning, FusedDecoder
 from edgelin.model.config import ModelConfig
 from edgelin.model.lm import CausalLM
 config = ModelConfig(vocab_size=64, hidden_size=32, layer_types=("gated_deltanet",), num_heads=3, head_k_dim=16,

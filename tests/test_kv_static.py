@@ -17,7 +17,7 @@ from edgelin.checkpoint import save_checkpoint
 from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
 from edgelin.artifact.manifest import Manifest
-from edgelin.export.onnx_target import OnnxOptions
+from edgelin.export.onnx.target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.model.lm import CausalLM
 from edgelin.replay import replay
@@ -201,7 +201,7 @@ def test_a_model_without_a_growing_cache_is_refused(tmp_path):
 @pytest.mark.slow
 def test_rotary_over_the_whole_head_fuses_and_matches_the_reference(tmp_path):
     """Rotary over the whole head (edgelin's own attention without rotary_dim), static cache: q and k are one
-    RotaryEmbedding each (edgelin.export.onnx_rotary, its no-partial form), and the export matches the PyTorch
+    RotaryEmbedding each (edgelin.export.onnx.rotary, its no-partial form), and the export matches the PyTorch
     reference (batch 2). Slow: its own trace (the partial form runs in CI: test_ortops_attention.py)."""
     import onnx
 

@@ -77,7 +77,7 @@ def test_recorded_reference_vectors_replay(exports, model):
 
 @pytest.mark.parametrize("model", ["zoo", "hybrid"])
 def test_every_state_is_updated_in_place(exports, model):
-    """Every family's step writes each state over its past (edgelin.export.onnx_in_place), so the runner
+    """Every family's step writes each state over its past (edgelin.export.onnx.in_place), so the runner
     binds one buffer per state; the rollout tests above run through those bindings."""
     runner = open_runner(exports[model])
     assert sorted(runner.state_names[i] for i in runner._in_place) == sorted(runner.state_names)
@@ -138,7 +138,7 @@ def test_onnx_runtime_fuses_every_rmsnorm_of_the_step(exports, tmp_path):
     fuses into one SimplifiedLayerNormalization node (x * rsqrt(...) stays six nodes): the block norms
     (2 per layer), the final norm and the mixers' output norms of the hybrid's step graph. The export has already
     made each block norm that reads a residual Add one SkipSimplifiedLayerNormalization with that Add (all but the
-    first, which reads the embedding; edgelin.export.onnx_skip_norm)."""
+    first, which reads the embedding; edgelin.export.onnx.skip_norm)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -153,11 +153,11 @@ def test_onnx_runtime_fuses_every_rmsnorm_of_the_step(exports, tmp_path):
 
 
 def test_rotary_feeding_a_transpose_is_left_alone(exports):
-    """edgelin.export.onnx_rotary fuses rotary where a --kv-cache static step reshapes q and k to [B, T, H x D] for
+    """edgelin.export.onnx.rotary fuses rotary where a --kv-cache static step reshapes q and k to [B, T, H x D] for
     GroupQueryAttention (tests/test_ortops_attention.py, test_kv_static.py); this growing export's attention
     transposes them to [B, H, T, D] instead, and its positions have no bound for the tables: nothing fuses."""
-    from edgelin.export.onnx_kernels import float_tensor_names
-    from edgelin.export.onnx_rotary import fuse_rotary
+    from edgelin.export.onnx.kernels import float_tensor_names
+    from edgelin.export.onnx.rotary import fuse_rotary
 
     proto = onnx.load(str(exports["hybrid"] / "step.onnx"), load_external_data=False)
     before = [n.op_type for n in proto.graph.node]

@@ -1,4 +1,4 @@
-"""States updated in place by the ONNX step graph (edgelin.export.onnx_in_place): which graphs pass the test
+"""States updated in place by the ONNX step graph (edgelin.export.onnx.in_place): which graphs pass the test
 (hand-built graphs, each hazard on its own), that every family's exported step lists its states, and that
 the runner binds one buffer both ways (the rollout parity of every family through that binding is
 test_onnx.py's)."""
@@ -11,7 +11,7 @@ import onnx.helper as oh
 import pytest
 from onnx import TensorProto
 
-from edgelin.export.onnx_in_place import IN_PLACE_KEY, in_place_states
+from edgelin.export.onnx.in_place import IN_PLACE_KEY, in_place_states
 from edgelin.runtime import open_runner
 from helpers import export_family, run_state_in_place
 

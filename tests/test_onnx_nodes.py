@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from edgelin.export import onnx_target
+from edgelin.export.onnx import target as onnx_target
 from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.export.lowering import lowering
 from edgelin.model.lm import CausalLM

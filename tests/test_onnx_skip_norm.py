@@ -1,5 +1,5 @@
 """The step's residual Add + RMSNorm as one com.microsoft::SkipSimplifiedLayerNormalization
-(edgelin/export/onnx_skip_norm.py).
+(edgelin/export/onnx/skip_norm.py).
 
 The fused graph against a float64 numpy block written from the formula (h = x + f, y = h / sqrt(mean(h^2) + eps) w,
 the sum read again by the next residual Add), at batch 1 and 3, one and two tokens; the unfused graph run by
@@ -15,8 +15,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgelin.export.onnx_kernels import float_tensor_names
-from edgelin.export.onnx_skip_norm import fuse_skip_norms
+from edgelin.export.onnx.kernels import float_tensor_names
+from edgelin.export.onnx.skip_norm import fuse_skip_norms
 from helpers import assert_close, assert_not_fused
 
 D, EPS = 24, 1e-6

@@ -127,7 +127,7 @@ def _build_here(monkeypatch, folder: Path) -> None:
     PYTHONPATH that installs it), and the fake plugin library for nvcc + cmake + headers."""
     import trt_standin
     from edgelin.export.base import Phase
-    from edgelin.export.tensorrt_target import TensorrtTarget
+    from edgelin.export.tensorrt.target import TensorrtTarget
 
     trt_standin.install(monkeypatch)
     shim = folder.parent / "shim"
@@ -138,8 +138,8 @@ def _build_here(monkeypatch, folder: Path) -> None:
         "trt_standin.install(Setter())\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setattr(TensorrtTarget, "can_build", lambda self, device=None: Phase(True))
-    monkeypatch.setattr("edgelin.export.tensorrt_build.find_headers", lambda include: HEADERS)
-    monkeypatch.setattr("edgelin.export.tensorrt_build.gpu_visible", lambda: True)
+    monkeypatch.setattr("edgelin.export.tensorrt.build.find_headers", lambda include: HEADERS)
+    monkeypatch.setattr("edgelin.export.tensorrt.build.gpu_visible", lambda: True)
     monkeypatch.setattr("edgelin.plugins.tensorrt.header_version", lambda include: (10, 3))
     monkeypatch.setattr("edgelin.plugins.tensorrt.build_plugin",
                         lambda root, headers, archs, major: trt_standin.fake_plugin_library(root, major))
@@ -215,7 +215,7 @@ def test_engine_builds_and_matches_onnxruntime(exported, tmp_path):
         pytest.skip(f"requires_tensorrt: {why}")
     import tensorrt as trt
 
-    from edgelin.export.tensorrt_build import build_folder
+    from edgelin.export.tensorrt.build import build_folder
 
     _, exported_folder = exported
     folder = tmp_path / "out"
@@ -226,7 +226,7 @@ def test_engine_builds_and_matches_onnxruntime(exported, tmp_path):
     assert result.missing is None and result.files["step"] == "step.engine"
     # The folder now opens on the TensorRT runner (engines, plugin, device buffers, CUDA graph steps),
     # and the recorded vectors replay through it at batch 1 and 3.
-    from edgelin.export.tensorrt_runtime import TRT_LABEL, TensorrtRunner
+    from edgelin.export.tensorrt.runner import TRT_LABEL, TensorrtRunner
     from edgelin.replay import replay
     from edgelin.runtime import open_runner
 

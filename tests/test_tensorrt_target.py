@@ -18,7 +18,7 @@ from edgelin.cli import app
 from edgelin.errors import EdgelinError
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.export.targets import get_target
-from edgelin.export.tensorrt_target import TensorrtOptions
+from edgelin.export.tensorrt.target import TensorrtOptions
 from helpers import assert_close, make_checkpoint
 
 FIELDS = ("gate", "delta", "heads", "d_k", "d_v", "dtype", "aux_dtype", "inplace")  # the plugin creator's
@@ -232,7 +232,7 @@ def test_fp16_plugin_nodes_cast_around_an_fp32_recurrence(tmp_path):
     import torch
 
     from edgelin.export.lowering import lowering
-    from edgelin.export.tensorrt_target import add_step_functions
+    from edgelin.export.tensorrt.target import add_step_functions
 
     class TwoSteps(torch.nn.Module):
         def __init__(self, engine):
@@ -292,7 +292,7 @@ def built(request, exported, tmp_path, monkeypatch):
 
 
 def test_trt_runner_replays_the_reference_vectors(built):
-    from edgelin.export.tensorrt_runtime import TensorrtRunner
+    from edgelin.export.tensorrt.runner import TensorrtRunner
     from edgelin.replay import replay
     from edgelin.runtime import open_runner
 
@@ -351,7 +351,7 @@ def test_trt_runner_state_bookkeeping(built):
 
 
 def test_trt_runner_picks_a_profile_per_shape(built):
-    from edgelin.export.onnx_runtime import OnnxRunner
+    from edgelin.export.onnx.runner import OnnxRunner
     from edgelin.runtime import open_runner
 
     folder, counters, _ = built

@@ -1,4 +1,4 @@
-"""The torch target (edgelin.export.torch_target / torch_runtime): the PyTorch reference exported as
+"""The torch target (edgelin.export.torch.target / torch_runtime): the PyTorch reference exported as
 config.json + model.safetensors and run behind the Runner interface, so `validate DIR` and `bench DIR`
 take it unchanged. CPU here (eager torch); the CUDA-graph and fused decode runners are
 tests/gpu/test_torch_target_gpu.py."""
@@ -103,8 +103,8 @@ def test_bench_measures_it_like_any_runner(export):
 
 def test_fp16_weights_load_exactly_and_keep_the_decay_float32(tmp_path):
     from edgelin.export.pipeline import build_manifest
-    from edgelin.export.torch_runtime import TorchRunner
-    from edgelin.export.torch_target import WEIGHTS, write_model
+    from edgelin.export.torch.runner import TorchRunner
+    from edgelin.export.torch.target import WEIGHTS, write_model
     from edgelin.model.lm import CausalLM, with_compute_dtype
     from safetensors.torch import load_file
     from conftest import family_layers, tiny_config
@@ -193,8 +193,8 @@ def test_decoder_buffers_follow_the_handle_that_steps(export, monkeypatch):
     """Handles stepped in turn on one decoder per batch size (the resident one's state copied out, the next
     one's in), a fork and write_state while resident, and MAX_DECODERS = 1 so batch 1 and 3 evict each
     other's decoder: every handle's logits equal the eager runner's for that handle alone."""
-    from edgelin.export import torch_runtime
-    from edgelin.kernels import graph_decode
+    from edgelin.export.torch import runner as torch_runtime
+    from edgelin.export.torch import graph_decode as graph_decode
     from edgelin.runtime import open_runner
 
     folder = export[1]

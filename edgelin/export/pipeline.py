@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,34 +79,6 @@ def weights_entries(folder: Path, files: dict[str, str], settings: ExportSetting
             "precision": precision_entry(settings), **({"quantization": quantized} if quantized else {})}
 
 
-def check_cache_capacity(model: CausalLM, target: str, settings: ExportSettings, options: Any) -> None:
-    """A fixed-capacity KV cache (`--kv-cache static --context N`) must hold the longest sequence the export's
-    own checks feed it: `edgelin validate DIR` replays the recorded reference vectors and measures the quality
-    figures (reference_vectors.positions_needed: 527 tokens), and an fp16/quantised export runs the same figures
-    as its quality gate. A shorter cache would write an export that cannot validate itself, and a larger one than
-    this machine's memory or ONNX's protobuf limit holds (edgelin.export.static_cache) would fail minutes into the
-    export: both refused before anything is traced, naming the --context that works."""
-    from edgelin.export import reference_vectors
-    from edgelin.export.static_cache import check_static_cache_size
-
-    capacity = getattr(options, "context", None) if getattr(options, "kv_cache", None) == "static" else None
-    if capacity is None:
-        return
-    from edgelin.export.onnx_target import KV_DTYPES, check_static_cache
-
-    check_static_cache(model, target, settings)  # its own refusals first (wrong target, no growing cache)
-    need = reference_vectors.positions_needed()
-    if capacity < need:
-        raise EdgelinError(f"--kv-cache static --context {capacity}",
-                           f"the export's own checks (the reference vectors and quality figures that `edgelin "
-                           f"validate DIR` replays, and the fp16/quantised quality gate) feed one sequence up to "
-                           f"{need} tokens, more than a {capacity}-token cache holds",
-                           f"pass --context {need} or more (the longest sequence the export will hold)")
-    # (options are OnnxOptions here: check_static_cache refused every other target)
-    check_static_cache_size(model.config, capacity, KV_DTYPES[options.kv_dtype],
-                            rotary_tables=options.step_ops != "standard", least=need)
-
-
 def export_phases(baselines: Sequence[str] = (), serve: str | None = None) -> list[str]:
     """The phases export_model reports to on_progress, in order (a progress bar's total)."""
     return ["tracing the graphs", "recording reference vectors", "checking quality",
@@ -149,7 +121,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                            f"the {target.name} target takes {target.options_type.__name__}",
                            f"pass {target.options_type.__name__}(...) or no options")
     settings = settings or export_settings(device, target.name)
-    check_cache_capacity(model, target.name, settings, options)
+    target.check_export(model, settings, options)  # the target's own refusals, before anything is traced
     serve_warning = None
     if serve is not None:
         from edgelin.export.graphs import graph_io as _io
@@ -161,7 +133,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         serve_warning = check_config(build_manifest(model, target.name, settings.precision,
                                                     {kind: f"{kind}.onnx" for kind in GRAPHS}, source, None,
                                                     settings.state_dtype), device)
-    if not getattr(target, "pads_state_dims", False):  # Core ML pads the state instead of refusing
+    if not target.pads_state_dims:  # a target that pads the state instead of refusing (Target.pads_state_dims)
         check_state_dims(model.state_tensors(), settings)
     from edgelin.precision import check_state_dtype
 
@@ -228,10 +200,10 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
 def float16_saturation(model: CausalLM, target: Any, settings: ExportSettings, options: Any) -> tuple[str, ...]:
     """Weights an export would store in float16 that lie beyond its range: refused (bad input, before anything is
     written) unless --force, which stores them saturated at ±65504, never as inf (the targets that convert them:
-    onnx, tensorrt, torch, `saturates_float16`), and says so in a warning."""
+    `Target.saturates_float16`), and says so in a warning."""
     import torch
 
-    if not getattr(target, "saturates_float16", False):
+    if not target.saturates_float16:
         return ()
     if settings.precision == "fp16":
         found, what, instead = beyond_range(model, torch.float16), "--precision fp16", "--precision fp32"
@@ -251,15 +223,17 @@ def float16_saturation(model: CausalLM, target: Any, settings: ExportSettings, o
     return (f"{values}: the {what} export stores them saturated at ±65504 (--force)",)
 
 
-def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: bool = False,
+def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, force: bool = False,
                       device: DeviceProfile | None = None, options: Any = None,
                       include_tokenizer: bool = True, settings: ExportSettings | None = None,
                       baselines: Sequence[str] = (), text: Path | None = None,
                       serve: str | None = None, on_progress: Progress | None = None) -> ExportResult:
     """`include_tokenizer=False` (--no-tokenizer): the checkpoint's tokenizer is neither checked nor copied.
     `baselines`, `text`: see export_model (an empty, binary or non-UTF-8 `text` is refused before the
-    checkpoint loads)."""
+    checkpoint loads). `target`: a registered target's name (None: the default, edgelin.export.targets)."""
     from dataclasses import replace
+
+    from edgelin.export.targets import default_target
 
     from edgelin.export.baselines import check_names
     from edgelin.serve.triton import check_server
@@ -279,6 +253,91 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: 
     elif include_tokenizer:
         warnings.append(f"no {TOKENIZER} in {info.path}: the export has no tokenizer, so generate will need one")
     source = {"path": str(info.path), "sha256": info.sha256, "format": info.format, "model_type": info.model_type}
-    result = export_model(model, out, target, source, tokenizer, force, device, options, settings=settings,
+    result = export_model(model, out, target or default_target(), source, tokenizer, force, device, options, settings=settings,
                           baselines=baselines, text=text, serve=serve, on_progress=on_progress)
     return replace(result, inert_fields=tuple(info.inert_fields), warnings=(*warnings, *result.warnings))
+
+
+@dataclass(frozen=True)
+class ExportRequest:
+    """One `edgelin export`: the choices every target takes, and the target's own flags as given
+    (`target_flags`: {field: value} of its TargetFlags that were passed; the target validates them)."""
+
+    checkpoint: Path
+    out: Path
+    target: str
+    force: bool = False
+    device: str | None = None  # a device profile's name (edgelin devices)
+    precision: str | None = None
+    quantize: str | None = None
+    block_size: int | None = None
+    text: Path | None = None
+    include_tokenizer: bool = True
+    baselines: tuple[str, ...] = ()
+    serve: str | None = None
+    target_flags: Mapping[str, Any] = field(default_factory=dict)
+
+    def phases(self) -> list[str]:
+        return export_phases(self.baselines, self.serve)
+
+
+def flag_owners() -> dict[str, list[str]]:
+    """{field of a target flag: the targets that own it}, over every registered target."""
+    from edgelin.export.targets import get_target, target_names
+
+    owners: dict[str, list[str]] = {}
+    for name in target_names():
+        for flag in get_target(name).flags:
+            owners.setdefault(flag.field, []).append(name)
+    return owners
+
+
+def check_request(request: ExportRequest) -> tuple[Any, DeviceProfile | None, ExportSettings]:
+    """Everything about the request that can be refused before the checkpoint loads, in one line each: the
+    target's export phase, the common choices (edgelin.devices.export_settings), the held-out text, and the
+    target's own flags (a flag of another target named as such). Returns (options, device, settings)."""
+    from edgelin.devices import get_device
+    from edgelin.export.targets import get_target
+
+    target = get_target(request.target)
+    phase = target.can_export()  # before the exporter's own imports (torch): one line if missing
+    if not phase.ok:
+        raise phase_refusal(target, "export", phase, "pick another --target")
+    device = get_device(request.device) if request.device is not None else None
+    if request.block_size is not None and request.quantize is None:
+        raise EdgelinError(f"--block-size {request.block_size} without --quantize", "the block size is a quantisation "
+                           "setting; unquantised weights have no blocks", "add --quantize int4 (or int8), or drop "
+                           "--block-size")
+    if request.block_size is not None and request.quantize == "fp16":
+        raise EdgelinError(f"--block-size {request.block_size} with --quantize fp16", "float16 weights are stored one "
+                           "by one, not in blocks", "drop --block-size, or use --quantize int4 (or int8)")
+    settings = export_settings(device, target.name, request.precision, request.quantize, request.block_size,
+                               request.force)
+    if request.text is not None:
+        from edgelin.quality import read_text
+
+        read_text(request.text)  # empty, binary or not UTF-8: one line, before the checkpoint loads
+    own = {flag.field for flag in target.flags}
+    owners = flag_owners()
+    foreign = [f for f in request.target_flags if f not in own]
+    if foreign:
+        flags = {f.field: f.flag for name in {o for f in foreign for o in owners.get(f, ())}
+                 for f in get_target(name).flags}
+        names = [flags.get(f, f) for f in foreign]
+        where = sorted({o for f in foreign for o in owners.get(f, ())})
+        raise EdgelinError(f"{'/'.join(names)} appl{'ies' if len(names) == 1 else 'y'} to --target "
+                           f"{' or '.join(where)} only, not {target.name}",
+                           f"{'it is' if len(names) == 1 else 'they are'} the {' and '.join(where)} target's own "
+                           "option" + ("" if len(names) == 1 else "s"), f"drop {', '.join(names)}")
+    options, settings = target.options_from_flags(dict(request.target_flags), settings, request.precision)
+    return options, device, settings
+
+
+def run_export(request: ExportRequest, on_progress: Progress | None = None) -> ExportResult:
+    """`edgelin export`, as the command line asks it: the request checked (check_request), then the checkpoint
+    exported (export_checkpoint)."""
+    options, device, settings = check_request(request)
+    return export_checkpoint(request.checkpoint, request.out, request.target, request.force, device, options=options,
+                             include_tokenizer=request.include_tokenizer, settings=settings,
+                             baselines=request.baselines, text=request.text, serve=request.serve,
+                             on_progress=on_progress)

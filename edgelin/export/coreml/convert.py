@@ -2,7 +2,7 @@
 under lowering("coreml") and converted by coremltools into ML programs, then merged into one
 multifunction .mlpackage whose functions share one copy of the weights.
 
-Layout of the converted functions (what coreml.json records and edgelin.export.coreml_check checks):
+Layout of the converted functions (what coreml.json records and edgelin.export.coreml.check checks):
 - batch 1, static (the Neural Engine runs static shapes); a runner splits a batch into rows.
 - input_ids int32 ([1] for step, [1, L] for prefill_L; Core ML has no int64 inputs), position_ids
   int32 [1] where the model needs positions.
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgelin.errors import EdgelinError
+from edgelin.export.coreml.contract import feature_name
 
 if TYPE_CHECKING:
     import torch
@@ -41,11 +42,6 @@ if TYPE_CHECKING:
     from edgelin.model.lm import CausalLM
 
 BUG = "report this model config as an edgelin bug (run with --debug for the trace)"
-
-
-def feature_name(name: str) -> str:
-    """The Core ML feature name of a manifest tensor name (identifiers only: '.' -> '_')."""
-    return name.replace(".", "_")
 
 
 def padded_dims(dims: tuple, multiple: int) -> tuple:

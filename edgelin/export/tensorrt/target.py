@@ -23,12 +23,12 @@ target's fp32 recurrence. Both graphs read one weights.bin (onnx_target.SHARED_W
 rewritten with onnx-ir, which keeps the external-data references, and checked by path.
 
 Run phase: where `edgelin build` built the engines (tensorrt/build.json) and tensorrt, cuda-python
-and an NVIDIA GPU are present, `runner` is the TensorRT runner (edgelin/export/tensorrt_runtime.py:
+and an NVIDIA GPU are present, `runner` is the TensorRT runner (edgelin/export/tensorrt/runner.py:
 device buffers, state on the GPU, CUDA graph steps). Everywhere else it is the ONNX Runtime runner on
 the same file (CPU, through the functions): the *validation* runner, labelled with why the engines
 were not used, so `edgelin validate`/replay check the exported math on any machine. The plugin
 library comes from the build phase (nvcc, cmake, TensorRT headers), the engines from edgelin's own
-edgelin.plugins.tensorrt.build_engine on tensorrt/engines.json (edgelin/export/tensorrt_build.py; the
+edgelin.plugins.tensorrt.build_engine on tensorrt/engines.json (edgelin/export/tensorrt/build.py; the
 folder's copy, tensorrt/build_engine.py, is for building by hand). The prefill graph stays in standard ops
 (the plugin is a decode-step plugin).
 
@@ -42,75 +42,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Artifact, Phase
-from edgelin.export.onnx_target import OnnxOptions, OnnxTarget
+from edgelin.export.base import Artifact, Phase, TargetFlag
+from edgelin.export.onnx.target import OnnxOptions, OnnxTarget
+from edgelin.export.tensorrt.step_node import (  # noqa: F401  (the plugin node's names, used here and by tests)
+    DTYPE_BF16, DTYPE_F16, DTYPE_F32, GATE_NONE, GATE_PER_KEY, GATE_SCALAR, PLUGIN_DOMAIN, PLUGIN_FIELDS, PLUGIN_NAME,
+    PLUGIN_NAMESPACE, PLUGIN_VERSION, _ONNX_TYPES, overload_name, plugin_step)
 
 if TYPE_CHECKING:
+    from edgelin.export.lowering import Lowering
     import torch
 
-    from edgelin.devices import DeviceProfile, ExportSettings
+    from edgelin.artifact.manifest import Manifest
+    from edgelin.devices import DeviceProfile, ExportSettings, ServingLimits
     from edgelin.export.base import Runner
     from edgelin.model.lm import CausalLM
 
-PLUGIN_DOMAIN = "edgelin"
-PLUGIN_NAME = "EdgelinStep"
-PLUGIN_VERSION = "1"
-PLUGIN_NAMESPACE = ""
-# The creator's fields, all INT (the parser narrows them to int32), in the plugin's order.
-PLUGIN_FIELDS = ("gate", "delta", "heads", "d_k", "d_v", "dtype", "aux_dtype", "inplace", "erase")
-GATE_NONE, GATE_SCALAR, GATE_PER_KEY = 0, 1, 2  # EdgelinGate (edgelin_step.h)
-DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 0, 1, 2  # EdgelinDtype
-_DTYPE_CODES = {"torch.float32": DTYPE_F32, "torch.float16": DTYPE_F16, "torch.bfloat16": DTYPE_BF16}
-_ONNX_TYPES = {DTYPE_F32: 1, DTYPE_F16: 10, DTYPE_BF16: 16}  # onnx.TensorProto FLOAT, FLOAT16, BFLOAT16
-_SUFFIX = {DTYPE_F32: "", DTYPE_F16: "_f16", DTYPE_BF16: "_bf16"}
 _WHERE_TRT = "a machine with TensorRT 10.3+ and an NVIDIA GPU (Jetson Orin: JetPack 6)"
-
-
-def overload_name(gate: int, delta: int, dtype: int = DTYPE_F32, erase: int = 0) -> str:
-    """The ONNX function overload for one layer kind and q/k/v dtype (one function body per kind)."""
-    return f"gate{gate}_delta{delta}{'_erase' if erase else ''}{_SUFFIX[dtype]}"
-
-
-def plugin_step(state: "torch.Tensor", q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor",
-                g: "torch.Tensor | None", beta: "torch.Tensor | None",
-                erase: "torch.Tensor | None" = None) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """While exporting: one EdgelinStep node (o, state_out); otherwise the reference step.
-
-    q, k, v (and o) may be fp32, fp16 or bf16 (the plugin's `dtype`); g, beta and the erase gate always
-    enter the node in fp32 (`aux_dtype` 0: a half-precision engine still decays in fp32) and the state
-    is fp32."""
-    import torch
-
-    from edgelin.reference.recurrence import recurrent_step
-
-    code = _DTYPE_CODES.get(str(q.dtype))
-    if code is None or not (k.dtype == v.dtype == q.dtype):
-        raise EdgelinError(f"TensorRT step with q/k/v in {q.dtype}/{k.dtype}/{v.dtype}", "the plugin takes q, k "
-                           "and v in one of float32, float16, bfloat16", "export with --precision fp32 or fp16")
-    if state.dtype != torch.float32:
-        raise EdgelinError(f"TensorRT step with a {state.dtype} state", "the plugin keeps the state in float32",
-                           "export with state dtype float32 (a profile with state_dtype = \"float32\")")
-    g = None if g is None else g.float()  # one Cast in the graph when the model computed them in half
-    beta = None if beta is None else beta.float()
-    erase = None if erase is None else erase.float()
-    if erase is not None and beta is None:
-        raise EdgelinError("TensorRT step with an erase gate and no beta", "the erase gate splits the delta rule's "
-                           "update", "report this as an edgelin bug (the family spec pairs them)")
-    if not torch.onnx.is_in_onnx_export():  # the reference: computed in fp32, o back in q's dtype
-        o, new_state = recurrent_step(state, q.float(), k.float(), v.float(), g, beta, erase)
-        return o.to(q.dtype), new_state
-    _, heads, d_k = q.shape
-    gate = GATE_NONE if g is None else (GATE_SCALAR if g.shape[-1] == 1 else GATE_PER_KEY)
-    delta = int(beta is not None)
-    fields = dict(gate=gate, delta=delta, heads=int(heads), d_k=int(d_k), d_v=int(v.shape[-1]),
-                  dtype=code, aux_dtype=DTYPE_F32, inplace=0,  # inplace: set by add_step_functions
-                  erase=int(erase is not None))
-    attrs = {**fields, "plugin_version": PLUGIN_VERSION, "plugin_namespace": PLUGIN_NAMESPACE}
-    inputs = [q, k, v, *(t for t in (g, beta, erase) if t is not None), state]
-    o, new_state = torch.onnx.ops.symbolic_multi_out(
-        f"{PLUGIN_DOMAIN}::{PLUGIN_NAME}", inputs, attrs, dtypes=(v.dtype, state.dtype),
-        shapes=(v.shape, state.shape), version=1)
-    return o, new_state
 
 
 def step_function(gate: int, delta: int, opset: int, dtype: int = DTYPE_F32, erase: int = 0):
@@ -224,6 +171,51 @@ class TensorrtTarget(OnnxTarget):
     name = "tensorrt"
     extra = "onnx"
     options_type = TensorrtOptions
+    quantize_modes = ()  # weight quantisation is the ONNX target's (ONNX Runtime's kernels)
+    profile_options = ("sm",)  # the engine's CUDA compute capability
+    profile_computes = ("cuda",)
+    compute_reason = "TensorRT runs on NVIDIA GPUs only"
+    triton_backend = "tensorrt_plan"  # edgelin.serve.triton.TENSORRT_PLAN: the user builds model.plan
+    runtime = "tensorrt"
+    runtime_distributions = (("tensorrt", ("tensorrt", "tensorrt-cu12", "tensorrt-cu13")),
+                             ("onnxruntime", ("onnxruntime", "onnxruntime-gpu")))
+    gpu_runtimes = ("tensorrt",)
+    libraries = (("tensorrt", "use a machine with TensorRT (a Jetson, an NGC container)"),)
+    flags = (TargetFlag("--trt-inplace", "inplace", "The step plugin updates the recurrent state in place "
+                        "(TensorRT's aliased plugin I/O, a preview feature since 10.3).", bool),)
+    build_flags = (
+        TargetFlag("--trt-include", "trt_include", "The folder holding NvInferRuntime.h (default: "
+                   "$TENSORRT_INCLUDE_DIR, system folders).", Path),
+        TargetFlag("--archs", "archs", "CUDA compute capabilities, e.g. 87 or 86,89,90 (default: the device's sm, "
+                   "else 80-90)."),
+    )
+
+    def options_from_flags(self, given: dict, settings: "ExportSettings",
+                           precision_flag: str | None = None) -> tuple["TensorrtOptions | None", "ExportSettings"]:
+        return (TensorrtOptions(inplace=True) if given.get("inplace") else None), settings
+
+    def runtime_of(self, runner_label: str) -> str:
+        """TensorRT's engines, or ONNX Runtime where it runs the plugin's ONNX functions (no engine built here)."""
+        return "onnxruntime" if runner_label.strip().lower().startswith("onnxruntime") else "tensorrt"
+
+    def write_serving_notes(self, root: Path, manifest: "Manifest", model: str, limits: "ServingLimits") -> None:
+        """BUILD.md: the plan is built on the serving GPU, with the plugin library edgelin build makes."""
+        from edgelin.export.tensorrt.build import plugin_file
+        from edgelin.serve.triton import trtexec_line
+
+        plugin = f"tensorrt/{plugin_file('10')}"
+        (root / "BUILD.md").write_text(
+            f"# Building {model}/1/model.plan\n\nThe config names platform tensorrt_plan: build the engine where "
+            "TensorRT and the serving GPU are, from the export folder (the repository's model.onnx is the step "
+            "graph with Triton's control inputs and the position state):\n\n```sh\nedgelin build .   # the "
+            f"plugin library, {plugin}\n{trtexec_line(manifest, model, limits, plugin)}\n```\n\nThen load the "
+            f"plugin into the server: `LD_PRELOAD=$PWD/{plugin} tritonserver --model-repository=$PWD/triton` "
+            "(docs/serving.md).\n")
+
+    def lowering(self) -> "Lowering":
+        from edgelin.export.tensorrt.lowering import LOWERING
+
+        return LOWERING
 
     def can_build(self, device: "DeviceProfile | None" = None) -> Phase | None:
         # The plugin library needs only nvcc, cmake and TensorRT's headers; the engines need TensorRT
@@ -241,12 +233,18 @@ class TensorrtTarget(OnnxTarget):
                          _WHERE_TRT)
         return Phase(True)
 
-    def build(self, artifact: Artifact, device: "DeviceProfile | None" = None) -> Artifact:
-        """The plugin library into tensorrt/, then the engines where TensorRT and a GPU are (tensorrt_build)."""
-        from edgelin.export.tensorrt_build import build_folder
+    def build(self, artifact: Artifact, device: "DeviceProfile | None" = None,
+              options: dict | None = None) -> Artifact:
+        """The plugin library into tensorrt/, then the engines where TensorRT and a GPU are (tensorrt.build);
+        a partial build (the library, no engine) says what is missing."""
+        import re
 
-        result = build_folder(artifact.folder, device)
-        return Artifact(artifact.folder, artifact.manifest, result.files)
+        from edgelin.export.tensorrt.build import build_folder
+
+        options = options or {}
+        archs = [a for a in re.split(r"[,; ]+", options.get("archs") or "") if a] or None
+        result = build_folder(artifact.folder, device, options.get("trt_include"), archs)
+        return Artifact(artifact.folder, artifact.manifest, result.files, result.missing)
 
     def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
         # Every folder runs on ONNX Runtime through its plugin functions (the validation runner); a folder
@@ -268,7 +266,7 @@ class TensorrtTarget(OnnxTarget):
         if len(aliased) != linear:
             raise EdgelinError(f"step.onnx has {len(aliased)} {PLUGIN_NAME} nodes for {linear} linear layers",
                                "every linear layer's step must be one plugin node", "report this as an edgelin bug")
-        from edgelin.export.tensorrt_build import write_folder
+        from edgelin.export.tensorrt.build import write_folder
 
         # tensorrt/: plugin sources, build_engine.py, engines.json, COMMANDS.md
         write_folder(Path(folder), files, device, inplace=inplace, aliased=aliased if inplace else {},
@@ -280,7 +278,7 @@ class TensorrtTarget(OnnxTarget):
         """The TensorRT runner when the folder's engines are built and tensorrt, cuda-python and a GPU are
         here; otherwise ONNX Runtime on the exported files (the plugin nodes through their functions),
         labelled with why the engines were not used."""
-        from edgelin.export.tensorrt_runtime import ORT_LABEL, TensorrtRunner, engines_unavailable
+        from edgelin.export.tensorrt.runner import ORT_LABEL, TensorrtRunner, engines_unavailable
 
         why = engines_unavailable(artifact.folder)
         if why is None:

@@ -201,7 +201,7 @@ class FusedDecoder:
         reason = fused_support(model)
         if reason is not None:
             raise KernelError("the fused decode cannot take this model", reason, "use GraphDecoder (unfused)")
-        from edgelin.kernels.graph_decode import decode_state
+        from edgelin.export.torch.graph_decode import decode_state
 
         weight = model.lm_head.weight
         device, dtype = weight.device, weight.dtype

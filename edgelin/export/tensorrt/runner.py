@@ -1,6 +1,6 @@
 """The tensorrt target's run half on TensorRT: the engines `edgelin build` wrote, the state on the GPU.
 
-Mirrors the ONNX Runtime runner (edgelin/export/onnx_runtime.py): a handle holds device buffers, two
+Mirrors the ONNX Runtime runner (edgelin/export/onnx/runner.py): a handle holds device buffers, two
 per state tensor (ping-pong): a step reads the current set and writes the spare one, then they swap,
 so no state crosses to the host between calls; only read_state / write_state copy it. With an engine
 built from a --trt-inplace export, the step's plugin nodes alias state input and output (TensorRT's
@@ -41,7 +41,7 @@ from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
 from edgelin.artifact.manifest import NUMPY_DTYPES, Manifest
 from edgelin.artifact.state import outputs_by_input
-from edgelin.export.tensorrt_build import BUILD_RECORD, GRAPHS, TRT_DIR
+from edgelin.export.tensorrt.build import BUILD_RECORD, GRAPHS, TRT_DIR
 
 TRT_LABEL = "tensorrt engine"
 ORT_LABEL = "onnxruntime (plugin functions)"

@@ -25,11 +25,12 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from edgelin.errors import EdgelinError
+from edgelin.export.coreml.contract import (  # noqa: F401  (coremltools_module, package_view: used from here before)
+    FIX, _fail, coremltools_module, feature_name, load_contract, package_view)
 
 if TYPE_CHECKING:
     from edgelin.artifact.manifest import Manifest
 
-FIX = "re-export the folder with `edgelin export --target coreml`"
 # coremltools' specification versions of the deployment targets (iOS 16 = 7, 17 = 8, 18 = 9)
 SPEC_VERSIONS = {"iOS16": 7, "iOS17": 8, "iOS18": 9, "macOS13": 7, "macOS14": 8, "macOS15": 9}
 _ARRAY_DTYPES = {65568: "float32", 65552: "float16", 131104: "int32"}  # ArrayFeatureType.ArrayDataType
@@ -47,59 +48,6 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def coremltools_module() -> ModuleType:
-    """coremltools, its own log lines below ERROR and its Python warnings kept off stderr (the run side's stderr
-    holds edgelin's error/warning/progress lines only): off macOS its import logs eight "Failed to load
-    _MLModelProxy ..." lines (no Core ML runtime here, as expected: the conversion is checked instead) and one on
-    an untested torch version (a converter's concern); CoremlRunner says itself when predictions cannot run."""
-    logging.getLogger("coremltools").setLevel(logging.ERROR)  # its modules log through this logger or children
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import coremltools
-        import coremltools.models.model  # noqa: F401  (the proxies' log lines come from these imports)
-    return coremltools
-
-
-@contextlib.contextmanager
-def package_view(package: Path) -> Iterator[Path]:
-    """A private view of a .mlpackage for coremltools to open: its package loader (libmodelpackage's ModelPackage,
-    behind `MLModel(path)` and `load_spec`) rewrites the package's Manifest.json whenever it opens one (the same
-    bytes, a new mtime), and nothing may write into an export folder. The view, in a private temporary folder:
-    a copy of Manifest.json and links to everything else (Data/: the model and its weights, read in place)."""
-    with tempfile.TemporaryDirectory(prefix="edgelin-mlpackage-") as tmp:
-        view = Path(tmp) / Path(package).name
-        view.mkdir()
-        for entry in Path(package).iterdir():
-            if entry.name == "Manifest.json":
-                shutil.copyfile(entry, view / entry.name)
-            else:
-                (view / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
-        yield view
-
-
-def _fail(what: str, why: str) -> EdgelinError:
-    return EdgelinError(what, why, FIX)
-
-
-def load_contract(folder: Path) -> dict[str, Any]:
-    from edgelin.export.coreml_target import CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION
-
-    path = Path(folder) / CONTRACT
-    try:
-        contract = json.loads(path.read_text())
-        if contract.get("format") != CONTRACT_FORMAT or contract.get("version") != CONTRACT_VERSION:
-            raise ValueError(f"format {contract.get('format')!r} version {contract.get('version')!r}")
-        for entry in contract["functions"].values():
-            name = entry["package"]
-            if Path(name).name != name or name in (".", "..") or not name.endswith(".mlpackage"):
-                raise ValueError(f"package name {name!r} escapes the export folder")
-    except FileNotFoundError:
-        raise _fail(f"no {CONTRACT} in {folder}", "a Core ML export describes its package there") from None
-    except (OSError, KeyError, TypeError, AttributeError, ValueError) as exc:
-        raise _fail(f"{path} is malformed", f"{type(exc).__name__}: {exc}") from exc
-    return contract
 
 
 def _feature(feature) -> tuple[str, list[int], str]:
@@ -148,7 +96,7 @@ def _functions_of(spec) -> dict[str, Any]:
 
 
 def _check_package(path: Path, spec, contract: dict, manifest: "Manifest", report: CheckReport) -> None:
-    from edgelin.export.coreml_mil import load_program
+    from edgelin.export.coreml.mil import load_program
 
     where = path.name
     want_functions = [n for n, f in contract["functions"].items() if f["package"] == path.name]
@@ -180,7 +128,6 @@ def _check_package(path: Path, spec, contract: dict, manifest: "Manifest", repor
 
 
 def _check_function(where: str, name: str, fdesc, contract: dict, manifest: "Manifest") -> None:
-    from edgelin.export.coreml_convert import feature_name
 
     entry = contract["functions"][name]
     ids_shape = [1] if entry["kind"] == "step" else [1, entry["length"]]

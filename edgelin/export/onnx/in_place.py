@@ -1,5 +1,5 @@
 """Which recurrent states an ONNX step graph may update in place (one buffer bound as both the past input
-and the present output), found on the graph as written (edgelin.export.onnx_target records them in the
+and the present output), found on the graph as written (edgelin.export.onnx.target records them in the
 step graph's metadata for the runner: IN_PLACE_KEY).
 
 Why: ping-pong buffers (the past in one set, the present written to another) double the state's cache
@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from edgelin.export.onnx.metadata import IN_PLACE_KEY  # noqa: F401  (read by the runner)
+
 if TYPE_CHECKING:
     import onnx
 
-IN_PLACE_KEY = "edgelin.in_place_states"  # the step graph's metadata_props entry: past input names, comma-separated
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where"}  # writers that may read the past (same element, before)
 # contrib writers checked to read their past before writing it (tests/test_onnx_in_place.py)
 # edgelin.ortops' own: each conv channel's window and each state row (the delta rules: the whole state) read first

@@ -2,7 +2,7 @@
 
 This module is the target and its export half. It imports no torch at module level: the registry
 imports it on a runtime-only install too (can_run, runner). The exporter's modules (torch, onnx)
-are imported inside the export functions; the run half is edgelin.export.onnx_runtime.
+are imported inside the export functions; the run half is edgelin.export.onnx.runner.
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError, environment_fault, one_line
+from edgelin.export.onnx.metadata import KV_CAPACITY_KEY  # noqa: F401  (the runner reads it)
 from edgelin.ortops import DOMAIN as ORT_OPS_DOMAIN
-from edgelin.export.base import Artifact, Phase, Target, missing_module
+from edgelin.export.base import PRECISIONS, QUANTIZE_MODES, Artifact, Phase, Target, TargetFlag, missing_module
 from edgelin.artifact.tensors import TensorIO
 
 if TYPE_CHECKING:
+    from edgelin.export.lowering import Lowering
     import torch
 
     from edgelin.devices import DeviceProfile, ExportSettings
     from edgelin.artifact.manifest import Manifest
-    from edgelin.export.onnx_runtime import OnnxRunner
+    from edgelin.export.onnx.runner import OnnxRunner
     from edgelin.model.lm import CausalLM
 
-PRECISIONS = ("fp32", "fp16")  # graph precisions this target writes (devices.TARGET_LIMITS["onnx"])
 
 # Example sizes for tracing: none is 0 or 1 (the exporter would specialise them) and the sequence
 # spans several chunks and attention blocks with a remainder.
@@ -204,12 +205,12 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     their quantised weights still match; with `embeddings`, the embedding table and LM head too, at
     `embedding_bits` when given), then (with
     `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data), given the step
-    graph's outputs, which states that graph updates in place (edgelin.export.onnx_in_place, on the graph as
+    graph's outputs, which states that graph updates in place (edgelin.export.onnx.in_place, on the graph as
     written), with `contrib_ops` (--step-ops contrib or edgelin) the step's residual Adds + RMSNorms and, given
     `rotary_positions` (a static KV cache's capacity), its rotary as ONNX Runtime's contrib ops
-    (edgelin.export.onnx_kernels.fuse_contrib_steps), and with `edgelin_ops` (--step-ops edgelin) the float32
+    (edgelin.export.onnx.kernels.fuse_contrib_steps), and with `edgelin_ops` (--step-ops edgelin) the float32
     weight products of both graphs on packed panels (edgelin.export.panels) and the step's nodes for edgelin's
-    kernels (edgelin.export.onnx_kernels). Returns the files it adds ({"weights": "weights.bin"} or
+    kernels (edgelin.export.onnx.kernels). Returns the files it adds ({"weights": "weights.bin"} or
     nothing)."""
     from edgelin.export.fuse_matmuls import fuse_matmuls
     from edgelin.export.weights import WEIGHTS_KEY, share_weights
@@ -231,11 +232,11 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     if step_outputs is not None:
         mark_in_place_states(folder / files["step"], step_outputs)
     if contrib_ops:
-        from edgelin.export.onnx_kernels import fuse_contrib_steps
+        from edgelin.export.onnx.kernels import fuse_contrib_steps
 
         fuse_contrib_steps(folder / files["step"], rotary_positions)
     if edgelin_ops:
-        from edgelin.export.onnx_kernels import route_to_edgelin_kernels
+        from edgelin.export.onnx.kernels import route_to_edgelin_kernels
 
         route_to_edgelin_kernels(folder / files["step"])
         route_to_edgelin_kernels(folder / files["prefill"], products_only=True)
@@ -265,7 +266,7 @@ class OnnxOptions:
     # ONNX runtime; slower). edgelin.export.lowering.OnnxEngine.contrib_ops. "edgelin" (the default): contrib, and
     # the step's convs, recurrences, 4-/8-bit products and static-cache attention as ai.edgelin ops for edgelin's
     # operator library, ONNX Runtime's own op as each one's function body, so the file runs without the library too
-    # (edgelin.export.onnx_kernels; edgelin.ortops).
+    # (edgelin.export.onnx.kernels; edgelin.ortops).
     step_ops: str = "edgelin"
 
     def __post_init__(self) -> None:
@@ -307,7 +308,6 @@ KV_DTYPES = {"fp32": "float32", "fp16": "float16"}  # --kv-dtype: the static cac
 STEP_OPS = ("contrib", "standard", "edgelin")  # OnnxOptions.step_ops: OnnxEngine.contrib_ops on or off (edgelin: on)
 ORT_OPS_KEY = "ort_ops"  # the manifest's entry for a step graph that names edgelin.ortops' ops
 MAX_CONTEXT = (1 << 31) - 1  # GroupQueryAttention's sequence lengths are int32
-KV_CAPACITY_KEY = "edgelin.kv_capacity"  # the graphs' metadata_props entry a static-cache export carries
 
 
 # The modules each phase imports (import names; the distributions are the extras in pyproject.toml).
@@ -328,6 +328,31 @@ def check_static_cache(model: "CausalLM", target: str, settings: "ExportSettings
     if not any(isinstance(m, SoftmaxAttention) and m.cfg.window is None for m in model.modules()):
         raise EdgelinError("--kv-cache static on a model without a growing KV cache", "its state is constant-size "
                            "already (linear layers, sliding-window attention)", "drop --kv-cache static")
+
+
+def check_cache_capacity(model: "CausalLM", target: str, settings: "ExportSettings", options: "OnnxOptions") -> None:
+    """A fixed-capacity KV cache (`--kv-cache static --context N`) must hold the longest sequence the export's
+    own checks feed it: `edgelin validate DIR` replays the recorded reference vectors and measures the quality
+    figures (reference_vectors.positions_needed: 527 tokens), and an fp16/quantised export runs the same figures
+    as its quality gate. A shorter cache would write an export that cannot validate itself, and a larger one than
+    this machine's memory or ONNX's protobuf limit holds (edgelin.export.static_cache) would fail minutes into the
+    export: both refused before anything is traced, naming the --context that works."""
+    from edgelin.export import reference_vectors
+    from edgelin.export.static_cache import check_static_cache_size
+
+    capacity = getattr(options, "context", None) if getattr(options, "kv_cache", None) == "static" else None
+    if capacity is None:
+        return
+    check_static_cache(model, target, settings)  # its own refusals first (wrong target, no growing cache)
+    need = reference_vectors.positions_needed()
+    if capacity < need:
+        raise EdgelinError(f"--kv-cache static --context {capacity}",
+                           f"the export's own checks (the reference vectors and quality figures that `edgelin "
+                           f"validate DIR` replays, and the fp16/quantised quality gate) feed one sequence up to "
+                           f"{need} tokens, more than a {capacity}-token cache holds",
+                           f"pass --context {need} or more (the longest sequence the export will hold)")
+    check_static_cache_size(model.config, capacity, KV_DTYPES[options.kv_dtype],
+                            rotary_tables=options.step_ops != "standard", least=need)
 
 
 def mark_static_cache(path: Path, outputs: list[TensorIO], layers: int, capacity: int) -> None:
@@ -353,10 +378,10 @@ def mark_static_cache(path: Path, outputs: list[TensorIO], layers: int, capacity
 
 def mark_in_place_states(path: Path, outputs: list[TensorIO]) -> list[str]:
     """Record in the step graph's metadata which of its states the runner may update in place
-    (edgelin.export.onnx_in_place); returns their past input names."""
+    (edgelin.export.onnx.in_place); returns their past input names."""
     import onnx
 
-    from edgelin.export.onnx_in_place import IN_PLACE_KEY, in_place_states
+    from edgelin.export.onnx.in_place import IN_PLACE_KEY, in_place_states
 
     proto = onnx.load(str(path), load_external_data=False)  # weights stay where they are (weights.bin)
     safe = in_place_states(proto.graph, {t.name: t.feeds for t in outputs if t.feeds is not None})
@@ -415,6 +440,73 @@ class OnnxTarget(Target):
     extra = "onnx"
     options_type = OnnxOptions
     saturates_float16 = True  # fp16 weights beyond float16's range: ±65504 (with_compute_dtype, to_float16)
+    precisions = PRECISIONS
+    triton_backend = "onnxruntime"  # edgelin.serve.triton.ONNXRUNTIME
+    runtime = "onnxruntime"
+    runtime_distributions = (("onnxruntime", ("onnxruntime", "onnxruntime-gpu")),)
+    libraries = (("onnx", "pip install 'edgelin[onnx]'"),)
+    flags = (
+        TargetFlag("--keep-embeddings-float", "keep_embeddings_float", "With --quantize: leave the embedding table "
+                   "and LM head float (quantise the other matmuls only).", bool),
+        TargetFlag("--embeddings-bits", "embedding_bits", "With --quantize int4 / int8: the embedding table and LM "
+                   "head at 8 or 4 bits (default: as --quantize; 8 with int4 is what llama.cpp's Q4_0 does).", int),
+        TargetFlag("--kv-cache", "kv_cache", "The attention layers' KV cache: growing (default; concatenated each "
+                   "call) or static (one buffer of --context tokens updated in place: GroupQueryAttention)."),
+        TargetFlag("--context", "context", "With --kv-cache static: the cache's capacity in tokens (a longer "
+                   "sequence is refused).", int),
+        TargetFlag("--kv-dtype", "kv_dtype", "With --kv-cache static: the cache's dtype, fp32 (default) or fp16 "
+                   "(half the bytes read per token)."),
+        TargetFlag("--step-ops", "step_ops", "edgelin (default): the step's short convs, recurrences, 4-/8-bit "
+                   "products and static-KV-cache attention through edgelin's CPU kernel library where the runner "
+                   "loads it, ONNX Runtime's own ops elsewhere (same file); contrib: ONNX Runtime's contrib ops "
+                   "LinearAttention and CausalConvWithState (ONNX Runtime >= 1.32); standard: standard ONNX ops "
+                   "only (any ONNX runtime, slower)."),
+    )
+
+    run_flags = (TargetFlag("--prepack/--no-prepack", "prepack", "Let ONNX Runtime prepack the weights (a private "
+                            "copy per session; default: off for float exports and for int4 / int8 ones whose 4-/8-bit "
+                            "products are all edgelin's kernel, on for other quantised ones).", bool),)
+
+    def apply_run_options(self, options: dict) -> None:
+        if options.get("prepack") is not None:
+            import os
+
+            from edgelin.export.onnx.runner import PREPACK_ENV
+
+            os.environ[PREPACK_ENV] = "1" if options["prepack"] else "0"  # read by the runner this process opens
+
+    def options_from_flags(self, given: dict, settings: "ExportSettings",
+                           precision_flag: str | None = None) -> tuple["OnnxOptions | None", "ExportSettings"]:
+        quantize = settings.quantize
+        fields: dict = {}
+        if given.get("keep_embeddings_float"):
+            if quantize is None:
+                raise EdgelinError("--keep-embeddings-float without --quantize", "unquantised exports keep every "
+                                   "weight float already", "add --quantize int4 (or int8), or drop "
+                                   "--keep-embeddings-float")
+            fields["quantize_embeddings"] = False
+        bits = given.get("embedding_bits")
+        if bits is not None:
+            if quantize not in ("int4", "int8"):
+                raise EdgelinError(f"--embeddings-bits {bits} without --quantize int4 or int8", "only "
+                                   "block-quantised exports store the embedding table and LM head in bits",
+                                   "add --quantize int4, or drop --embeddings-bits")
+            fields["embedding_bits"] = bits
+        kv = {k: given.get(k) for k in ("kv_cache", "context", "kv_dtype")}
+        if any(v is not None for v in kv.values()):
+            fields.update(kv_cache=kv["kv_cache"] or "growing", context=kv["context"], kv_dtype=kv["kv_dtype"] or "fp32")
+        if given.get("step_ops") is not None:
+            fields["step_ops"] = given["step_ops"]
+        return (self.options_type(**fields) if fields else None), settings
+    quantize_modes = QUANTIZE_MODES  # int8/int4 block-wise (MatMulNBits, GatherBlockQuantized), fp16 weights
+
+    def lowering(self) -> "Lowering":
+        from edgelin.export.onnx.lowering import LOWERING
+
+        return LOWERING
+
+    def check_export(self, model: "CausalLM", settings: "ExportSettings", options: OnnxOptions) -> None:
+        check_cache_capacity(model, self.name, settings, options)
 
     def can_export(self) -> Phase:
         missing = missing_module(_EXPORT_NEEDS)
@@ -506,6 +598,6 @@ class OnnxTarget(Target):
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
                threads: int | None = None) -> "OnnxRunner":
-        from edgelin.export.onnx_runtime import OnnxRunner
+        from edgelin.export.onnx.runner import OnnxRunner
 
         return OnnxRunner(artifact.folder, artifact.manifest, threads)

@@ -1,7 +1,7 @@
 """Running a Core ML export: the run phase on macOS (CoremlRunner), and on any machine the
-conversion check (MilRunner: the package's MIL program evaluated in numpy, edgelin.export.coreml_mil).
+conversion check (MilRunner: the package's MIL program evaluated in numpy, edgelin.export.coreml.mil).
 
-Both share the package's layout (coreml.json, see edgelin.export.coreml_target): batch 1 functions,
+Both share the package's layout (coreml.json, see edgelin.export.coreml.target): batch 1 functions,
 so a batch runs row by row, each row with its own state; a prompt of T tokens is fed as pieces of
 the enumerated prefill lengths (largest first) and its tail by `step`; state tensors are padded to
 the profile's multiple inside the package and read back unpadded, in the manifest's names.
@@ -23,7 +23,7 @@ import numpy as np
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
-from edgelin.export.coreml_convert import feature_name
+from edgelin.export.coreml.contract import feature_name
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile
@@ -48,7 +48,7 @@ class ContractRunner(Runner):
     implements `_call(function, feeds, row) -> (logits [1, V], row)` and `_row_new`."""
 
     def __init__(self, folder: Path, manifest: "Manifest"):
-        from edgelin.export.coreml_check import load_contract
+        from edgelin.export.coreml.contract import load_contract
 
         super().__init__(manifest)
         self.folder = Path(folder)
@@ -121,7 +121,7 @@ class MilRunner(ContractRunner):
     label = "coreml MIL program in numpy (a check of the conversion, not Apple's runtime)"
 
     def __init__(self, folder: Path, manifest: "Manifest"):
-        from edgelin.export.coreml_mil import load_program
+        from edgelin.export.coreml.mil import load_program
 
         super().__init__(folder, manifest)
         self._programs = {p: load_program(self.folder / p) for p in {f["package"] for f in
@@ -132,7 +132,7 @@ class MilRunner(ContractRunner):
         return program.functions[name if self.contract["multifunction"] else "main"]
 
     def _call(self, function: str, feeds: dict[str, np.ndarray], row: Any) -> tuple[np.ndarray, Any]:
-        from edgelin.export.coreml_mil import run_function
+        from edgelin.export.coreml.mil import run_function
 
         if self.style == "mlstate":
             outputs, row = run_function(self._function(function), feeds, row)
@@ -149,7 +149,7 @@ class CoremlRunner(ContractRunner):
     label = "coreml (Apple's runtime)"
 
     def __init__(self, folder: Path, manifest: "Manifest", device: "DeviceProfile | None" = None):
-        from edgelin.export.coreml_check import coremltools_module, package_view
+        from edgelin.export.coreml.contract import coremltools_module, package_view
 
         ct = coremltools_module()
         if getattr(ct.models.model, "_MLModelProxy", None) is None:

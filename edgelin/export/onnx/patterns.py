@@ -1,4 +1,4 @@
-"""What the step-graph fusions (edgelin.export.onnx_ssd, onnx_gdn) share: an index of a graph's producers, readers and
+"""What the step-graph fusions (edgelin.export.onnx.ssd, gdn) share: an index of a graph's producers, readers and
 constants, the sub-patterns both recurrences' neighbourhoods contain (the softplus decay, the key heads broadcast to
 the value heads), the check that a pattern's inner tensors have no outside reader, and the rewrite that puts each
 fused node where its recurrence was.
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+
+from edgelin.export.panels import drop_unread, use_domain  # noqa: F401  (graph edits the core shares)
 
 _INT64 = 7  # onnx.TensorProto.INT64
 
@@ -164,14 +166,6 @@ def replace_in_place(proto, fused: dict[int, object], dropped: set[int]) -> None
 CONTRIB = "com.microsoft"  # ONNX Runtime's contrib ops' domain
 
 
-def use_domain(proto, domain: str) -> None:
-    """Import `domain` (version 1) in the model, if it does not yet."""
-    from onnx import helper
-
-    if domain not in {o.domain for o in proto.opset_import}:
-        proto.opset_import.append(helper.make_opsetid(domain, 1))
-
-
 def recorded_shapes(proto) -> dict[str, list]:
     """Each tensor's shape as the graph records it (value_info, inputs, outputs): dims as names or sizes."""
     infos = [*proto.graph.value_info, *proto.graph.input, *proto.graph.output]
@@ -266,24 +260,3 @@ def add_fused(proto, fused: dict[int, object], dropped: set[int], function) -> i
     replace_in_place(proto, fused, dropped)
     proto.functions.append(function({o.domain: o.version for o in proto.opset_import}))
     return len(fused)
-
-
-def drop_unread(proto) -> None:
-    """Initializers no node reads any more (a tied table once both its users are quantised), subgraphs included."""
-    import onnx
-
-    read: set[str] = set()
-
-    def visit(graph) -> None:
-        for node in graph.node:
-            read.update(node.input)
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    visit(attribute.g)
-                for sub in attribute.graphs:
-                    visit(sub)
-
-    visit(proto.graph)
-    read.update(o.name for o in proto.graph.output)
-    for tensor in [t for t in proto.graph.initializer if t.name not in read]:
-        proto.graph.initializer.remove(tensor)

@@ -7,11 +7,11 @@ attributes and weights unchanged: `MatMulNBits` with 4 or 8 bits, 32-weight bloc
 (--quantize int4 / int8 with the default block size), `CausalConvWithState` (the short conv; float32 graphs, SiLU),
 `LinearAttention` (the recurrence; float32 graphs, every update rule) and `GroupQueryAttention` (full-context
 attention over the float32 static KV cache of --kv-cache static); before that, each Mamba2 layer's step around
-its recurrence becomes one `ai.edgelin::SsdRecurrence` node (edgelin.export.onnx_ssd), each Gated DeltaNet
-layer's step into its recurrence one `ai.edgelin::GatedDeltaRecurrence` node (edgelin.export.onnx_gdn), its
-gated output norm one `ai.edgelin::GatedRmsNorm` (edgelin.export.onnx_gated_norm; Mamba2's, the gate first, one
+its recurrence becomes one `ai.edgelin::SsdRecurrence` node (edgelin.export.onnx.ssd), each Gated DeltaNet
+layer's step into its recurrence one `ai.edgelin::GatedDeltaRecurrence` node (edgelin.export.onnx.gdn), its
+gated output norm one `ai.edgelin::GatedRmsNorm` (edgelin.export.onnx.gated_norm; Mamba2's, the gate first, one
 `ai.edgelin::GateThenRmsNorm`, per group of the width) and a gated MLP's silu(gate) * up
-one `ai.edgelin::SiluGate` (edgelin.export.onnx_silu_gate). The graph gains, per routed op
+one `ai.edgelin::SiluGate` (edgelin.export.onnx.silu_gate). The graph gains, per routed op
 type, one ONNX function `ai.edgelin::<op>` whose body is the original node with the caller's attributes (attribute
 references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a session
 with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own kernels, bit
@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgelin.export.onnx_gated_norm import fuse_gated_norms
-from edgelin.export.onnx_gdn import fuse_gated_delta_steps
-from edgelin.export.onnx_patterns import use_domain
-from edgelin.export.onnx_silu_gate import fuse_silu_gates
-from edgelin.export.onnx_ssd import fuse_ssd_steps
+from edgelin.export.onnx.gated_norm import fuse_gated_norms
+from edgelin.export.onnx.gdn import fuse_gated_delta_steps
+from edgelin.export.onnx.patterns import use_domain
+from edgelin.export.onnx.silu_gate import fuse_silu_gates
+from edgelin.export.onnx.ssd import fuse_ssd_steps
 from edgelin.ortops import DOMAIN
 
 _FLOAT, _FLOAT16 = 1, 10  # onnx.TensorProto.FLOAT, FLOAT16
@@ -140,7 +140,7 @@ def route_graph(proto, products_only: bool = False) -> int:
     routed: dict[str, RoutedOp] = {}
     count = 0
     if not products_only:  # each Mamba2 and Gated DeltaNet step around its recurrence first, the gated output norms
-        # and the gated MLPs' activations (edgelin.export.onnx_ssd, onnx_gdn, onnx_gated_norm, onnx_silu_gate)
+        # and the gated MLPs' activations (edgelin.export.onnx.ssd, onnx_gdn, onnx_gated_norm, onnx_silu_gate)
         count = fuse_ssd_steps(proto, floats) + fuse_gated_delta_steps(proto, floats)
         count += fuse_gated_norms(proto, floats) + fuse_silu_gates(proto, floats)
     for node in proto.graph.node:
@@ -158,13 +158,13 @@ def route_graph(proto, products_only: bool = False) -> int:
 
 def fuse_contrib_steps(path: Path, rotary_positions: int | None = None) -> int:
     """--step-ops contrib and edgelin: the step graph at `path` (its weights stay where they are) with each residual
-    Add + RMSNorm as one SkipSimplifiedLayerNormalization (edgelin.export.onnx_skip_norm) and, given
-    `rotary_positions` (a static KV cache's capacity), each rotary as one RotaryEmbedding (edgelin.export.onnx_rotary):
+    Add + RMSNorm as one SkipSimplifiedLayerNormalization (edgelin.export.onnx.skip_norm) and, given
+    `rotary_positions` (a static KV cache's capacity), each rotary as one RotaryEmbedding (edgelin.export.onnx.rotary):
     ONNX Runtime's contrib ops, no edgelin library needed. Saved only when something fused; returns how many."""
     import onnx
 
-    from edgelin.export.onnx_rotary import fuse_rotary
-    from edgelin.export.onnx_skip_norm import fuse_skip_norms
+    from edgelin.export.onnx.rotary import fuse_rotary
+    from edgelin.export.onnx.skip_norm import fuse_skip_norms
 
     proto = onnx.load(str(path), load_external_data=False)
     floats = float_tensor_names(proto)

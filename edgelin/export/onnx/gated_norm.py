@@ -15,7 +15,7 @@ Export-side module: imports onnx inside its functions.
 
 from __future__ import annotations
 
-from edgelin.export.onnx_patterns import (GraphIndex, add_fused, attribute_constant, reshape_shape, rms_constants,
+from edgelin.export.onnx.patterns import (GraphIndex, add_fused, attribute_constant, reshape_shape, rms_constants,
                                           rms_core, rms_nodes, rms_norm)
 from edgelin.ortops import DOMAIN
 

@@ -11,7 +11,7 @@ Export-side module: imports onnx inside its functions.
 
 from __future__ import annotations
 
-from edgelin.export.onnx_patterns import GraphIndex, add_fused
+from edgelin.export.onnx.patterns import GraphIndex, add_fused
 from edgelin.ortops import DOMAIN
 
 NAME = "SiluGate"

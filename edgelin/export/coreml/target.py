@@ -2,7 +2,7 @@
 of the weights (a multifunction ML program); explicit state or iOS 18 MLState.
 
 Phases: export converts anywhere coremltools and torch install (Linux included) and then checks the
-saved package against the manifest (edgelin.export.coreml_check); Core ML predictions need macOS, so
+saved package against the manifest (edgelin.export.coreml.check); Core ML predictions need macOS, so
 the run phase refuses elsewhere in one line. The folder holds, besides the manifest, reference
 vectors and tokenizer every export has, the package(s) and `coreml.json`: the package's own
 contract (style, deployment target, function per prompt length, Core ML feature names, padded
@@ -35,18 +35,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Artifact, Phase, Target, missing_module
+from edgelin.export.base import Artifact, Phase, Target, TargetFlag, missing_module
+from edgelin.export.coreml.contract import CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION  # noqa: F401
 
 if TYPE_CHECKING:
+    from edgelin.export.lowering import Lowering
     from edgelin.devices import DeviceProfile, ExportSettings
     from edgelin.export.base import Runner
     from edgelin.artifact.manifest import Manifest
     from edgelin.model.lm import CausalLM
 
 STYLES = ("explicit", "mlstate")
-CONTRACT = "coreml.json"  # the package's contract next to manifest.json
-CONTRACT_FORMAT = "edgelin-coreml"
-CONTRACT_VERSION = 1
 PACKAGE = "model"
 DEFAULT_PREFILL_LENGTHS = (16, 64)
 MAX_PREFILL_LENGTH = 2048
@@ -112,6 +111,35 @@ class CoremlTarget(Target):
     extra = "coreml"
     options_type = CoremlOptions
     pads_state_dims = True  # the pipeline leaves state_dim_multiple to this target (zero padding)
+    # fp16 or fp32 compute; float32 state (explicit style) or float16 (explicit, or MLState: fp16 only)
+    precisions = ("fp16", "fp32")
+    state_dtypes = ("float32", "float16")
+    profile_options = ("compute",)  # the compute units (ane, gpu, cpu) the package asks for
+    runtime = "coremltools"
+    libraries = (("coremltools", "pip install coremltools (Core ML predictions also need macOS 13+)"),)
+    flags = (
+        TargetFlag("--coreml-style", "style", "Explicit state inputs/outputs, or iOS 18 MLState (fp16 state) "
+                   "(default: explicit).", str, STYLES),
+        TargetFlag("--prefill-lengths", "prefill_lengths", "Prompt lengths with a prefill function each, "
+                   "comma-separated (default: 16,64); other lengths are fed in those pieces, the tail by step."),
+        TargetFlag("--deployment-target", "deployment_target", "iOS18 (default; one package, shared weights), "
+                   "iOS16/iOS17/macOS13/macOS14 (explicit style; one package per function), macOS15."),
+    )
+
+    def options_from_flags(self, given: dict, settings: "ExportSettings",
+                           precision_flag: str | None = None) -> tuple[CoremlOptions, "ExportSettings"]:
+        return cli_options(settings, precision_flag, given.get("style"), given.get("prefill_lengths"),
+                           given.get("deployment_target"))
+
+    def runtime_of(self, runner_label: str) -> str:
+        """Apple's Core ML through coremltools, or (off macOS) the MIL program in numpy."""
+        first = runner_label.strip().lower()
+        return "numpy" if first.startswith("coreml") and "apple" not in first else "coremltools"
+
+    def lowering(self) -> "Lowering":
+        from edgelin.export.coreml.lowering import LOWERING
+
+        return LOWERING
 
     def can_export(self) -> Phase:
         missing = missing_module(("torch", "coremltools"))
@@ -151,7 +179,7 @@ class CoremlTarget(Target):
 
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
                options: CoremlOptions, folder: Path) -> dict[str, str]:
-        from edgelin.export.coreml_convert import FunctionPlan, convert_function, save_package
+        from edgelin.export.coreml.convert import FunctionPlan, convert_function, save_package
 
         if not isinstance(options, CoremlOptions):
             raise EdgelinError(f"Core ML export options of type {type(options).__name__}",
@@ -174,8 +202,8 @@ class CoremlTarget(Target):
     def finish_export(self, folder: Path, manifest: "Manifest", options: object = None) -> None:
         """Once the manifest exists (the pipeline calls this): the source hash and edgelin's version
         into every package's metadata, then the Linux contract check of what was written."""
-        from edgelin.export.coreml_check import check_folder
-        from edgelin.export.coreml_convert import stamp_metadata
+        from edgelin.export.coreml.check import check_folder
+        from edgelin.export.coreml.convert import stamp_metadata
 
         contract = json.loads((Path(folder) / CONTRACT).read_text())
         metadata = {"edgelin_version": manifest.edgelin_version, "source_sha256": str(manifest.source.get("sha256")),
@@ -188,15 +216,15 @@ class CoremlTarget(Target):
         """Where Core ML cannot run (off macOS): the Linux contract check, then a runner that evaluates
         the package's MIL program in numpy; `edgelin validate DIR` replays the reference through it.
         A check of the conversion, not of Apple's runtime."""
-        from edgelin.export.coreml_check import check_folder
-        from edgelin.export.coreml_runtime import MilRunner
+        from edgelin.export.coreml.check import check_folder
+        from edgelin.export.coreml.runner import MilRunner
 
         check_folder(artifact.folder, artifact.manifest)
         return MilRunner(artifact.folder, artifact.manifest)
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
                threads: int | None = None) -> "Runner":
-        from edgelin.export.coreml_runtime import CoremlRunner
+        from edgelin.export.coreml.runner import CoremlRunner
 
         return CoremlRunner(artifact.folder, artifact.manifest, device)
 
@@ -220,7 +248,8 @@ def check_settings(model: "CausalLM", settings: "ExportSettings", options: Corem
 def contract_for(model: "CausalLM", settings: "ExportSettings", options: CoremlOptions,
                  device: "DeviceProfile | None", plans: list, multifunction: bool) -> dict:
     """coreml.json: what the package holds, in Core ML's names (module docstring)."""
-    from edgelin.export.coreml_convert import feature_name, padded_dims
+    from edgelin.export.coreml.contract import feature_name
+    from edgelin.export.coreml.convert import padded_dims
     from edgelin.export.graphs import graph_io
 
     inputs, outputs = graph_io(model, "step", settings.state_dtype)

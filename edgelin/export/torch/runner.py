@@ -1,8 +1,8 @@
 """The torch target's run half: the PyTorch reference behind the Runner interface.
 
-Where it runs: `choose_device` (module docstring of edgelin.export.torch_target). How a decode step runs
+Where it runs: `choose_device` (module docstring of edgelin.export.torch.target). How a decode step runs
 (`decode`, chosen once at open; the runner's label says which):
-  "fused"  CUDA, and edgelin.kernels.fused_decode.fused_support takes the model: FusedDecoder (5 kernels per
+  "fused"  CUDA, and edgelin.export.torch.fused_decode.fused_support takes the model: FusedDecoder (5 kernels per
            Gated DeltaNet layer, one CUDA graph per batch size)
   "graph"  CUDA, a constant-memory model: GraphDecoder (the model's recurrent step in one CUDA graph)
   "eager"  the CPU, or a growing KV cache (its shape changes every step: no graph): model(mode="recurrent")
@@ -84,7 +84,7 @@ def load_model(folder: Path, manifest: Manifest, device: "torch.device") -> Any:
     from safetensors.torch import load_file
 
     from edgelin.checkpoint import assign_weights, read_config
-    from edgelin.export.torch_target import CONTRACT, read_contract
+    from edgelin.export.torch.contract import CONTRACT, read_contract
     from edgelin.model.config import ModelConfig
     from edgelin.model.lm import CausalLM, with_compute_dtype
 
@@ -172,7 +172,7 @@ class TorchRunner(Runner):
 
             reason = "triton is not installed" if not triton_available() else None
             if reason is None:
-                from edgelin.kernels.fused_decode import fused_support
+                from edgelin.export.torch.fused_decode import fused_support
 
                 reason = fused_support(self.model)
         if asked is None:
@@ -262,9 +262,9 @@ class TorchRunner(Runner):
             oldest = next(iter(self._decoders))
             self._evict(oldest)
         if self.decode == "fused":
-            from edgelin.kernels.fused_decode import FusedDecoder as Decoder
+            from edgelin.export.torch.fused_decode import FusedDecoder as Decoder
         else:
-            from edgelin.kernels.graph_decode import GraphDecoder as Decoder
+            from edgelin.export.torch.graph_decode import GraphDecoder as Decoder
         decoder = self._decoders[batch] = Decoder(self.model, batch=batch)
         return decoder
 

@@ -130,7 +130,7 @@ def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | N
                  aliased: dict[str, str] | None = None, strongly_typed: bool = False) -> None:
     """Write `tensorrt/` into the export's temp folder (the pipeline renames the whole folder).
     `inplace`/`aliased`: --trt-inplace and the step's {state input: state output} pairs its plugin
-    nodes alias (edgelin.export.tensorrt_target.add_step_functions). `strongly_typed`: an fp16 export,
+    nodes alias (edgelin.export.tensorrt.target.add_step_functions). `strongly_typed`: an fp16 export,
     built as a strongly typed network (the graph's fp16/fp32 types are the engine's)."""
     from edgelin.plugins.tensorrt import CUDA_DIR, PLUGIN_DIR
 

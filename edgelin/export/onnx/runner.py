@@ -1,13 +1,13 @@
 """The ONNX target's run half: an ONNX Runtime runner whose state stays in OrtValues between calls.
 
 Imports onnxruntime and numpy only (no torch, no onnx): a runtime-only install runs exported folders
-with it. The export half is edgelin.export.onnx_target.
+with it. The export half is edgelin.export.onnx.target.
 
 State handles: a constant-memory model's state lives in two sets of preallocated OrtValues per handle,
 and each step binds one set as the past inputs and the other as the present outputs, then swaps them
 (ping-pong), so no state tensor is copied or allocated per step; the step's two IO bindings are built
 once per handle, and a step only writes the token and position into their bound buffers. A state the
-step graph's metadata lists as safe to update in place (edgelin.export.onnx_in_place: every state of
+step graph's metadata lists as safe to update in place (edgelin.export.onnx.in_place: every state of
 every family edgelin exports) is bound to one buffer as both its past and its present instead, and
 stays there across steps: half the state's cache footprint. A prefill still ping-pongs every state
 (its Scan reads the past while it writes), after which the step bindings are rebuilt. A growing KV
@@ -259,7 +259,7 @@ class OnnxRunner(Runner):
                          for t in manifest.state_inputs]
         # fixed shapes: preallocated ping-pong buffers (a static cache's KV buffers: one, bound both ways)
         self._fixed = manifest.constant_memory or self.capacity is not None
-        # the states the step graph updates in place (one buffer bound both ways; edgelin.export.onnx_in_place)
+        # the states the step graph updates in place (one buffer bound both ways; edgelin.export.onnx.in_place)
         self._in_place = _in_place_states(self.sessions["step"], self.state_names) if self._fixed else frozenset()
 
     # ---- handles ---------------------------------------------------------------------------------
@@ -479,8 +479,8 @@ def _check_weights(folder: Path, entry: dict) -> None:
 
 def _in_place_states(session: "ort.InferenceSession", state_names: list[str]) -> frozenset[int]:
     """The indices (in the runner's state order) of the states the step graph's metadata lists as updated
-    in place (edgelin.export.onnx_in_place; an export from before it lists none)."""
-    from edgelin.export.onnx_in_place import IN_PLACE_KEY
+    in place (edgelin.export.onnx.in_place; an export from before it lists none)."""
+    from edgelin.export.onnx.metadata import IN_PLACE_KEY
 
     recorded = session.get_modelmeta().custom_metadata_map.get(IN_PLACE_KEY, "")
     names = [name for name in recorded.split(",") if name]
@@ -493,7 +493,7 @@ def _in_place_states(session: "ort.InferenceSession", state_names: list[str]) ->
 
 def _check_capacity(sessions: dict, capacity: int) -> None:
     """A static-cache manifest needs graphs exported for it (GroupQueryAttention at that capacity)."""
-    from edgelin.export.onnx_target import KV_CAPACITY_KEY
+    from edgelin.export.onnx.metadata import KV_CAPACITY_KEY
 
     for kind, session in sessions.items():
         recorded = session.get_modelmeta().custom_metadata_map.get(KV_CAPACITY_KEY)

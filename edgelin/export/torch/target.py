@@ -11,7 +11,7 @@ Both graphs of the manifest name `model.safetensors`: one model runs the step (r
 prefill (chunked form). Precision: fp32, or fp16 (weights fp16 except the decay parameters, kept float32 as
 in every fp16 export; the recurrent state float32, conv caches fp16 inside, float32 at the state I/O).
 
-Run phase: needs torch (and safetensors). Where it runs (edgelin.export.torch_runtime.choose_device):
+Run phase: needs torch (and safetensors). Where it runs (edgelin.export.torch.runner.choose_device):
 `EDGELIN_TORCH_DEVICE` (cpu, cuda, cuda:N) when set; else a `--device` profile's compute (cuda: the GPU,
 cpu: the CPU; a phone's ane/gpu is refused); else the GPU when torch sees one, the CPU otherwise. Device
 profiles do not list this target (it is the reference, not a deployment): any profile with compute cuda
@@ -29,19 +29,15 @@ from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Phase, Target, missing_module
+from edgelin.export.torch.contract import (  # noqa: F401  (read_contract: used from here before)
+    CONFIG, CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION, PRECISIONS, WEIGHTS, read_contract)
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile, ExportSettings
-    from edgelin.export.torch_runtime import TorchRunner
+    from edgelin.export.torch.runner import TorchRunner
     from edgelin.families import FamilySpec
     from edgelin.model.lm import CausalLM
 
-PRECISIONS = ("fp32", "fp16")  # devices.TARGET_LIMITS["torch"]
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-CONTRACT = "torch.json"
-CONTRACT_FORMAT = "edgelin-torch"
-CONTRACT_VERSION = 1
 RUN_COMPUTES = ("cuda", "cpu")  # device profiles whose compute this target runs on
 _NEEDS = ("torch", "safetensors")
 _WHERE = "a machine with edgelin[onnx] installed (it brings torch; an NVIDIA GPU for the CUDA-graph decode)"
@@ -59,6 +55,11 @@ class TorchTarget(Target):
     extra = "onnx"  # the extra that brings torch
     options_type = TorchOptions
     saturates_float16 = True  # fp16 weights beyond float16's range: ±65504 (with_compute_dtype, to_float16)
+    precisions = PRECISIONS  # fp32 or fp16 weights; the recurrent state float32
+    in_device_profiles = False  # the reference, not a deployment (any profile with compute cuda or cpu runs it)
+    runtime = "torch"
+    libraries = (("torch", "pip install 'edgelin[onnx]' (it brings torch)"),
+                 ("safetensors", "pip install 'edgelin[onnx]'"))
 
     def can_export(self) -> Phase:
         missing = missing_module(_NEEDS)
@@ -105,7 +106,7 @@ class TorchTarget(Target):
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
                threads: int | None = None) -> "TorchRunner":
-        from edgelin.export.torch_runtime import TorchRunner
+        from edgelin.export.torch.runner import TorchRunner
 
         return TorchRunner(artifact.folder, artifact.manifest, device=device, threads=threads)
 
@@ -136,33 +137,3 @@ def write_model(model: "CausalLM", precision: str, folder: Path) -> dict:
                 "config_sha256": sha256_of(folder / CONFIG), "tensor_bytes": dict(sorted(by_dtype.items()))}
     (folder / CONTRACT).write_text(json.dumps(contract, indent=2) + "\n")
     return contract
-
-
-
-def read_contract(folder: Path) -> dict:
-    """torch.json, checked: the files it names sit in the folder, the weights at their recorded size."""
-    path = Path(folder) / CONTRACT
-    if not path.is_file():
-        raise EdgelinError(f"{path} is missing", "a torch export keeps its contract there",
-                           "copy the whole export folder, or re-run `edgelin export --target torch`")
-    try:
-        data = json.loads(path.read_text())
-        if data.get("format") != CONTRACT_FORMAT or data.get("version") != CONTRACT_VERSION:
-            raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}")
-        names = [data["config"], data["weights"]]
-        if any(not isinstance(n, str) or Path(n).name != n or n in (".", "..") for n in names):
-            raise ValueError(f"file names {names!r} must name files inside the folder")
-        if not isinstance(data["bytes"], int) or data.get("precision") not in PRECISIONS:
-            raise ValueError("bytes must be an integer and precision fp32 or fp16")
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise EdgelinError(f"{path} is malformed", f"{type(exc).__name__}: {exc}",
-                           "re-run `edgelin export --target torch`") from exc
-    for name in names:
-        if not (Path(folder) / name).is_file():
-            raise EdgelinError(f"{Path(folder) / name} is missing", f"{CONTRACT} lists it",
-                               "copy the whole export folder, or re-run `edgelin export --target torch`")
-    actual = (Path(folder) / data["weights"]).stat().st_size
-    if actual != data["bytes"]:
-        raise EdgelinError(f"{Path(folder) / data['weights']} has {actual} bytes, {CONTRACT} says {data['bytes']}",
-                           "the file is truncated or belongs to another export", "re-run `edgelin export`")
-    return data

@@ -22,7 +22,7 @@ from edgelin.errors import EdgelinError
 def load_program(package: Path) -> Any:
     """The MIL program (a coremltools Program: every function) of a saved .mlpackage, read through a private view
     of it (coreml_check.package_view: coremltools' loader writes into a package it opens)."""
-    from edgelin.export.coreml_check import coremltools_module, package_view
+    from edgelin.export.coreml.contract import coremltools_module, package_view
 
     ct = coremltools_module()
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
@@ -218,7 +218,7 @@ def run_function(function: Any, feeds: dict[str, np.ndarray], states: dict[str, 
         if kind not in OPS:
             raise EdgelinError(f"MIL op {kind!r} ({op.name})", "edgelin's numpy check of the conversion does not "
                                "implement it", "check this export on a Mac, or add the op to "
-                               "edgelin/export/coreml_mil.py")
+                               "edgelin/export/coreml/mil.py")
         args = {k: (tuple(value(v) for v in var) if isinstance(var, (list, tuple)) else value(var))
                 for k, var in op.inputs.items()}
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):

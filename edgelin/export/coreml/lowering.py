@@ -121,3 +121,13 @@ class StaticChunkEngine(TorchEngine):
             den, z = normalizer_chunk(z, q[:, :, part], k[:, :, part], None if g is None else g[:, :, part])
             dens.append(den)
         return torch.cat(dens, 2).transpose(1, 2), z
+
+
+def _lowering():
+    from edgelin.export.lowering import Lowering
+
+    return Lowering("coreml", StaticChunkEngine(), "static chunk loop per enumerated prompt length, rank <= 5 "
+                    "tensors per chunk (coremltools cannot convert torch's scan)")
+
+
+LOWERING = _lowering()

@@ -17,7 +17,7 @@ Export-side module: imports onnx inside its functions.
 
 from __future__ import annotations
 
-from edgelin.export.onnx_patterns import (GraphIndex, add_fused, broadcast_body, decay_body, head_constants,
+from edgelin.export.onnx.patterns import (GraphIndex, add_fused, broadcast_body, decay_body, head_constants,
                                           key_broadcast, recurrence_node, recurrences, reshape_shape, softplus_decay)
 from edgelin.ortops import DOMAIN
 
