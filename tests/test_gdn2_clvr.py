@@ -252,7 +252,7 @@ def test_onnx_export_validates(exported):
 
 def test_a_target_without_the_erase_gate_refuses_it_by_name():
     """Every registered target takes the erase gate now (TensorRT through the plugin's erase input:
-    tests/test_tensorrt_target.py exports and validates it); a lowering without it is refused by name."""
+    tests/export/tensorrt/test_tensorrt_target.py exports and validates it); a lowering without it is refused by name."""
     from edgelin.families.spec import erase_gate_refusal
 
     assert erase_gate_refusal(FAMILIES[GDN2], "tensorrt") is None

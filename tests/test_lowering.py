@@ -78,7 +78,7 @@ def test_lowering_registry_refuses_unknown_targets():
         with lowering("bogus"):
             pass
     assert "no lowering for target 'bogus'" in err.value.line() and "onnx" in err.value.line()
-    assert get_lowering("coreml").engine.name == "coreml-static-chunks"  # tests/test_coreml.py checks its math
+    assert get_lowering("coreml").engine.name == "coreml-static-chunks"  # tests/export/coreml/test_coreml.py checks its math
 
 
 CALLS: list[str] = []

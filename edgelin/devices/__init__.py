@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import PRECISIONS as _PRECISIONS, QUANTIZE_MODES, STATE_DTYPES as _STATE_DTYPES
-from edgelin.export.targets import get_target, target_names
+from edgelin.export.targets import get_target, profile_rules, target_names
 
 if TYPE_CHECKING:
     from edgelin.families.spec import StateTensor
@@ -34,8 +33,13 @@ README = "edgelin/devices/README.md"
 
 KINDS = ("desktop", "jetson", "phone", "server")
 COMPUTES = ("cpu", "cuda", "ane", "gpu")
-# The choices' vocabulary (declared once, edgelin.export.base); what each target writes, it says itself.
-PRECISIONS, QUANTIZE, STATE_DTYPES = _PRECISIONS, QUANTIZE_MODES, _STATE_DTYPES
+# The vocabulary of export choices, declared once (the CLI's choices, the targets' subsets of it); what each
+# target writes, it says itself (edgelin.export.base.Target).
+PRECISIONS = ("fp32", "fp16")  # graph compute precision (--precision)
+# weight-only quantisation (--quantize; fp16: float16 weight storage, float32 arithmetic); the state and recurrence
+# stay float
+QUANTIZE = ("int8", "int4", "fp16")
+STATE_DTYPES = ("float32", "float16")  # the recurrent state's dtype at the graphs' I/O
 # --block-size with --quantize int8/int4: ONNX Runtime's quantiser packs every weight with MLAS's
 # MlasQuantizeBlockwise, which takes blocks of 16 to 256 weights (512 and up: "unsupported block size", after the
 # whole trace), and MatMulNBits and GatherBlockQuantized take powers of two >= 16. edgelin's own 4- and 8-bit
@@ -46,7 +50,7 @@ SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackw
 
 def profile_targets() -> list[str]:
     """The registered targets a device profile may list (edgelin.export.targets; Target.in_device_profiles)."""
-    return [name for name in target_names() if get_target(name).in_device_profiles]
+    return [name for name in target_names() if profile_rules(name).listed]
 
 
 # ---- the schema -----------------------------------------------------------------------------------
@@ -80,7 +84,7 @@ def _targets(value: Any) -> str | None:
     if not isinstance(value, list) or not value:
         return f"must be a non-empty list of targets from: {', '.join(profile_targets())}"
     for name in value:
-        if not isinstance(name, str) or name not in target_names() or not get_target(name).in_device_profiles:
+        if not isinstance(name, str) or name not in target_names() or not profile_rules(name).listed:
             known = profile_targets()
             return f"{name!r} is not a target; targets are: {', '.join(known)}{_closest(name, known)}"
     if len(set(value)) != len(value):
@@ -216,12 +220,12 @@ class DeviceProfile:
         if "sm" in data and data["compute"] != "cuda":
             raise refuse(f"sm = {data['sm']!r} with compute = {data['compute']!r}",
                          "sm is a CUDA compute capability", "remove sm, or set compute = \"cuda\"")
-        for listed in data["targets"]:  # a target that runs on some computes only says which (Target.profile_computes)
-            computes = get_target(listed).profile_computes
-            if computes is not None and data["compute"] not in computes:
+        for listed in data["targets"]:  # a target that runs on some computes only says which (profile_rules)
+            rules = profile_rules(listed)
+            if rules.computes is not None and data["compute"] not in rules.computes:
                 raise refuse(f"targets lists {listed!r} with compute = {data['compute']!r}",
-                             get_target(listed).compute_reason or f"the {listed} target runs on {'/'.join(computes)}",
-                             f"set compute = \"{computes[0]}\", or remove {listed}")
+                             rules.reason or f"the {listed} target runs on {'/'.join(rules.computes)}",
+                             f"set compute = \"{rules.computes[0]}\", or remove {listed}")
         return cls(name=name, source=source, **{
             **data, "targets": tuple(data["targets"]), "notes": tuple(data.get("notes", ())),
             "memory_gib": float(data["memory_gib"]),

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgelin.devices import PRECISIONS, QUANTIZE as QUANTIZE_MODES, STATE_DTYPES  # noqa: F401  (the vocabulary)
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
@@ -35,13 +36,6 @@ if TYPE_CHECKING:
     from edgelin.export.lowering import Lowering
     from edgelin.families import FamilySpec
     from edgelin.model.lm import CausalLM
-
-# The vocabulary of export choices, declared once (the CLI's choices, device profiles and targets use these).
-PRECISIONS = ("fp32", "fp16")  # graph compute precision (--precision)
-# weight-only quantisation (--quantize; fp16: float16 weight storage, float32 arithmetic); the state and recurrence
-# stay float
-QUANTIZE_MODES = ("int8", "int4", "fp16")
-STATE_DTYPES = ("float32", "float16")  # the recurrent state's dtype at the graphs' I/O
 
 State = dict[str, np.ndarray]  # past_key_values.* name -> array: what read_state returns, write_state takes
 _FROM_HERE = "start from runner.new_state(batch), or write what runner.read_state returned"
@@ -343,7 +337,9 @@ class Target(ABC):
     state_dtypes: tuple[str, ...] = ("float32",)
     quantize_modes: tuple[str, ...] = ()
     # Device profiles: whether one may list this target (the torch reference is not a deployment), the profile
-    # fields it reads as options (e.g. a CUDA target's "sm"), and the computes it runs on (None: any) and why.
+    # fields it reads as options (e.g. a CUDA target's "sm"), and the computes it runs on (None: any) and why. A
+    # built-in target declares the first and the last two in its package __init__ as well (IN_DEVICE_PROFILES,
+    # PROFILE_COMPUTES, COMPUTE_REASON), where edgelin.devices reads them without importing the target.
     in_device_profiles: bool = True
     profile_options: tuple[str, ...] = ()
     profile_computes: tuple[str, ...] | None = None

@@ -23,8 +23,12 @@ from importlib import import_module
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from typing import TYPE_CHECKING, NamedTuple
+
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Target
+
+if TYPE_CHECKING:
+    from edgelin.export.base import Target
 
 ENTRY_POINT_GROUP = "edgelin.targets"
 DECLARATION = "TARGET"  # the module-level name a built-in target package's __init__.py assigns "module:Class"
@@ -51,9 +55,34 @@ def _constants(init: Path) -> dict[str, object]:
     """The constants a module assigns at its top level (name = literal), read without running it."""
     found: dict[str, object] = {}
     for node in ast.parse(init.read_text(encoding="utf-8"), str(init)).body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
-            found.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+        if isinstance(node, ast.Assign):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:  # not a literal: not a declaration
+                continue
+            found.update({t.id: value for t in node.targets if isinstance(t, ast.Name)})
     return found
+
+
+class ProfileRules(NamedTuple):
+    """What a device profile may say about a target: whether it may list it, on which computes (None: any)."""
+
+    listed: bool
+    computes: tuple[str, ...] | None
+    reason: str
+
+
+def profile_rules(name: str) -> ProfileRules:
+    """A target's device-profile rules: a built-in target's from its package declarations (IN_DEVICE_PROFILES,
+    PROFILE_COMPUTES, COMPUTE_REASON), without importing it (profiles load where no target's libraries are, e.g.
+    numpy); a plug-in's from its Target class."""
+    declared = _builtin_declarations().get(name)
+    if declared is not None:
+        computes = declared.get("PROFILE_COMPUTES")
+        return ProfileRules(bool(declared.get("IN_DEVICE_PROFILES", True)),
+                            None if computes is None else tuple(computes), str(declared.get("COMPUTE_REASON", "")))
+    target = get_target(name)
+    return ProfileRules(target.in_device_profiles, target.profile_computes, target.compute_reason)
 
 
 def builtin_targets() -> dict[str, str]:
@@ -83,7 +112,7 @@ def target_names() -> list[str]:
     return list(registered_targets())
 
 
-def get_target(name: str) -> Target:
+def get_target(name: str) -> "Target":
     """An instance of the target registered as `name`; unknown names are refused with the closest match."""
     known = registered_targets()
     if name not in known:
@@ -99,6 +128,8 @@ def get_target(name: str) -> Target:
         except (ImportError, AttributeError) as exc:
             raise EdgelinError(f"target {name!r} ({known[name]}) cannot be loaded", f"{type(exc).__name__}: {exc}",
                                "reinstall the package that provides it") from exc
+    from edgelin.export.base import Target
+
     if not (isinstance(cls, type) and issubclass(cls, Target)):
         raise EdgelinError(f"target {name!r} ({known[name]}) is not a Target", "a target's declaration names a "
                            "subclass of edgelin.export.base.Target", "fix the declaration in its package")

@@ -12,7 +12,7 @@ The per-chunk math is `edgelin.reference.recurrence.chunked`'s (same `_decays`, 
 `invert_unit_lower`), applied to one chunk at a time, Gated DeltaNet-2's erase gate included (the
 two-row WY form derived in `chunked`'s docstring: erase directions f = e * k, rows r = r_V + M S0);
 the step and token-loop forms are the reference's own. Tests compare this engine with the reference
-(tests/test_coreml.py).
+(tests/export/coreml/test_coreml.py).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ present they write from the past (a growing cache) keeps its ping-pong buffers, 
 from its past (Identity) or a past also read by a node that may run after the present is written.
 ONNX Runtime's com.microsoft LinearAttention and CausalConvWithState (the step's recurrence and short conv,
 edgelin.export.lowering) are checked to give bit-equal outputs with their past and present bound to one
-buffer (tests/test_onnx_in_place.py: every update rule, batch 3).
+buffer (tests/export/onnx/test_onnx_in_place.py: every update rule, batch 3).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import onnx
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where"}  # writers that may read the past (same element, before)
-# contrib writers checked to read their past before writing it (tests/test_onnx_in_place.py)
+# contrib writers checked to read their past before writing it (tests/export/onnx/test_onnx_in_place.py)
 # edgelin.ortops' own: each conv channel's window and each state row (the delta rules: the whole state) read first
 IN_PLACE_CONTRIB = {("com.microsoft", "LinearAttention"), ("com.microsoft", "CausalConvWithState"),
                     ("ai.edgelin", "LinearAttention"), ("ai.edgelin", "CausalConvWithState")}

@@ -3,3 +3,5 @@
 purpose: the registry reads TARGET below without importing torch or tensorrt."""
 
 TARGET = "edgelin.export.tensorrt.target:TensorrtTarget"
+PROFILE_COMPUTES = ("cuda",)  # a device profile that lists this target has compute = "cuda"
+COMPUTE_REASON = "TensorRT runs on NVIDIA GPUs only"

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Phase, TargetFlag
 from edgelin.export.onnx.target import OnnxOptions, OnnxTarget
+from edgelin.export.tensorrt import COMPUTE_REASON, PROFILE_COMPUTES
 from edgelin.export.tensorrt.step_node import (  # noqa: F401  (the plugin node's names, used here and by tests)
     DTYPE_BF16, DTYPE_F16, DTYPE_F32, GATE_NONE, GATE_PER_KEY, GATE_SCALAR, PLUGIN_DOMAIN, PLUGIN_FIELDS, PLUGIN_NAME,
     PLUGIN_NAMESPACE, PLUGIN_VERSION, _ONNX_TYPES, overload_name, plugin_step)
@@ -173,8 +174,7 @@ class TensorrtTarget(OnnxTarget):
     options_type = TensorrtOptions
     quantize_modes = ()  # weight quantisation is the ONNX target's (ONNX Runtime's kernels)
     profile_options = ("sm",)  # the engine's CUDA compute capability
-    profile_computes = ("cuda",)
-    compute_reason = "TensorRT runs on NVIDIA GPUs only"
+    profile_computes, compute_reason = PROFILE_COMPUTES, COMPUTE_REASON  # declared in the package (data)
     triton_backend = "tensorrt_plan"  # edgelin.serve.triton.TENSORRT_PLAN: the user builds model.plan
     runtime = "tensorrt"
     runtime_distributions = (("tensorrt", ("tensorrt", "tensorrt-cu12", "tensorrt-cu13")),

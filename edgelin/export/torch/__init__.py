@@ -3,3 +3,4 @@ decoders it may run on CUDA (fused_decode, graph_decode). Light on purpose: the 
 below without importing torch."""
 
 TARGET = "edgelin.export.torch.target:TorchTarget"
+IN_DEVICE_PROFILES = False  # the reference, not a deployment (any profile with compute cuda or cpu runs it)

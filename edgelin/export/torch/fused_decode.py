@@ -17,7 +17,7 @@ plus the embedding gather, the final norm and the LM head. `FusedDecoder` captur
 
 The numbers are the model's (edgelin.model.mixer) with every elementwise step in float32 inside the
 kernels instead of rounded to the weights' dtype between ops: equal to the unfused model within the
-fp16 tolerance (tests/test_fused_decode.py runs the kernels under TRITON_INTERPRET=1 against the
+fp16 tolerance (tests/export/torch/test_fused_decode.py runs the kernels under TRITON_INTERPRET=1 against the
 model; tests/gpu/test_decode_gpu.py on CUDA). `fused_support(model)` says which models it takes
 (otherwise callers use the unfused GraphDecoder).
 """

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Phase, Target, missing_module
+from edgelin.export.torch import IN_DEVICE_PROFILES
 from edgelin.export.torch.contract import (  # noqa: F401  (read_contract: used from here before)
     CONFIG, CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION, PRECISIONS, WEIGHTS, read_contract)
 
@@ -56,7 +57,7 @@ class TorchTarget(Target):
     options_type = TorchOptions
     saturates_float16 = True  # fp16 weights beyond float16's range: ±65504 (with_compute_dtype, to_float16)
     precisions = PRECISIONS  # fp32 or fp16 weights; the recurrent state float32
-    in_device_profiles = False  # the reference, not a deployment (any profile with compute cuda or cpu runs it)
+    in_device_profiles = IN_DEVICE_PROFILES  # declared in the package (data): the reference is not a deployment
     runtime = "torch"
     libraries = (("torch", "pip install 'edgelin[onnx]' (it brings torch)"),
                  ("safetensors", "pip install 'edgelin[onnx]'"))

@@ -18,7 +18,7 @@ from edgelin.cli import app
 from edgelin.export.pipeline import export_checkpoint
 from helpers import make_checkpoint
 
-HEADERS = Path(__file__).resolve().parent.parent / ".trt-headers" / "v10.3.0" / "include"
+HEADERS = Path(__file__).resolve().parents[3] / ".trt-headers" / "v10.3.0" / "include"
 LIB = "tensorrt/libedgelin_trt_plugin_trt10.so"
 # The hybrid tiny model's step inputs, written out by hand: batch 1/1/8, everything else fixed.
 STATE = [("past_key_values.0.recurrent_state", "2x8x8"), ("past_key_values.0.conv_state", "48x3"),
@@ -133,7 +133,7 @@ def _build_here(monkeypatch, folder: Path) -> None:
     shim = folder.parent / "shim"
     shim.mkdir()
     (shim / "tensorrt.py").write_text(  # replaces itself in sys.modules, as trt_standin.install does in-process
-        f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\nimport trt_standin\n\n\n"
+        f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\nimport trt_standin\n\n\n"
         "class Setter:\n    def setitem(self, mapping, key, value):\n        mapping[key] = value\n\n\n"
         "trt_standin.install(Setter())\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]))

@@ -450,7 +450,7 @@ def test_validate_stderr_holds_only_edgelin_lines(explicit):
     import sys
 
     done = subprocess.run([sys.executable, "-m", "edgelin.cli", "validate", str(explicit)],
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     other = [ln for ln in done.stderr.splitlines()
