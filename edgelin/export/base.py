@@ -57,7 +57,13 @@ class Artifact:
     folder: Path
     manifest: "Manifest"
     files: dict[str, str]
-    missing: str | None = None  # after a partial build: what was not built, and why (the rest still runs)
+
+
+@dataclass(frozen=True)
+class Built(Artifact):
+    """What a build phase made; `missing`: after a partial build, what was not built and why (the rest runs)."""
+
+    missing: str | None = None
 
 
 @dataclass(frozen=True)
@@ -359,6 +365,7 @@ class Target(ABC):
     flags: tuple[TargetFlag, ...] = ()
     build_flags: tuple[TargetFlag, ...] = ()
     run_flags: tuple[TargetFlag, ...] = ()  # `edgelin bench DIR`'s, for the runner it opens (apply_run_options)
+    erase_gate: bool = False  # its lowering runs Gated DeltaNet-2's erase gate (family_support)
     pads_state_dims: bool = False  # pads the state up to a profile's state_dim_multiple instead of refusing
     saturates_float16: bool = False  # stores float16 weights beyond its range saturated (with --force)
 
@@ -398,7 +405,7 @@ class Target(ABC):
         """None when every layer of this family can be exported; otherwise why not."""
         from edgelin.families.spec import erase_gate_refusal
 
-        return erase_gate_refusal(spec, self.name)
+        return erase_gate_refusal(spec, self.name, self.erase_gate)
 
     def default_options(self) -> Any:
         return self.options_type()
@@ -436,10 +443,10 @@ class Target(ABC):
         """Write the graphs into `folder` (a temp folder the pipeline renames); return {kind: file name}."""
 
     def build(self, artifact: Artifact, device: "DeviceProfile | None" = None,
-              options: dict[str, Any] | None = None) -> Artifact:
+              options: dict[str, Any] | None = None) -> Built:
         """The build phase (engine, compiled model, plugin library). Only for targets whose can_build is not
         None; they override this. `options`: {field: value} of the build_flags passed. A partial build (what
-        runs, built; the rest not possible here) returns the Artifact with `missing` saying what and why."""
+        runs, built; the rest not possible here) says in `missing` what and why."""
         raise EdgelinError(f"the {self.name} target has no build phase", "its exported files run as they are",
                            f"open the folder directly (edgelin bench/generate/validate {artifact.folder})")
 

@@ -441,6 +441,7 @@ class OnnxTarget(Target):
     options_type = OnnxOptions
     saturates_float16 = True  # fp16 weights beyond float16's range: ±65504 (with_compute_dtype, to_float16)
     precisions = PRECISIONS
+    erase_gate = True  # the ONNX forms and (TensorRT, a subclass) the EdgelinStep plugin's erase input
     triton_backend = "onnxruntime"  # edgelin.serve.triton.ONNXRUNTIME
     runtime = "onnxruntime"
     runtime_distributions = (("onnxruntime", ("onnxruntime", "onnxruntime-gpu")),)

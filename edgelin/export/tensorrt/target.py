@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Artifact, Phase, TargetFlag
+from edgelin.export.base import Artifact, Built, Phase, TargetFlag
 from edgelin.export.onnx.target import OnnxOptions, OnnxTarget
 from edgelin.export.tensorrt import COMPUTE_REASON, PROFILE_COMPUTES
 from edgelin.export.tensorrt.step_node import (  # noqa: F401  (the plugin node's names, used here and by tests)
@@ -234,7 +234,7 @@ class TensorrtTarget(OnnxTarget):
         return Phase(True)
 
     def build(self, artifact: Artifact, device: "DeviceProfile | None" = None,
-              options: dict | None = None) -> Artifact:
+              options: dict | None = None) -> Built:
         """The plugin library into tensorrt/, then the engines where TensorRT and a GPU are (tensorrt.build);
         a partial build (the library, no engine) says what is missing."""
         import re
@@ -244,7 +244,7 @@ class TensorrtTarget(OnnxTarget):
         options = options or {}
         archs = [a for a in re.split(r"[,; ]+", options.get("archs") or "") if a] or None
         result = build_folder(artifact.folder, device, options.get("trt_include"), archs)
-        return Artifact(artifact.folder, artifact.manifest, result.files, result.missing)
+        return Built(artifact.folder, artifact.manifest, result.files, result.missing)
 
     def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
         # Every folder runs on ONNX Runtime through its plugin functions (the validation runner); a folder
