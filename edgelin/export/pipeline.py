@@ -281,14 +281,14 @@ class ExportRequest:
         return export_phases(self.baselines, self.serve)
 
 
-def flag_owners() -> dict[str, list[str]]:
-    """{field of a target flag: the targets that own it}, over every registered target."""
+def flag_owners() -> dict[str, tuple[str, list[str]]]:
+    """{field of a target's export flag: (the flag, the targets that declare it)}, over every registered target."""
     from edgelin.export.targets import get_target, target_names
 
-    owners: dict[str, list[str]] = {}
+    owners: dict[str, tuple[str, list[str]]] = {}
     for name in target_names():
         for flag in get_target(name).flags:
-            owners.setdefault(flag.field, []).append(name)
+            owners.setdefault(flag.field, (flag.flag, []))[1].append(name)
     return owners
 
 
@@ -317,14 +317,11 @@ def check_request(request: ExportRequest) -> tuple[Any, DeviceProfile | None, Ex
         from edgelin.quality import read_text
 
         read_text(request.text)  # empty, binary or not UTF-8: one line, before the checkpoint loads
-    own = {flag.field for flag in target.flags}
-    owners = flag_owners()
-    foreign = [f for f in request.target_flags if f not in own]
-    if foreign:
-        flags = {f.field: f.flag for name in {o for f in foreign for o in owners.get(f, ())}
-                 for f in get_target(name).flags}
-        names = [flags.get(f, f) for f in foreign]
-        where = sorted({o for f in foreign for o in owners.get(f, ())})
+    foreign = [name for name in request.target_flags if name not in {flag.field for flag in target.flags}]
+    if foreign:  # another target's flag: named with its owner, as one line
+        owners = flag_owners()
+        names = [owners[name][0] if name in owners else name for name in foreign]
+        where = sorted({owner for name in foreign for owner in owners.get(name, ("", []))[1]}) or ["another"]
         raise EdgelinError(f"{'/'.join(names)} appl{'ies' if len(names) == 1 else 'y'} to --target "
                            f"{' or '.join(where)} only, not {target.name}",
                            f"{'it is' if len(names) == 1 else 'they are'} the {' and '.join(where)} target's own "
