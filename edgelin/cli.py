@@ -234,7 +234,7 @@ def export(
 ) -> None:
     """Export step + prefill graphs, reference vectors and manifest.json for a target:
     `edgelin export TARGET CHECKPOINT --out DIR` (each target's own flags: `edgelin export TARGET --help`)."""
-    from edgelin.export.pipeline import ExportRequest, run_export
+    from edgelin.export.request import ExportRequest, run_export
     from edgelin.export.targets import default_target, get_target
 
     if len(positional) > 2:

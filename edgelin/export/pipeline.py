@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,6 +18,7 @@ from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, phase_refusal
 from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.artifact.manifest import MANIFEST, GraphEntry, Manifest
+from edgelin.export.request import export_phases
 from edgelin.export.targets import get_target
 from edgelin.integrity import digest_folder
 from edgelin.model.lm import CausalLM, beyond_range
@@ -77,13 +78,6 @@ def weights_entries(folder: Path, files: dict[str, str], settings: ExportSetting
     quantized = quantize.describe(folder, graph_files)
     return {weights.WEIGHTS_KEY: weights.describe(folder, list(graph_files.values()), files[weights.WEIGHTS_KEY]),
             "precision": precision_entry(settings), **({"quantization": quantized} if quantized else {})}
-
-
-def export_phases(baselines: Sequence[str] = (), serve: str | None = None) -> list[str]:
-    """The phases export_model reports to on_progress, in order (a progress bar's total)."""
-    return ["tracing the graphs", "recording reference vectors", "checking quality",
-            *(["exporting baselines"] if baselines else []), *(["writing the Triton repository"] if serve else []),
-            "writing the manifest"]
 
 
 def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tokenizer: Path | None = None,
@@ -256,85 +250,3 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, fo
     result = export_model(model, out, target or default_target(), source, tokenizer, force, device, options, settings=settings,
                           baselines=baselines, text=text, serve=serve, on_progress=on_progress)
     return replace(result, inert_fields=tuple(info.inert_fields), warnings=(*warnings, *result.warnings))
-
-
-@dataclass(frozen=True)
-class ExportRequest:
-    """One `edgelin export`: the choices every target takes, and the target's own flags as given
-    (`target_flags`: {field: value} of its TargetFlags that were passed; the target validates them)."""
-
-    checkpoint: Path
-    out: Path
-    target: str
-    force: bool = False
-    device: str | None = None  # a device profile's name (edgelin devices)
-    precision: str | None = None
-    quantize: str | None = None
-    block_size: int | None = None
-    text: Path | None = None
-    include_tokenizer: bool = True
-    baselines: tuple[str, ...] = ()
-    serve: str | None = None
-    target_flags: Mapping[str, Any] = field(default_factory=dict)
-
-    def phases(self) -> list[str]:
-        return export_phases(self.baselines, self.serve)
-
-
-def flag_owners() -> dict[str, tuple[str, list[str]]]:
-    """{field of a target's export flag: (the flag, the targets that declare it)}, over every registered target."""
-    from edgelin.export.targets import get_target, target_names
-
-    owners: dict[str, tuple[str, list[str]]] = {}
-    for name in target_names():
-        for flag in get_target(name).flags:
-            owners.setdefault(flag.field, (flag.flag, []))[1].append(name)
-    return owners
-
-
-def check_request(request: ExportRequest) -> tuple[Any, DeviceProfile | None, ExportSettings]:
-    """Everything about the request that can be refused before the checkpoint loads, in one line each: the
-    target's export phase, the common choices (edgelin.devices.export_settings), the held-out text, and the
-    target's own flags (a flag of another target named as such). Returns (options, device, settings)."""
-    from edgelin.devices import get_device
-    from edgelin.export.targets import get_target
-
-    target = get_target(request.target)
-    phase = target.can_export()  # before the exporter's own imports (torch): one line if missing
-    if not phase.ok:
-        raise phase_refusal(target, "export", phase, "pick another --target")
-    device = get_device(request.device) if request.device is not None else None
-    if request.block_size is not None and request.quantize is None:
-        raise EdgelinError(f"--block-size {request.block_size} without --quantize", "the block size is a quantisation "
-                           "setting; unquantised weights have no blocks", "add --quantize int4 (or int8), or drop "
-                           "--block-size")
-    if request.block_size is not None and request.quantize == "fp16":
-        raise EdgelinError(f"--block-size {request.block_size} with --quantize fp16", "float16 weights are stored one "
-                           "by one, not in blocks", "drop --block-size, or use --quantize int4 (or int8)")
-    settings = export_settings(device, target.name, request.precision, request.quantize, request.block_size,
-                               request.force)
-    if request.text is not None:
-        from edgelin.quality import read_text
-
-        read_text(request.text)  # empty, binary or not UTF-8: one line, before the checkpoint loads
-    foreign = [name for name in request.target_flags if name not in {flag.field for flag in target.flags}]
-    if foreign:  # another target's flag: named with its owner, as one line
-        owners = flag_owners()
-        names = [owners[name][0] if name in owners else name for name in foreign]
-        where = sorted({owner for name in foreign for owner in owners.get(name, ("", []))[1]}) or ["another"]
-        raise EdgelinError(f"{'/'.join(names)} appl{'ies' if len(names) == 1 else 'y'} to --target "
-                           f"{' or '.join(where)} only, not {target.name}",
-                           f"{'it is' if len(names) == 1 else 'they are'} the {' and '.join(where)} target's own "
-                           "option" + ("" if len(names) == 1 else "s"), f"drop {', '.join(names)}")
-    options, settings = target.options_from_flags(dict(request.target_flags), settings, request.precision)
-    return options, device, settings
-
-
-def run_export(request: ExportRequest, on_progress: Progress | None = None) -> ExportResult:
-    """`edgelin export`, as the command line asks it: the request checked (check_request), then the checkpoint
-    exported (export_checkpoint)."""
-    options, device, settings = check_request(request)
-    return export_checkpoint(request.checkpoint, request.out, request.target, request.force, device, options=options,
-                             include_tokenizer=request.include_tokenizer, settings=settings,
-                             baselines=request.baselines, text=request.text, serve=request.serve,
-                             on_progress=on_progress)

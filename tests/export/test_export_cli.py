@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from edgelin.cli import app
-from edgelin.export import pipeline
+from edgelin.export import request as export_request
 
 
 def help_of(*args: str) -> str:
@@ -31,13 +31,13 @@ def test_a_targets_help_shows_its_own_flags_only():
 
 @pytest.fixture
 def captured(monkeypatch):
-    seen: list[pipeline.ExportRequest] = []
+    seen: list[export_request.ExportRequest] = []
 
     def run_export(request, on_progress=None):
         seen.append(request)
         raise SystemExit(0)  # stop before anything is loaded or written
 
-    monkeypatch.setattr(pipeline, "run_export", run_export)
+    monkeypatch.setattr(export_request, "run_export", run_export)
     return seen
 
 
