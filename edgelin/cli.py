@@ -234,7 +234,7 @@ def export(
 ) -> None:
     """Export step + prefill graphs, reference vectors and manifest.json for a target:
     `edgelin export TARGET CHECKPOINT --out DIR` (each target's own flags: `edgelin export TARGET --help`)."""
-    from edgelin.export.request import ExportRequest, run_export
+    from edgelin.export.request import ExportRequest, prepare_export
     from edgelin.export.targets import default_target, get_target
 
     if len(positional) > 2:
@@ -251,9 +251,10 @@ def export(
     given = given_flags(target_flags, "target_")
     request = ExportRequest(checkpoint, out_dir, target, force, device, precision, quantize, block_size, text,
                             not no_tokenizer, (baseline,) if baseline else (), serve, given)
+    prepared = prepare_export(request)  # its refusals before the progress line
     doing, phases = f"exporting {checkpoint} to {target}", request.phases()
     with out.progress(doing, total=len(phases)) as update:
-        result = run_export(request, on_progress=lambda done, total, what: update(done, f"{doing}: {what}", total))
+        result = prepared.run(on_progress=lambda done, total, what: update(done, f"{doing}: {what}", total))
         update(len(phases), description=doing)  # all done; the closing line names the whole job
     for warning in result.warnings:
         out.warning(warning)

@@ -57,10 +57,29 @@ def flag_owners() -> dict[str, tuple[str, list[str]]]:
     return owners
 
 
-def check_request(request: ExportRequest) -> tuple[Any, "DeviceProfile | None", "ExportSettings"]:
+@dataclass(frozen=True)
+class PreparedExport:
+    """A checked request: the target's options from its flags, the device profile and the export settings."""
+
+    request: ExportRequest
+    options: Any
+    device: "DeviceProfile | None"
+    settings: "ExportSettings"
+
+    def run(self, on_progress: "Progress | None" = None) -> "ExportResult":
+        """The export (edgelin.export.pipeline.export_checkpoint; its imports, torch among them, only now)."""
+        from edgelin.export import pipeline
+
+        r = self.request
+        return pipeline.export_checkpoint(r.checkpoint, r.out, r.target, r.force, self.device, options=self.options,
+                                          include_tokenizer=r.include_tokenizer, settings=self.settings,
+                                          baselines=r.baselines, text=r.text, serve=r.serve, on_progress=on_progress)
+
+
+def prepare_export(request: ExportRequest) -> PreparedExport:
     """Everything about the request that can be refused before the checkpoint loads, in one line each: the
     target's export phase, the common choices (edgelin.devices.export_settings), the held-out text, and the
-    target's own flags (a flag of another target named as such). Returns (options, device, settings)."""
+    target's own flags (a flag of another target named as such)."""
     from edgelin.devices import export_settings, get_device
     from edgelin.export.base import phase_refusal
     from edgelin.export.targets import get_target
@@ -93,17 +112,9 @@ def check_request(request: ExportRequest) -> tuple[Any, "DeviceProfile | None", 
                            f"{'it is' if len(names) == 1 else 'they are'} the {' and '.join(where)} target's own "
                            "option" + ("" if len(names) == 1 else "s"), f"drop {', '.join(names)}")
     options, settings = target.options_from_flags(dict(request.target_flags), settings, request.precision)
-    return options, device, settings
+    return PreparedExport(request, options, device, settings)
 
 
 def run_export(request: ExportRequest, on_progress: "Progress | None" = None) -> "ExportResult":
-    """`edgelin export`, as the command line asks it: the request checked (check_request; the exporter's own
-    imports, torch among them, only after its target said it can export here), then the checkpoint exported
-    (edgelin.export.pipeline.export_checkpoint)."""
-    options, device, settings = check_request(request)
-    from edgelin.export import pipeline
-
-    return pipeline.export_checkpoint(request.checkpoint, request.out, request.target, request.force, device, options=options,
-                             include_tokenizer=request.include_tokenizer, settings=settings,
-                             baselines=request.baselines, text=request.text, serve=request.serve,
-                             on_progress=on_progress)
+    """`edgelin export` from Python: the request checked (prepare_export), then run."""
+    return prepare_export(request).run(on_progress)

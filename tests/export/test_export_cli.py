@@ -33,11 +33,11 @@ def test_a_targets_help_shows_its_own_flags_only():
 def captured(monkeypatch):
     seen: list[export_request.ExportRequest] = []
 
-    def run_export(request, on_progress=None):
+    def prepare_export(request):
         seen.append(request)
         raise SystemExit(0)  # stop before anything is loaded or written
 
-    monkeypatch.setattr(export_request, "run_export", run_export)
+    monkeypatch.setattr(export_request, "prepare_export", prepare_export)
     return seen
 
 
