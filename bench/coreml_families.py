@@ -36,7 +36,7 @@ def tiny_checkpoint(folder: Path, family: str) -> Path:
 def run_one(root: Path, family: str, style: str) -> dict:
     from edgelin.devices import ExportSettings
     from edgelin.errors import EdgelinError
-    from edgelin.export.coreml_target import CoremlOptions
+    from edgelin.export.coreml.target import CoremlOptions
     from edgelin.export.pipeline import export_checkpoint
     from edgelin.replay import replay
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from edgelin.kernels.fused_decode import DecodeTuning, FusedDecoder  # noqa: E402
-from edgelin.kernels.graph_decode import GraphDecoder  # noqa: E402
+from edgelin.export.torch.fused_decode import DecodeTuning, FusedDecoder  # noqa: E402
+from edgelin.export.torch.graph_decode import GraphDecoder  # noqa: E402
 
 DEV = "cuda"
 RESULTS: dict = {}

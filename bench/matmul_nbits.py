@@ -71,7 +71,7 @@ def variant(spec: str, fp32: onnx.ModelProto, scratch: Path) -> onnx.ModelProto:
     quantizer.process()
     model = quantizer.model.model
     if library == ["edgelin"]:
-        from edgelin.export.onnx_kernels import route_graph
+        from edgelin.export.onnx.kernels import route_graph
 
         if not route_graph(model, products_only=True):
             raise SystemExit(f"{spec}: edgelin's library takes none of these products (bits 4 or 8, block 32)")

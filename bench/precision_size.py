@@ -42,7 +42,7 @@ PREPACKED = ("fp32", "fp16")  # float exports also measured with prepacking on (
 
 def export_all(checkpoint: Path, work: Path) -> dict[str, Path]:
     from edgelin.devices import export_settings
-    from edgelin.export.onnx_target import OnnxOptions
+    from edgelin.export.onnx.target import OnnxOptions
     from edgelin.export.pipeline import export_checkpoint
 
     folders = {}
@@ -97,7 +97,7 @@ print(json.dumps({"disk": disk, "rss": rss, "pss": pss, "step_ms": 1e3 * float(n
 def measure(folder: Path, iters: int, prepack: bool | None = None) -> dict:
     import os
 
-    from edgelin.export.onnx_runtime import PREPACK_ENV
+    from edgelin.export.onnx.runner import PREPACK_ENV
 
     env = {k: v for k, v in os.environ.items() if k != PREPACK_ENV}
     if prepack is not None:

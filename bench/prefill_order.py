@@ -23,7 +23,7 @@ import numpy as np
 def child(folder: Path, order: str, threads: int) -> None:
     import onnxruntime as ort
 
-    import edgelin.export.onnx_runtime as onnx_runtime
+    import edgelin.export.onnx.runner as onnx_runtime
     from edgelin.runtime import open_runner, prefill
 
     options = onnx_runtime._options

@@ -27,7 +27,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export.onnx_kernels import route_graph
+from edgelin.export.onnx.kernels import route_graph
 from edgelin.export.quantize import quantize_graph
 
 

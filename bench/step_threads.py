@@ -26,7 +26,7 @@ WARMUP = 50
 
 def child(folder: Path, threads: int, spinning: bool, prefill_tokens: int, steps: int) -> float:
     """The median step in ms, in this process."""
-    import edgelin.export.onnx_runtime as onnx_runtime
+    import edgelin.export.onnx.runner as onnx_runtime
     from edgelin.runtime import open_runner, prefill
 
     options = onnx_runtime._options

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Literal, Optional
+import inspect as pyinspect
+from typing import Any, Callable, Literal, Optional
 
 import typer
 from rich.text import Text
@@ -15,16 +16,17 @@ from edgelin.cli_support import (JSON, NO_VERIFY, POSITIVE, _debug, _finite, app
                                  library_load_fault, prepare_process)
 from edgelin.devices import MAX_THREADS
 from edgelin.errors import EdgelinError
+from edgelin.cli_support import EdgelinCommand
+from edgelin.export.base import PRECISIONS, QUANTIZE_MODES
 from edgelin.export.targets import target_names
 from edgelin.output import Output, human_bytes, styled
 
 # Choices typer shows in --help and checks at parse time.
 TargetName = Literal[tuple(target_names())]  # type: ignore[valid-type]  # the registry, not a hand-kept list
-Precision = Literal["fp32", "fp16"]
-Quantize = Literal["int8", "int4", "fp16"]
+Precision = Literal[PRECISIONS]  # type: ignore[valid-type]  # the vocabulary, declared once (edgelin.export.base)
+Quantize = Literal[QUANTIZE_MODES]  # type: ignore[valid-type]
 Baseline = Literal["kv"]
 Serve = Literal["triton"]
-CoremlStyle = Literal["explicit", "mlstate"]
 
 
 def _print_version(value: bool) -> None:
@@ -115,11 +117,93 @@ def inspect(
               [[r["device"], r["target"], "yes" if r["ok"] else "no", r["reason"] or ""] for r in report.targets])
 
 
-@command
+def _target_options(flags_of: Callable[[Any], tuple], prefix: str = "") -> dict[str, tuple[Any, list[str]]]:
+    """{keyword: (typer Option, owning targets)} for every registered target's flags (TargetFlag, declared as data
+    by each target), one help panel per target; a flag two targets declare is one option of both."""
+    from edgelin.export.targets import get_target
+
+    found: dict[str, tuple[Any, list[str]]] = {}
+    for name in target_names():
+        for flag in flags_of(get_target(name)):
+            keyword = prefix + flag.field
+            if keyword in found:
+                found[keyword][1].append(name)
+                continue
+            kind = Optional[Literal[flag.choices]] if flag.choices else Optional[flag.type]  # type: ignore[valid-type]
+            switch = flag.type is bool and "/" not in flag.flag  # on or off; an --x/--no-x pair has three states
+            option = typer.Option(False if switch else None, flag.flag, help=flag.help,
+                                  rich_help_panel=f"{name} options")
+            found[keyword] = ((option, bool if switch else kind), [name])
+    return found
+
+
+def with_target_options(options: dict[str, tuple[Any, list[str]]]) -> Callable[[Callable], Callable]:
+    """A command whose **keywords become the targets' own options (the signature typer reads)."""
+    def apply(fn: Callable) -> Callable:
+        sig = pyinspect.signature(fn)
+        fixed = [p for p in sig.parameters.values() if p.kind is not pyinspect.Parameter.VAR_KEYWORD]
+        added = [pyinspect.Parameter(keyword, pyinspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)
+                 for keyword, ((option, kind), _) in options.items()]
+        fn.__signature__ = sig.replace(parameters=[*fixed, *added])  # type: ignore[attr-defined]
+        return fn
+    return apply
+
+
+EXPORT_FLAGS = _target_options(lambda t: t.flags, prefix="target_")
+BUILD_FLAGS = _target_options(lambda t: t.build_flags, prefix="build_")
+RUN_FLAGS = _target_options(lambda t: t.run_flags, prefix="run_")
+OWNERS = {keyword: owners for keyword, (_, owners) in {**EXPORT_FLAGS, **BUILD_FLAGS, **RUN_FLAGS}.items()}
+
+
+def given_flags(values: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """{field: value} of the target flags passed (an unset option is None; an unset on-switch is False)."""
+    return {keyword.removeprefix(prefix): value for keyword, value in values.items()
+            if value is not None and not (value is False and "/" not in _flag_name(keyword))}
+
+
+def _flag_name(keyword: str) -> str:
+    option, _ = {**EXPORT_FLAGS, **BUILD_FLAGS, **RUN_FLAGS}[keyword][0]
+    return " ".join(option.param_decls)
+
+
+def refuse_foreign_flags(given: dict[str, Any], prefix: str, target: str, what: str) -> None:
+    """A flag of another target's, given for a folder or export of `target`: one line naming whose it is."""
+    foreign = [field for field in given if target not in OWNERS[prefix + field]]
+    if foreign:
+        names = [_flag_name(prefix + field).split("/")[0] for field in foreign]
+        owners = sorted({o for field in foreign for o in OWNERS[prefix + field]})
+        raise EdgelinError(f"{'/'.join(names)} on a {target} {what}", f"{'it is' if len(names) == 1 else 'they are'} "
+                           f"the {' and '.join(owners)} target's own", f"drop {', '.join(names)}")
+
+
+class ExportCommand(EdgelinCommand):
+    """`edgelin export <target> CHECKPOINT` (optimum-cli's shape) with that target's own flags only (its --help
+    shows them); `edgelin export CHECKPOINT --target X` (the alias) takes every target's flags and refuses
+    another target's by name."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] in target_names():  # the optimum-cli shape: the target first
+            ctx.meta["edgelin.target"] = args[0]
+        return super().parse_args(ctx, args)
+
+    def get_params(self, ctx: Any) -> list:
+        params = super().get_params(ctx)
+        chosen = ctx.meta.get("edgelin.target")
+        if chosen is None:
+            return params
+        return [p for p in params if p.name != "target" and chosen in OWNERS.get(p.name, [chosen])]
+
+
+@command(cls=ExportCommand)
+@with_target_options(EXPORT_FLAGS)
 def export(
     out: Output,
-    checkpoint: Path = typer.Argument(..., help="Checkpoint directory (config.json + safetensors), or a recipe folder."),
-    target: TargetName = typer.Option("onnx", "--target", "-t", help="Export target."),
+    positional: list[Path] = typer.Argument(..., metavar="[TARGET] CHECKPOINT",
+                                            help="The target (`edgelin export TARGET CKPT`; else --target, else the "
+                                                 "default target) and the checkpoint directory (config.json + "
+                                                 "safetensors), or a recipe folder.", show_default=False),
+    target: Optional[TargetName] = typer.Option(None, "--target", "-t", help="Export target (the alias of the "
+                                                "positional TARGET)."),
     out_dir: Path = typer.Option(..., "--out", "-o", help="Output folder (must not exist unless --force)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output folder that edgelin wrote."),
     device: Optional[str] = typer.Option(None, "--device", help="Check the export against a device profile "
@@ -131,12 +215,6 @@ def export(
                                  "(int8/int4: block-wise, ONNX Runtime's MatMulNBits and GatherBlockQuantized; "
                                  "fp16: float16 weights, float32 arithmetic, edgelin's MatMulF16); state and "
                                  "recurrence stay float."),
-    keep_embeddings_float: bool = typer.Option(
-        False, "--keep-embeddings-float", help="With --quantize: leave the embedding table and LM head float "
-                                               "(quantise the other matmuls only)."),
-    embeddings_bits: Optional[int] = typer.Option(
-        None, "--embeddings-bits", help="With --quantize int4 / int8: the embedding table and LM head at 8 or 4 "
-                                        "bits (default: as --quantize; 8 with int4 is what llama.cpp's Q4_0 does)."),
     text: Optional[Path] = typer.Option(
         None, "--text", help="Held-out UTF-8 text for the recorded quality figures (perplexity; default: the "
                              "recipe's validation split)."),
@@ -151,106 +229,32 @@ def export(
     serve: Optional[Serve] = typer.Option(
         None, "--serve", help="Also write a Triton Inference Server model repository into DIR/triton/ (sequence "
                               "batcher, implicit state, client.py; docs/serving.md)."),
-    trt_inplace: bool = typer.Option(False, "--trt-inplace",
-                                     help="tensorrt: the step plugin updates the recurrent state in place (TensorRT's "
-                                          "aliased plugin I/O, a preview feature since 10.3)."),
-    coreml_style: Optional[CoremlStyle] = typer.Option(
-        None, "--coreml-style", help="coreml: explicit state inputs/outputs, or iOS 18 MLState (fp16 state) "
-                                     "(default: explicit)."),
-    prefill_lengths: Optional[str] = typer.Option(
-        None, "--prefill-lengths", help="coreml: prompt lengths with a prefill function each, comma-separated "
-                                        "(default: 16,64); other lengths are fed in those pieces, the tail by step."),
-    deployment_target: Optional[str] = typer.Option(
-        None, "--deployment-target", help="coreml: iOS18 (default; one package, shared weights), iOS16/iOS17/"
-                                          "macOS13/macOS14 (explicit style; one package per function), macOS15."),
-    kv_cache: Optional[str] = typer.Option(
-        None, "--kv-cache", help="onnx: the attention layers' KV cache: growing (default; concatenated each call) or "
-                                 "static (one buffer of --context tokens updated in place: GroupQueryAttention)."),
-    context: Optional[int] = typer.Option(None, "--context", help="onnx, with --kv-cache static: the cache's "
-                                                                 "capacity in tokens (a longer sequence is refused)."),
-    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="onnx, with --kv-cache static: the cache's "
-                                           "dtype, fp32 (default) or fp16 (half the bytes read per token)."),
-    step_ops: Optional[str] = typer.Option(
-        None, "--step-ops", help="onnx: edgelin (default): the step's short convs, recurrences, 4-/8-bit products "
-                                 "and static-KV-cache attention through edgelin's CPU kernel library where the "
-                                 "runner loads it, ONNX Runtime's own ops elsewhere (same file); contrib: ONNX "
-                                 "Runtime's contrib ops LinearAttention and CausalConvWithState (ONNX Runtime >= "
-                                 "1.32); standard: standard ONNX ops only (any ONNX runtime, slower)."),
     as_json: bool = JSON,
+    **target_flags: Any,
 ) -> None:
-    """Export step + prefill graphs, reference vectors and manifest.json for a target."""
-    from edgelin.devices import export_settings, get_device
-    from edgelin.export.base import phase_refusal
-    from edgelin.export.targets import get_target
+    """Export step + prefill graphs, reference vectors and manifest.json for a target:
+    `edgelin export TARGET CHECKPOINT --out DIR` (each target's own flags: `edgelin export TARGET --help`)."""
+    from edgelin.export.request import ExportRequest, prepare_export
+    from edgelin.export.targets import default_target, get_target
 
-    phase = get_target(target).can_export()  # before the exporter's own imports (torch): one line if missing
-    if not phase.ok:
-        raise phase_refusal(get_target(target), "export", phase, "pick another --target")
-    from edgelin.export.pipeline import export_checkpoint, export_phases
-
-    profile = get_device(device) if device is not None else None
-    if block_size is not None and quantize is None:
-        raise EdgelinError(f"--block-size {block_size} without --quantize", "the block size is a quantisation "
-                           "setting; unquantised weights have no blocks", "add --quantize int4 (or int8), or drop "
-                           "--block-size")
-    if block_size is not None and quantize == "fp16":
-        raise EdgelinError(f"--block-size {block_size} with --quantize fp16", "float16 weights are stored one by one, "
-                           "not in blocks", "drop --block-size, or use --quantize int4 (or int8)")
-    if keep_embeddings_float and quantize is None:
-        raise EdgelinError("--keep-embeddings-float without --quantize", "unquantised exports keep every weight "
-                           "float already", "add --quantize int4 (or int8), or drop --keep-embeddings-float")
-    # Refused here, before the checkpoint loads.
-    settings = export_settings(profile, target, precision, quantize, block_size, force)
-    if text is not None:
-        from edgelin.data import read_text
-
-        read_text(text)  # empty, binary or not UTF-8: one line, before the checkpoint loads
-    onnx_options: dict[str, Any] = {}  # OnnxOptions fields the flags set
-    if embeddings_bits is not None and quantize not in ("int4", "int8"):
-        raise EdgelinError(f"--embeddings-bits {embeddings_bits} without --quantize int4 or int8", "only block-quantised "
-                           "exports store the embedding table and LM head in bits", "add --quantize int4, or drop "
-                           "--embeddings-bits")
-    if keep_embeddings_float:  # --quantize is onnx-only (export_settings refused it for other targets)
-        onnx_options["quantize_embeddings"] = False
-    if embeddings_bits is not None:
-        onnx_options["embedding_bits"] = embeddings_bits
-    if kv_cache is not None or context is not None or kv_dtype is not None:
-        if target != "onnx":
-            raise EdgelinError(f"--kv-cache/--context/--kv-dtype apply to --target onnx only, not {target}",
-                               "the fixed-capacity cache is ONNX Runtime's GroupQueryAttention", "drop them")
-        onnx_options.update(kv_cache=kv_cache or "growing", context=context, kv_dtype=kv_dtype or "fp32")
-    if step_ops is not None:
-        if target != "onnx":
-            raise EdgelinError(f"--step-ops applies to --target onnx only, not {target}",
-                               "it picks how the ONNX step graph writes the recurrence", "drop --step-ops")
-        onnx_options["step_ops"] = step_ops
-    options = None
-    if onnx_options:
-        from edgelin.export.onnx_target import OnnxOptions
-
-        options = OnnxOptions(**onnx_options)
-    if trt_inplace:
-        if target != "tensorrt":
-            raise EdgelinError(f"--trt-inplace applies to --target tensorrt only, not {target}",
-                               "it sets the TensorRT step plugin's state aliasing", "drop --trt-inplace")
-        from edgelin.export.tensorrt_target import TensorrtOptions
-
-        options = TensorrtOptions(inplace=True)
-    coreml_given = [f for f, v in (("--coreml-style", coreml_style), ("--prefill-lengths", prefill_lengths),
-                                   ("--deployment-target", deployment_target)) if v is not None]
-    if target == "coreml":
-        from edgelin.export.coreml_target import cli_options
-
-        options, settings = cli_options(settings, precision, coreml_style, prefill_lengths, deployment_target)
-    elif coreml_given:
-        raise EdgelinError(f"{coreml_given[0]} applies to --target coreml only, not {target}",
-                           "it is a Core ML export option", f"drop {', '.join(coreml_given)}")
-    doing, phases = f"exporting {checkpoint} to {target}", export_phases((baseline,) if baseline else (), serve)
+    if len(positional) > 2:
+        raise EdgelinError(f"{len(positional)} arguments", "export takes [TARGET] CHECKPOINT",
+                           f"pass e.g. `edgelin export {default_target()} CKPT --out DIR`")
+    *named, checkpoint = positional
+    if named:
+        get_target(str(named[0]))  # an unknown target: one line with the closest name
+        if target is not None and target != str(named[0]):
+            raise EdgelinError(f"target {named[0]} and --target {target}", "an export has one target",
+                               "name the target once")
+        target = str(named[0])
+    target = target or default_target()
+    given = given_flags(target_flags, "target_")
+    request = ExportRequest(checkpoint, out_dir, target, force, device, precision, quantize, block_size, text,
+                            not no_tokenizer, (baseline,) if baseline else (), serve, given)
+    prepared = prepare_export(request)  # its refusals before the progress line
+    doing, phases = f"exporting {checkpoint} to {target}", request.phases()
     with out.progress(doing, total=len(phases)) as update:
-        result = export_checkpoint(checkpoint, out_dir, target, force, profile, options=options,
-                                   include_tokenizer=not no_tokenizer, settings=settings,
-                                   baselines=(baseline,) if baseline else (), text=text, serve=serve,
-                                   on_progress=lambda done, total, what: update(done, f"{doing}: {what}", total))
+        result = prepared.run(on_progress=lambda done, total, what: update(done, f"{doing}: {what}", total))
         update(len(phases), description=doing)  # all done; the closing line names the whole job
     for warning in result.warnings:
         out.warning(warning)
@@ -423,6 +427,7 @@ def _quality_table(out: Output, report: Any) -> None:
 
 
 @command
+@with_target_options(RUN_FLAGS)
 def bench(
     out: Output,
     folder: Path = typer.Argument(..., help="An export folder."),
@@ -435,13 +440,9 @@ def bench(
     threads: Optional[int] = typer.Option(None, min=0, max=MAX_THREADS, help="Runtime threads (0 or unset: the device's, "
                                                             "else the runtime's default)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
-    prepack: Optional[bool] = typer.Option(
-        None, "--prepack/--no-prepack", help="onnx: let ONNX Runtime prepack the weights (a private copy per "
-                                             "session; default: off for float exports and for int4 / int8 ones whose "
-                                             "4-/8-bit products are all edgelin's kernel, on for other quantised "
-                                             "ones)."),
     no_verify: bool = NO_VERIFY,
     as_json: bool = JSON,
+    **run_flags: Any,
 ) -> None:
     """Per-token latency at each context position, prefill throughput and memory."""
     from edgelin.bench import bench as run_bench
@@ -454,16 +455,14 @@ def bench(
                            "e.g. --positions 1,1024,8192") from None
     profile = get_device(device) if device is not None else None
     threads = threads or (profile.threads if profile and profile.threads else None)
-    if prepack is not None:
-        import os
-
-        from edgelin.export.onnx_runtime import PREPACK_ENV
+    given = given_flags(run_flags, "run_")
+    if given:  # the runner's own options (e.g. ONNX Runtime's weight prepacking), set by its target
+        from edgelin.export.targets import get_target
         from edgelin.runtime import load_artifact
 
-        if load_artifact(folder).manifest.target != "onnx":
-            raise EdgelinError(f"--{'' if prepack else 'no-'}prepack on a {load_artifact(folder).manifest.target} "
-                               "export", "it sets ONNX Runtime's weight prepacking", "drop it, or bench an onnx export")
-        os.environ[PREPACK_ENV] = "1" if prepack else "0"  # read by the ONNX runner this process opens
+        target = load_artifact(folder).manifest.target
+        refuse_foreign_flags(given, "run_", target, "export")
+        get_target(target).apply_run_options(given)
     with out.progress("benchmarking", total=len(set(points)) * (2 if baseline else 1) + bool(prefill_tokens)) as update:
         report = run_bench(folder, points, batch, warmup, iters, prefill_tokens, baseline=baseline, threads=threads,
                            on_progress=lambda msg: update(description=msg), device=profile,
@@ -539,17 +538,15 @@ def generate(
 
 
 @command
+@with_target_options(BUILD_FLAGS)
 def build(
     out: Output,
     folder: Path = typer.Argument(..., help="An export folder."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile to build for "
                                                                   "(`edgelin devices` lists them)."),
-    trt_include: Optional[Path] = typer.Option(None, "--trt-include", help="tensorrt: the folder holding "
-                                               "NvInferRuntime.h (default: $TENSORRT_INCLUDE_DIR, system folders)."),
-    archs: Optional[str] = typer.Option(None, "--archs", help="tensorrt: CUDA compute capabilities, e.g. 87 or "
-                                        "86,89,90 (default: the device's sm, else 80-90)."),
     no_verify: bool = NO_VERIFY,
     as_json: bool = JSON,
+    **build_flags: Any,
 ) -> None:
     """The build phase: turn an export into what its runtime loads (engine, compiled model), where the target has one."""
     from edgelin.devices import get_device
@@ -560,6 +557,8 @@ def build(
     profile = get_device(device) if device is not None else None
     artifact = load_artifact(folder)
     target = get_target(artifact.manifest.target)
+    given = given_flags(build_flags, "build_")
+    refuse_foreign_flags(given, "build_", target.name, "export")
     refused = target.device_refusal(profile)  # as generate and bench refuse it, with or without a build phase
     if refused is not None:
         raise phase_refusal(target, "build", refused)
@@ -570,23 +569,13 @@ def build(
         return
     if not phase.ok:
         raise phase_refusal(target, "build", phase)
-    if target.name == "tensorrt":  # its own options; a partial build (library, no engine) still exits 0
-        import re
-
-        from edgelin.export.tensorrt_build import build_folder
-
-        arch_list = [a for a in re.split(r"[,; ]+", archs or "") if a] or None
-        with out.progress(f"building {folder} for tensorrt"):
-            result = build_folder(artifact.folder, profile, trt_include, arch_list)
-        out.result({"folder": str(folder), "target": target.name, "build": result.files, "missing": result.missing})
-        out.line(f"built {folder}: {', '.join(result.files.values())}")
-        if result.missing:
-            out.line(f"not built: {result.missing}")
-        return
     with out.progress(f"building {folder} for {target.name}"):
-        built = target.build(artifact, profile)
-    out.result({"folder": str(built.folder), "target": target.name, "build": built.files})
-    out.line(f"built {folder} -> {built.folder}: {', '.join(built.files.values())}")
+        built = target.build(artifact, profile, given)  # a partial build (e.g. a library, no engine) still exits 0
+    out.result({"folder": str(built.folder), "target": target.name, "build": built.files, "missing": built.missing})
+    moved = Path(built.folder).resolve() != Path(artifact.folder).resolve()
+    out.line(f"built {folder}{f' -> {built.folder}' if moved else ''}: {', '.join(built.files.values())}")
+    if built.missing:
+        out.line(f"not built: {built.missing}")
 
 
 from edgelin import cli_train_report  # noqa: E402,F401  (registers train and report after the commands above)

@@ -255,28 +255,34 @@ def argv_text(value: str, option: str) -> str:
                            "encoding)", fix) from None
 
 
-# Libraries an install may lack by design (`edgelin[runtime]` has none of them), each with how to get it.
-OPTIONAL_MODULES = {
-    "torch": "pip install 'edgelin[onnx]' (it brings torch)",
-    "onnx": "pip install 'edgelin[onnx]'",
-    "safetensors": "pip install 'edgelin[onnx]'",
+# Libraries an install may lack by design (`edgelin[runtime]` has none of them), each with how to get it: the
+# core's own, and those each target declares (Target.libraries).
+CORE_OPTIONAL_MODULES = {
     "transformers": "pip install 'edgelin[onnx]'",
     "triton": "pip install 'edgelin[onnx]' on a machine with an NVIDIA GPU",
-    "coremltools": "pip install coremltools (Core ML predictions also need macOS 13+)",
-    "tensorrt": "use a machine with TensorRT (a Jetson, an NGC container)",
     "matplotlib": "pip install matplotlib",
 }
+
+
+def optional_modules() -> dict[str, str]:
+    from edgelin.export.targets import get_target, target_names
+
+    declared = {module: how for name in target_names() for module, how in get_target(name).libraries}
+    return {**declared, **CORE_OPTIONAL_MODULES}
 
 
 def missing_library(module: str, command_name: str) -> EdgelinError:
     top = module.split(".")[0]
     return EdgelinError(f"`edgelin {command_name.replace('_', '-')}` needs {top} here",
                         "this install does not have it (a runtime-only install, edgelin[runtime], runs validate, "
-                        "bench, generate and build on export folders)", OPTIONAL_MODULES[top])
+                        "bench, generate and build on export folders)", optional_modules()[top])
 
 
-def command(fn: Callable) -> Callable:
-    """Register a command whose EdgelinErrors become one line on stderr and a non-zero exit."""
+def command(fn: Callable | None = None, *, cls: type = EdgelinCommand) -> Callable:
+    """Register a command whose EdgelinErrors become one line on stderr and a non-zero exit (`cls`: its click
+    command class)."""
+    if fn is None:
+        return functools.partial(command, cls=cls)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -301,7 +307,7 @@ def command(fn: Callable) -> Callable:
         except (typer.Exit, typer.Abort):
             raise
         except ModuleNotFoundError as exc:  # an optional library this install lacks (a runtime-only one)
-            if _debug["on"] or (exc.name or "").split(".")[0] not in OPTIONAL_MODULES:
+            if _debug["on"] or (exc.name or "").split(".")[0] not in optional_modules():
                 raise
             error = missing_library(exc.name or "", fn.__name__)
             out.error(error.line())
@@ -326,4 +332,4 @@ def command(fn: Callable) -> Callable:
 
     sig = inspect.signature(fn)
     wrapper.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
-    return app.command(cls=EdgelinCommand)(wrapper)
+    return app.command(cls=cls)(wrapper)

@@ -28,7 +28,6 @@ from edgelin import __version__
 RESULT_FORMAT = "edgelin-result"
 RESULT_VERSION = 1
 HASH_METHOD = "sha256(manifest.json, which records every file's sha256; older exports: + graph files without a digest)"
-_RUNTIMES = ("tensorrt", "coremltools", "onnxruntime")  # python modules, by the runner label's first word
 
 
 def environment(kind: str, folder: Path, runner_label: str, threads: int | None, device: str | None,
@@ -39,11 +38,14 @@ def environment(kind: str, folder: Path, runner_label: str, threads: int | None,
     from edgelin.artifact.manifest import Manifest
 
     manifest = Manifest.load(Path(folder))
-    runtime = runtime_of(runner_label, manifest.target)
+    from edgelin.export.targets import get_target
+
+    target = get_target(manifest.target)
+    runtime = target.runtime_of(runner_label)
     quant = manifest.extra.get("quantization")
     quantization = (f"int{quant.get('bits')} (block {quant.get('block_size')})"
                     if isinstance(quant, dict) and quant.get("bits") else None)
-    uses_gpu = runtime in ("tensorrt",) or "cuda" in runner_label.lower() or "gpu" in runner_label.lower()
+    uses_gpu = runtime in target.gpu_runtimes or "cuda" in runner_label.lower() or "gpu" in runner_label.lower()
     return {
         "format": RESULT_FORMAT,
         "format_version": RESULT_VERSION,
@@ -59,7 +61,7 @@ def environment(kind: str, folder: Path, runner_label: str, threads: int | None,
         "machine": platform.machine(),
         "python": platform.python_version(),
         "runtime": runtime,
-        "runtime_version": module_version(runtime),
+        "runtime_version": module_version(runtime, dict(target.runtime_distributions).get(runtime, ())),
         "runner": runner_label,
         "threads": threads,
         "target": manifest.target,
@@ -70,23 +72,12 @@ def environment(kind: str, folder: Path, runner_label: str, threads: int | None,
     }
 
 
-def runtime_of(runner_label: str, target: str) -> str:
-    """The runtime module a runner runs on, from its label (`runner: ...` in every report)."""
-    first = runner_label.strip().lower()
-    for name in _RUNTIMES:
-        if first.startswith(name):
-            return name
-    if first.startswith("coreml"):
-        return "coremltools" if "apple" in first else "numpy"  # off macOS: the MIL program in numpy
-    return {"onnx": "onnxruntime", "coreml": "coremltools", "tensorrt": "tensorrt"}.get(target, target)
-
-
-def module_version(name: str) -> str | None:
-    """The installed version of a runtime module, without importing it when its metadata says."""
+def module_version(name: str, distributions: tuple[str, ...] = ()) -> str | None:
+    """The installed version of a runtime module, without importing it when its metadata says (`distributions`:
+    the pip distributions that carry it, when not one of its own name)."""
     from importlib import metadata
 
-    for dist in {"onnxruntime": ("onnxruntime", "onnxruntime-gpu"), "numpy": ("numpy",),
-                 "tensorrt": ("tensorrt", "tensorrt-cu12", "tensorrt-cu13")}.get(name, (name,)):
+    for dist in distributions or (name,):
         with contextlib.suppress(metadata.PackageNotFoundError):
             return metadata.version(dist)
     with contextlib.suppress(Exception):  # e.g. JetPack's tensorrt, installed without pip metadata

@@ -57,12 +57,12 @@ def open_runner(folder: Path, threads: int | None = None, device: "DeviceProfile
 
 
 def runner_label(runner: Runner) -> str:
-    """Which runtime a runner runs (reports print it as `runner: ...`): its own label (the tensorrt
-    target's: "tensorrt engine (...)" or "onnxruntime (plugin functions); ..."), else its target's runtime."""
+    """Which runtime a runner runs (reports print it as `runner: ...`): its own label (e.g. "tensorrt engine
+    (...)"), else its target's runtime (Target.runtime)."""
     label = getattr(runner, "label", None)
     if label:
         return str(label)
-    return {"onnx": "onnxruntime"}.get(runner.manifest.target, runner.manifest.target)
+    return get_target(runner.manifest.target).runtime_of("")
 
 
 def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, start: int = 0,

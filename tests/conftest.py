@@ -33,7 +33,7 @@ def _worker_threads_for_onnxruntime() -> None:
     """Test plumbing: under xdist an ONNX Runtime session that is not given a thread count takes the worker's
     (one), not ONNX Runtime's default (every core, its workers spinning between runs): two workers' sessions
     spinning on the 2 cores slowed the other worker's tracing. Sessions given a count keep it."""
-    from edgelin.export import onnx_runtime
+    from edgelin.export.onnx import runner as onnx_runtime
 
     options = onnx_runtime._options
 

@@ -2,7 +2,7 @@
 
 Tracing dominates the suite's time (torch.onnx.export: ~10 s a graph on the 2-core CI machine), and
 many test files export the very same tiny checkpoint (`make_checkpoint(..., "hybrid")`, seed 0) with
-the very same settings. `install()` wraps `edgelin.export.onnx_target.export_onnx_graph` so that
+the very same settings. `install()` wraps `edgelin.export.onnx.target.export_onnx_graph` so that
 the second request for an identical graph copies the file the first one wrote, across pytest-xdist
 workers (a file lock per graph: a worker asking for a graph being traced waits for it).
 
@@ -55,8 +55,9 @@ TRACED_MODULES = (
     "edgelin.model.lm", "edgelin.model.layers", "edgelin.model.mixer", "edgelin.model.attention",
     "edgelin.model.config", "edgelin.reference.engine", "edgelin.reference.recurrence",
     "edgelin.families.spec", "edgelin.families.feature_maps", "edgelin.kernels.dispatch",
-    "edgelin.export.onnx_target", "edgelin.export.lowering", "edgelin.export.graphs",
-    "edgelin.artifact.tensors", "edgelin.artifact.state", "edgelin.export.tensorrt_target",
+    "edgelin.export.onnx.target", "edgelin.export.lowering", "edgelin.export.graphs",
+    "edgelin.artifact.tensors", "edgelin.artifact.state", "edgelin.export.tensorrt.target",
+    "edgelin.export.onnx.lowering", "edgelin.export.tensorrt.lowering", "edgelin.export.tensorrt.step_node",
 )
 
 
@@ -118,7 +119,7 @@ def install() -> None:
         return
     from filelock import FileLock
 
-    from edgelin.export import onnx_target
+    from edgelin.export.onnx import target as onnx_target
 
     traced = onnx_target.export_onnx_graph
 

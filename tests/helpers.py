@@ -118,7 +118,7 @@ def qwen_attention_checkpoint(folder: Path, seed: int = 0) -> Path:
 
 def assert_not_fused(proto, fuse) -> None:
     """A step-graph fusion `fuse(proto, float32 tensor names)` refuses `proto`: 0 fused, the same nodes."""
-    from edgelin.export.onnx_kernels import float_tensor_names
+    from edgelin.export.onnx.kernels import float_tensor_names
 
     before = [n.op_type for n in proto.graph.node]
     assert fuse(proto, float_tensor_names(proto)) == 0

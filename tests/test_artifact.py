@@ -252,7 +252,7 @@ def test_bench_refuses_a_kv_position_that_does_not_fit(export, monkeypatch):
 def test_force_replaces_an_export_with_its_baseline_but_not_a_foreign_folder(export, tmp_path, monkeypatch):
     """--force replaces a folder whose baseline-kv/ edgelin wrote (listed, and itself wholly an
     export); a folder of the user's inside is still refused by name."""
-    from edgelin.export import onnx_target
+    from edgelin.export.onnx import target as onnx_target
 
     monkeypatch.setattr(onnx_target, "export_onnx_graph", lambda *a: Path(a[4]).write_bytes(b"fake graph"))
     monkeypatch.setattr(onnx_target, "finish_graphs", lambda *a, **k: {})  # no weights to share out of fakes

@@ -175,7 +175,7 @@ def test_remote_code_is_refused(tmp_path, ckpt):
 
 
 def test_unknown_target(tmp_path, ckpt):
-    export_fails(tmp_path, ckpt, "'--target'", "'onx' is not one of 'onnx'", args=("--target", "onx"))
+    export_fails(tmp_path, ckpt, "'--target'", "'onx' is not one of 'coreml', 'onnx'", args=("--target", "onx"))
 
 
 def test_device_without_the_target(tmp_path, ckpt):
@@ -200,7 +200,7 @@ def test_existing_output_needs_force(tmp_path):
 
 
 def test_failed_export_leaves_nothing(tmp_path, ckpt, monkeypatch):
-    from edgelin.export import onnx_target
+    from edgelin.export.onnx import target as onnx_target
 
     def explode(*_a, **_k):
         raise EdgelinError("boom", "simulated exporter failure", "none")

@@ -84,7 +84,7 @@ def test_a_markup_path_validates_and_prints_verbatim(exports):
 
 def test_the_pip_hint_survives_in_the_error_line(exports, monkeypatch):
     from edgelin.export.base import Phase
-    from edgelin.export.onnx_target import OnnxTarget
+    from edgelin.export.onnx.target import OnnxTarget
 
     monkeypatch.setattr(OnnxTarget, "can_export", lambda self: Phase(False, "onnxruntime is not installed"))
     result = run("export", exports["ckpt"], "--out", exports["out"].parent / "never")
@@ -247,7 +247,7 @@ def test_export_help_shows_choices_and_flags_as_flags():
     assert proc.returncode == 0
     assert "<bool>" not in stdout
     assert re.search(r"--force +Replace an existing output folder", stdout), stdout
-    assert re.search(r"--target +-t +<onnx\|tensorrt\|coreml\|torch> ", stdout) and "<fp32|fp16>" in stdout, stdout
+    assert re.search(r"--target +-t +<coreml\|onnx\|tensorrt\|torch> ", stdout) and "<fp32|fp16>" in stdout, stdout
     assert "--no-tokenizer" in stdout
 
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from conftest import family_layers, tiny_config
 from wheels import build_wheel
 from edgelin.cli import app
-from edgelin.devices import (DEVICES_DIR, FIELDS, TARGET_LIMITS, ExportSettings, check_state_dims, export_settings,
+from edgelin.export.onnx.target import OnnxTarget
+from edgelin.devices import (DEVICES_DIR, FIELDS, ExportSettings, check_state_dims, export_settings,
                              get_device, load_devices)
 from edgelin.errors import EdgelinError
 from edgelin.model.lm import CausalLM
@@ -108,7 +109,7 @@ def test_unknown_field_through_the_cli_is_one_line(tmp_path, monkeypatch):
     ("state_dtype", '"bfloat16"', "state_dtype must be one of: float32, float16 (closest: 'float16')"),
     ("kind", '"laptop"', "kind must be one of: desktop, jetson, phone, server"),
     ("compute", '"npu"', "compute must be one of: cpu, cuda, ane, gpu"),
-    ("targets", '["onnx", "tensorrtt"]', "'tensorrtt' is not a target; targets are: onnx, tensorrt, coreml "
+    ("targets", '["onnx", "tensorrtt"]', "'tensorrtt' is not a target; targets are: coreml, onnx, tensorrt "
                                          "(closest: 'tensorrt')"),
     ("targets", '[]', "targets must be a non-empty list"),
     ("targets", '["onnx", "onnx"]', "names a target twice"),
@@ -175,7 +176,7 @@ def test_fp16_profile_with_onnx_exports_fp16_graphs():
 
 def test_a_precision_the_target_cannot_write_is_refused_with_what_it_can(monkeypatch):
     # a target that writes fp32 only (as onnx did before issue 11): the profile's fp16 is refused, not replaced
-    monkeypatch.setitem(TARGET_LIMITS, "onnx", {"precision": ("fp32",), "state_dtype": ("float32",)})
+    monkeypatch.setattr(OnnxTarget, "precisions", ("fp32",))
     with pytest.raises(EdgelinError) as info:
         export_settings(get_device("jetson-orin"), "onnx")
     line = info.value.line()

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from edgelin.cli import app
 from edgelin.devices import ExportSettings
-from edgelin.export.onnx_target import OnnxTarget
+from edgelin.export.onnx.target import OnnxTarget
 from edgelin.model.lm import with_compute_dtype
 from helpers import make_checkpoint
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from edgelin.export import onnx_target
+from edgelin.export.onnx import target as onnx_target
 from edgelin.export.fuse_matmuls import FUSED_MODULES, fuse_matmuls
 from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.export.lowering import lowering
 from edgelin.model.lm import CausalLM
 
-LAYOUTS = {  # as tests/test_onnx_nodes.py: transformers' Mamba2 and Qwen3.5's grouped-head Gated DeltaNet
+LAYOUTS = {  # as tests/export/onnx/test_onnx_nodes.py: transformers' Mamba2 and Qwen3.5's grouped-head Gated DeltaNet
     "mamba2": dict(num_heads=4, num_k_heads=1, conv_bias=True, intermediate_size=0),
     "gated_deltanet": dict(num_heads=4, num_k_heads=2),
 }

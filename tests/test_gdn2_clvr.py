@@ -20,7 +20,6 @@ from edgelin.checkpoint import save_checkpoint
 from edgelin.cli import app
 from edgelin.errors import EdgelinError
 from edgelin.families import FAMILIES, SOFTMAX, FamilySpec
-from edgelin.families.spec import ERASE_GATE_TARGETS
 from edgelin.model.config import ModelConfig
 from edgelin.model.lm import CausalLM
 from edgelin.model.mixer import use_engine
@@ -252,23 +251,27 @@ def test_onnx_export_validates(exported):
 
 def test_a_target_without_the_erase_gate_refuses_it_by_name():
     """Every registered target takes the erase gate now (TensorRT through the plugin's erase input:
-    tests/test_tensorrt_target.py exports and validates it); a lowering without it is refused by name."""
+    tests/export/tensorrt/test_tensorrt_target.py exports and validates it); a lowering without it is refused by name."""
+    from edgelin.export.targets import get_target
     from edgelin.families.spec import erase_gate_refusal
 
-    assert erase_gate_refusal(FAMILIES[GDN2], "tensorrt") is None
-    assert erase_gate_refusal(FAMILIES[GDN2], "tflite") == "the tflite lowering has no erase gate yet; it is planned"
-    assert erase_gate_refusal(FAMILIES["gated_deltanet"], "tflite") is None
+    assert get_target("tensorrt").family_support(FAMILIES[GDN2]) is None
+    assert erase_gate_refusal(FAMILIES[GDN2], "tflite", False) == "the tflite lowering has no erase gate yet; it is planned"
+    assert erase_gate_refusal(FAMILIES["gated_deltanet"], "tflite", False) is None
 
 
 def test_every_lowering_agrees_with_the_erase_gate_targets():
-    """ERASE_GATE_TARGETS (what `families` and export refusals say) matches what each registered
-    lowering's engine can actually run."""
-    from edgelin.export.lowering import LOWERINGS
+    """Each target's erase_gate (what `families` and export refusals say) matches what its lowering's engine
+    can actually run."""
+    from edgelin.export.lowering import all_lowerings
+    from edgelin.export.targets import get_target
     from edgelin.reference.engine import takes_erase
 
-    for target, entry in LOWERINGS.items():
+    lowerings = all_lowerings()
+    assert {"onnx", "tensorrt", "coreml"} <= set(lowerings)  # every target that traces graphs declares one
+    for target, entry in lowerings.items():
         runs = takes_erase(entry.engine, "step") and takes_erase(entry.engine, "chunked")
-        assert runs == (target in ERASE_GATE_TARGETS), target
+        assert runs == get_target(target).erase_gate, target
 
 
 def test_an_engine_without_the_erase_gate_is_refused_not_run_as_gated_deltanet():

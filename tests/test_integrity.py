@@ -2,7 +2,7 @@
 records each file's sha256 in manifest.json; validate, generate, bench and build refuse a changed file in one line
 naming it (or, --no-verify, run it); a FIFO or device in a listed file's place is named as such and never opened; a
 verdict is cached by the file's identity in the per-user cache, never in the folder; an older manifest opens with
-one warning. (The Core ML side, validate writing nothing and a quiet stderr: tests/test_coreml.py.)"""
+one warning. (The Core ML side, validate writing nothing and a quiet stderr: tests/export/coreml/test_coreml.py.)"""
 
 from __future__ import annotations
 

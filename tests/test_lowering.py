@@ -17,7 +17,7 @@ from edgelin.errors import EdgelinError
 from edgelin.export import lowering as lowering_mod
 from edgelin.export.graphs import graph_io
 from edgelin.export.lowering import Lowering, get_lowering, lowering, register_lowering, scan_loop
-from edgelin.export.onnx_target import OnnxOptions, OnnxTarget
+from edgelin.export.onnx.target import OnnxOptions, OnnxTarget
 from edgelin.artifact.state import output_name_for, parse_state_name, state_input_name, state_output_name
 from edgelin.families.spec import StateTensor
 from edgelin.model.lm import CausalLM
@@ -78,7 +78,7 @@ def test_lowering_registry_refuses_unknown_targets():
         with lowering("bogus"):
             pass
     assert "no lowering for target 'bogus'" in err.value.line() and "onnx" in err.value.line()
-    assert get_lowering("coreml").engine.name == "coreml-static-chunks"  # tests/test_coreml.py checks its math
+    assert get_lowering("coreml").engine.name == "coreml-static-chunks"  # tests/export/coreml/test_coreml.py checks its math
 
 
 CALLS: list[str] = []

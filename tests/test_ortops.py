@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export.onnx_kernels import CONV, MATMUL, RECURRENCE, fallback_function
+from edgelin.export.onnx.kernels import CONV, MATMUL, RECURRENCE, fallback_function
 from edgelin.runtime import open_runner, runner_label
 from edgelin.replay import replay
 from helpers import assert_close, rms_rel, run_state_in_place
@@ -343,7 +343,7 @@ def test_with_the_library_the_quantized_graphs_share_one_mapping_of_the_weights(
     """Every 4-bit or 8-bit product of both graphs is the library's: no prepacked private copies, and both sessions
     get the weights as views of one read-only mapping of weights.bin. Without the library ONNX Runtime prepacks,
     as before."""
-    from edgelin.export.onnx_runtime import PREPACK_ENV
+    from edgelin.export.onnx.runner import PREPACK_ENV
 
     monkeypatch.delenv(PREPACK_ENV, raising=False)
     monkeypatch.setenv(ortops.ENV, str(library) if setting == "library" else "0")

@@ -21,8 +21,8 @@ from onnx import TensorProto, helper
 
 from edgelin import ortops
 from edgelin.errors import EdgelinError
-from edgelin.export.onnx_kernels import ATTENTION, fallback_function
-from edgelin.export.onnx_target import OnnxOptions
+from edgelin.export.onnx.kernels import ATTENTION, fallback_function
+from edgelin.export.onnx.target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.runtime import open_runner, prefill
 from helpers import assert_close, qwen_attention_checkpoint
@@ -203,7 +203,7 @@ def test_the_static_export_routes_the_steps_attention_only(static_exports, dtype
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
 def test_the_static_steps_partial_rotary_is_two_rotary_embedding_nodes(static_exports, dtype):
     """q's and k's partial rotary (8 of 16 channels) as com.microsoft::RotaryEmbedding over cos / sin tables of the
-    cache's 600 positions (edgelin.export.onnx_rotary): no Sin, Cos or Neg left in the step."""
+    cache's 600 positions (edgelin.export.onnx.rotary): no Sin, Cos or Neg left in the step."""
     step = onnx.load(str(static_exports[dtype] / "step.onnx"), load_external_data=False)
     ops = [n.op_type for n in step.graph.node]
     assert ops.count("RotaryEmbedding") == 2 and not {"Sin", "Cos", "Neg"} & set(ops), sorted(ops)

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 
 from edgelin import ortops
-from edgelin.export import onnx_runtime
+from edgelin.export.onnx import runner as onnx_runtime
 from edgelin.ortops import cache
 
 MARKER_SOURCE = """#include <stdio.h>

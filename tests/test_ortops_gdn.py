@@ -1,5 +1,5 @@
 """ai.edgelin::GatedDeltaRecurrence: a Gated DeltaNet layer's step into its recurrence in one node, and
-ai.edgelin::GatedRmsNorm, its gated output norm (edgelin/ortops/ops_gdn.c, edgelin/export/onnx_gdn.py,
+ai.edgelin::GatedRmsNorm, its gated output norm (edgelin/ortops/ops_gdn.c, edgelin/export/onnx/gdn.py,
 onnx_gated_norm.py).
 
 The chain of trust: the kernel == a float64 numpy step written from the formulas (independent of both the kernel and
@@ -19,9 +19,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export import onnx_gated_norm
-from edgelin.export.onnx_gdn import INPUTS, NAME, fuse_gated_delta_steps, gdn_function
-from edgelin.export.onnx_kernels import float_tensor_names
+from edgelin.export.onnx import gated_norm as onnx_gated_norm
+from edgelin.export.onnx.gdn import INPUTS, NAME, fuse_gated_delta_steps, gdn_function
+from edgelin.export.onnx.kernels import float_tensor_names
 from edgelin.replay import replay
 from helpers import assert_close
 from ortops_fixtures import (assert_matches_float64_and_function, assert_state_in_place, float_gdn_exports,

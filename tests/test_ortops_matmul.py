@@ -19,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export.onnx_kernels import RoutedOp, fallback_function
+from edgelin.export.onnx.kernels import RoutedOp, fallback_function
 from edgelin.export.panels import F32_OP, pack_products
 from edgelin.replay import replay
 from helpers import assert_close

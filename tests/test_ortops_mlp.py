@@ -1,5 +1,5 @@
 """ai.edgelin::SiluGate: a gated MLP's silu(gate) * up from the fused gate/up product in one node
-(edgelin/ortops/ops_mlp.c, edgelin/export/onnx_silu_gate.py).
+(edgelin/ortops/ops_mlp.c, edgelin/export/onnx/silu_gate.py).
 
 The kernel == a float64 numpy silu(a) * b written from the formula, and == the node's ONNX function (Split, Sigmoid,
 Mul, Mul: the fallback) run by ONNX Runtime, at batch 1 and 3, one and two tokens, widths that are and are not a
@@ -15,8 +15,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export.onnx_kernels import float_tensor_names
-from edgelin.export.onnx_silu_gate import NAME, fuse_silu_gates, silu_gate_function
+from edgelin.export.onnx.kernels import float_tensor_names
+from edgelin.export.onnx.silu_gate import NAME, fuse_silu_gates, silu_gate_function
 from helpers import assert_not_fused
 from ortops_fixtures import assert_matches_float64_and_function, kernel_path, library  # noqa: F401 (fixtures)
 

@@ -1,5 +1,5 @@
 """ai.edgelin::SsdRecurrence: Mamba2's step around its recurrence in one node (edgelin/ortops/ops_ssd.c,
-edgelin/export/onnx_ssd.py).
+edgelin/export/onnx/ssd.py).
 
 The chain of trust: the kernel == a float64 numpy step written from the formulas (independent of both the kernel and
 the ONNX function), and == the node's ONNX function (the fallback) run by ONNX Runtime, at batch 1 and 3, several
@@ -18,11 +18,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export import onnx_gated_norm
+from edgelin.export.onnx import gated_norm as onnx_gated_norm
 from edgelin.devices import export_settings
-from edgelin.export.onnx_kernels import float_tensor_names
-from edgelin.export.onnx_ssd import INPUTS, NAME, fuse_ssd_steps, ssd_function
-from edgelin.export.onnx_target import OnnxOptions
+from edgelin.export.onnx.kernels import float_tensor_names
+from edgelin.export.onnx.ssd import INPUTS, NAME, fuse_ssd_steps, ssd_function
+from edgelin.export.onnx.target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.replay import replay
 from helpers import assert_close, make_checkpoint
@@ -167,7 +167,7 @@ def test_the_fused_step_rollout_matches_the_unfused_graphs(mamba2_exports, libra
 def test_a_constant_memory_export_prefills_in_pieces_of_64(mamba2_exports, library, monkeypatch):
     """ONNX Runtime's arena keeps the largest piece's activations; 64-token pieces (onnx_runtime's
     CONSTANT_MEMORY_PREFILL_PIECE) give the logits of one whole-prompt piece."""
-    from edgelin.export.onnx_runtime import CONSTANT_MEMORY_PREFILL_PIECE
+    from edgelin.export.onnx.runner import CONSTANT_MEMORY_PREFILL_PIECE
     from edgelin.runtime import open_runner, prefill
 
     monkeypatch.setenv(ortops.ENV, str(library))

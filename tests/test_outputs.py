@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgelin.export import onnx_target
+from edgelin.export.onnx import target as onnx_target
 from edgelin.outputs import EXPORT, claim_output
 from helpers import make_checkpoint
 from test_cli import run
@@ -384,7 +384,7 @@ RACER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from edgelin import cli
-    from edgelin.export import onnx_target
+    from edgelin.export.onnx import target as onnx_target
 
     def slow_graph(*args):  # both racers are inside their export at the same time
         time.sleep(1.0)

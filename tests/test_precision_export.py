@@ -507,7 +507,7 @@ def test_quantize_graph_puts_the_table_and_head_at_the_embedding_bits(tmp_path, 
 
 # ---- prepacking: a runner option ------------------------------------------------------------------------
 def test_prepacking_is_off_for_float_on_for_quantised_and_can_be_turned_on(exports, monkeypatch):
-    from edgelin.export.onnx_runtime import PREPACK_ENV, OnnxRunner
+    from edgelin.export.onnx.runner import PREPACK_ENV, OnnxRunner
 
     monkeypatch.delenv(PREPACK_ENV, raising=False)
     fp16, int4 = (Manifest.load(exports[k]) for k in ("fp16", "int4"))
@@ -535,7 +535,8 @@ def test_prepacking_is_off_for_float_on_for_quantised_and_can_be_turned_on(expor
 def test_step_ops_reach_the_onnx_options_and_its_lowering(tmp_path, monkeypatch):
     """--step-ops standard reaches OnnxOptions (with --kv-cache too), and the target traces under the ONNX lowering
     with its contrib ops off (the default: on); the traced graphs themselves are checked in test_onnx_nodes."""
-    from edgelin.export import lowering, onnx_target
+    from edgelin.export import lowering
+    from edgelin.export.onnx import target as onnx_target
     from edgelin.model import mixer
 
     seen = _capture_export(monkeypatch)

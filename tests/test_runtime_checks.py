@@ -324,7 +324,7 @@ def test_onnx_handles_match_plain_runs(exported, growing, which):
 
 def test_open_runner_names_the_run_phase_and_where_it_runs(exported, monkeypatch):
     """A target whose run phase is not available here: one line naming the phase, why, and where."""
-    from edgelin.export.onnx_target import OnnxTarget
+    from edgelin.export.onnx.target import OnnxTarget
 
     monkeypatch.setattr(OnnxTarget, "can_run", lambda self, device=None: Phase(
         False, "the runtime needs a GPU this machine lacks", "a Jetson Orin (compute cuda)"))
@@ -338,7 +338,7 @@ def test_open_runner_names_the_run_phase_and_where_it_runs(exported, monkeypatch
 
 def test_build_names_the_build_phase(exported, monkeypatch):
     """ONNX has no build phase (one line, exit 0); a target whose build phase cannot run here is one error line."""
-    from edgelin.export.onnx_target import OnnxTarget
+    from edgelin.export.onnx.target import OnnxTarget
 
     result = run("build", exported)
     assert result.exit_code == 0 and result.stdout.strip() == (

@@ -124,7 +124,7 @@ def test_shipped_model_config_for_a_gpu_profile(tmp_path: Path) -> None:
     # a tensorrt export: platform tensorrt_plan (the user builds model.plan), and only the controls the graph
     # reads (TensorRT drops unread inputs, and Triton would then miss CORRID)
     trt = build_manifest(model, "tensorrt", "fp16", {"step": "step.onnx", "prefill": "prefill.onnx"}, {}, None)
-    (tmp_path / "config.pbtxt").write_text(config_text(trt, "tiny-gdn-hybrid", gpu.serving, "tensorrt", True))
+    (tmp_path / "config.pbtxt").write_text(config_text(trt, "tiny-gdn-hybrid", gpu.serving, "tensorrt_plan", True))
     config, _, _, _ = parse(tmp_path / "config.pbtxt")
     assert (config.platform, config.backend, config.default_model_filename) == ("tensorrt_plan", "", "model.plan")
     assert [c.name for c in config.sequence_batching.control_input] == ["START", "READY"]
@@ -179,7 +179,7 @@ def _unparsable_device():
 
 
 def test_a_config_triton_rejects_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:
-    from edgelin.export.onnx_target import OnnxTarget
+    from edgelin.export.onnx.target import OnnxTarget
 
     def traced(*args, **kwargs):
         raise AssertionError("the export traced the graphs: its config.pbtxt was not checked first")

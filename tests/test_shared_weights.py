@@ -15,7 +15,7 @@ import pytest
 from edgelin.errors import EdgelinError
 from edgelin.integrity import checking
 from edgelin.artifact.manifest import Manifest
-from edgelin.export.onnx_runtime import SHARED_ENV
+from edgelin.export.onnx.runner import SHARED_ENV
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.runtime import open_runner, prefill
 from helpers import make_checkpoint

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from helpers import make_checkpoint
 from edgelin.bench import bench
 from edgelin.errors import EdgelinError
-from edgelin.export.onnx_target import OnnxOptions
+from edgelin.export.onnx.target import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.artifact.reference_vectors import positions_needed
 from edgelin.generate import Sampling, generate
@@ -172,7 +172,7 @@ KV_PER_POSITION, TABLES_PER_POSITION = 2 * 1 * 16 * 4, 2 * 8 * 4
 @pytest.fixture
 def no_tracing(monkeypatch):
     """Tracing is where the old code spent its minutes: here it fails at once, so a refusal must come before it."""
-    from edgelin.export.onnx_target import OnnxTarget
+    from edgelin.export.onnx.target import OnnxTarget
 
     def traced(*args, **kwargs):
         raise AssertionError("the export traced the graphs: the size was not checked before")

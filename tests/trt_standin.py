@@ -1,7 +1,7 @@
 """TEST STAND-IN FOR TENSORRT AND CUDA-PYTHON. Not TensorRT: nothing here runs on a GPU.
 
 TensorRT cannot be installed on the CI machines (platform notes), so the TensorRT runner's bookkeeping
-(edgelin/export/tensorrt_runtime.py) is tested against these fakes, installed into sys.modules by
+(edgelin/export/tensorrt/runner.py) is tested against these fakes, installed into sys.modules by
 `install(monkeypatch)` for one test at a time:
 
 - `tensorrt`: just the calls build_engine and the runner make. A "serialized engine" is JSON naming
@@ -442,7 +442,7 @@ def build_with_standin(folder: Path, trt_major: int = 10, fp16: bool = False, in
     tensorrt/engines.json, against the stand-in, then the build record. `inplace=False`: as
     build_engine --no-inplace. Call after install()."""
     from edgelin.artifact.manifest import Manifest
-    from edgelin.export.tensorrt_build import GRAPHS, TRT_DIR, read_engine_spec, record_build
+    from edgelin.export.tensorrt.build import GRAPHS, TRT_DIR, read_engine_spec, record_build
     from edgelin.plugins.tensorrt import build_engine
 
     root = Path(folder) / TRT_DIR

@@ -63,7 +63,7 @@ def outputs_by_input(outputs: Iterable["TensorIO"]) -> dict[str, str]:
 def state_tensors(model: "CausalLM", state_dtype: str = "float32") -> list[list[StateTensor]]:
     """The model's state tensors per layer with the storage dtype of an export for `state_dtype`
     (a device profile's choice)."""
-    from edgelin.families.spec import STATE_DTYPES
+    from edgelin.artifact.vocabulary import STATE_DTYPES
 
     if state_dtype not in STATE_DTYPES:
         raise EdgelinError(f"state dtype {state_dtype!r}", f"state tensors are stored as {', '.join(STATE_DTYPES)}",

@@ -19,7 +19,9 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgelin.artifact.vocabulary import PRECISIONS, QUANTIZE, STATE_DTYPES
 from edgelin.errors import EdgelinError
+from edgelin.export.targets import get_target, profile_rules, target_names
 
 if TYPE_CHECKING:
     from edgelin.families.spec import StateTensor
@@ -41,30 +43,17 @@ README = "devices/README.md"
 
 KINDS = ("desktop", "jetson", "phone", "server")
 COMPUTES = ("cpu", "cuda", "ane", "gpu")
-PRECISIONS = ("fp32", "fp16")
-# weight-only quantisation (--quantize; fp16: float16 weight storage, float32 arithmetic); the state and recurrence
-# stay float
-QUANTIZE = ("int8", "int4", "fp16")
 # --block-size with --quantize int8/int4: ONNX Runtime's quantiser packs every weight with MLAS's
 # MlasQuantizeBlockwise, which takes blocks of 16 to 256 weights (512 and up: "unsupported block size", after the
 # whole trace), and MatMulNBits and GatherBlockQuantized take powers of two >= 16. edgelin's own 4- and 8-bit
 # kernels (edgelin.ortops) take block 32; the other sizes run on ONNX Runtime's MatMulNBits.
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-STATE_DTYPES = ("float32", "float16")
-TARGETS = ("onnx", "tensorrt", "coreml")  # implemented or planned; the registry says which exist
 SM_RANGE = (53, 120)  # CUDA compute capability x10: Jetson Nano (5.3) .. Blackwell (12.0)
 
-# What each target can write (a combination outside these is refused, never written as another).
-TARGET_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
-    "onnx": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",), "quantize": ("int8", "int4", "fp16")},
-    "tensorrt": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",)},  # the plugin's state: fp32 always
-    # Core ML: fp16 or fp32 compute; float32 state (explicit style) or float16 (explicit, or MLState: fp16 only)
-    "coreml": {"precision": ("fp16", "fp32"), "state_dtype": ("float32", "float16")},
-    # the PyTorch reference (edgelin.export.torch_target): fp32 or fp16 weights, float32 recurrent state
-    "torch": {"precision": ("fp32", "fp16"), "state_dtype": ("float32",)},
-}
-# The profile fields each target reads as its options (README.md: "what reads it").
-TARGET_OPTIONS: dict[str, tuple[str, ...]] = {"onnx": (), "tensorrt": ("sm",), "coreml": ("compute",)}
+
+def profile_targets() -> list[str]:
+    """The registered targets a device profile may list (edgelin.export.targets; Target.in_device_profiles)."""
+    return [name for name in target_names() if profile_rules(name).listed]
 
 
 # ---- the schema -----------------------------------------------------------------------------------
@@ -96,10 +85,11 @@ def _integer(low: int, high: int | None = None) -> Callable[[Any], str | None]:
 
 def _targets(value: Any) -> str | None:
     if not isinstance(value, list) or not value:
-        return f"must be a non-empty list of targets from: {', '.join(TARGETS)}"
+        return f"must be a non-empty list of targets from: {', '.join(profile_targets())}"
     for name in value:
-        if not isinstance(name, str) or name not in TARGETS:
-            return f"{name!r} is not a target; targets are: {', '.join(TARGETS)}{_closest(name, TARGETS)}"
+        if not isinstance(name, str) or name not in target_names() or not profile_rules(name).listed:
+            known = profile_targets()
+            return f"{name!r} is not a target; targets are: {', '.join(known)}{_closest(name, known)}"
     if len(set(value)) != len(value):
         return "names a target twice (the list is an order of preference)"
     return None
@@ -233,9 +223,12 @@ class DeviceProfile:
         if "sm" in data and data["compute"] != "cuda":
             raise refuse(f"sm = {data['sm']!r} with compute = {data['compute']!r}",
                          "sm is a CUDA compute capability", "remove sm, or set compute = \"cuda\"")
-        if "tensorrt" in data["targets"] and data["compute"] != "cuda":
-            raise refuse(f"targets lists 'tensorrt' with compute = {data['compute']!r}",
-                         "TensorRT runs on NVIDIA GPUs only", "set compute = \"cuda\", or remove tensorrt")
+        for listed in data["targets"]:  # a target that runs on some computes only says which (profile_rules)
+            rules = profile_rules(listed)
+            if rules.computes is not None and data["compute"] not in rules.computes:
+                raise refuse(f"targets lists {listed!r} with compute = {data['compute']!r}",
+                             rules.reason or f"the {listed} target runs on {'/'.join(rules.computes)}",
+                             f"set compute = \"{rules.computes[0]}\", or remove {listed}")
         return cls(name=name, source=source, **{
             **data, "targets": tuple(data["targets"]), "notes": tuple(data.get("notes", ())),
             "memory_gib": float(data["memory_gib"]),
@@ -309,7 +302,7 @@ class ExportSettings:
     precision: str = "fp32"
     state_dtype: str = "float32"
     state_dim_multiple: int = 1
-    target_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"sm": 87} for tensorrt
+    target_options: dict[str, Any] = field(default_factory=dict)  # the profile fields the target reads, e.g. {"sm": 87}
     threads: int = 0
     device: str | None = None  # the profile's name
     quantize: str | None = None  # weight-only quantisation: None, "int8" or "int4" (--quantize)
@@ -330,6 +323,7 @@ def export_settings(profile: DeviceProfile | None, target_name: str, precision_f
     profile over the defaults. A choice the target cannot write is refused, never silently replaced.
     `quantize`/`block_size`: --quantize/--block-size; `force`: the user's --force (recorded, read by the
     quality and state-precision checks that it overrides)."""
+    target = get_target(target_name)
     if quantize is not None and quantize not in QUANTIZE:
         raise EdgelinError(f"--quantize {quantize}", f"weight quantisation must be one of: {', '.join(QUANTIZE)}"
                            + _closest(quantize, QUANTIZE), "pass --quantize int8, int4 or fp16")
@@ -348,12 +342,11 @@ def export_settings(profile: DeviceProfile | None, target_name: str, precision_f
             raise EdgelinError(f"device {profile.name} does not list target {target_name}",
                                f"its profile lists: {', '.join(profile.targets)}",
                                "pick one of those --target values, or another --device (edgelin devices lists them)")
-        options = {k: getattr(profile, k) for k in TARGET_OPTIONS.get(target_name, ())
-                   if getattr(profile, k) is not None}
+        options = {k: getattr(profile, k) for k in target.profile_options if getattr(profile, k) is not None}
         settings = ExportSettings(precision_flag or profile.precision, profile.state_dtype,
                                   profile.state_dim_multiple, options, profile.threads, profile.name)
-    limits = TARGET_LIMITS.get(target_name, {})
-    if settings.precision not in limits.get("precision", PRECISIONS):
+    limits = {"precision": target.precisions, "state_dtype": target.state_dtypes, "quantize": target.quantize_modes}
+    if settings.precision not in limits["precision"]:
         asked = (f"--precision {settings.precision}" if precision_flag else
                  f"device {settings.device} asks for precision {settings.precision} (its profile's default)")
         raise EdgelinError(f"{asked}, which the {target_name} target cannot export",
@@ -361,18 +354,20 @@ def export_settings(profile: DeviceProfile | None, target_name: str, precision_f
                            f"{settings.precision} {target_name} export lands with the edge-precision work",
                            f"pass --precision {limits['precision'][0]} to export {limits['precision'][0]} graphs"
                            + (f" for {settings.device}" if settings.device else ""))
-    if quantize is not None and quantize not in limits.get("quantize", ()):
-        takes = "/".join(limits.get("quantize", ())) or "no weight quantisation"
+    if quantize is not None and quantize not in limits["quantize"]:
+        takes = "/".join(limits["quantize"]) or "no weight quantisation"
+        others = [n for n in target_names() if n != target_name and quantize in get_target(n).quantize_modes]
         raise EdgelinError(f"--quantize {quantize} for the {target_name} target",
                            f"the {target_name} target takes {takes}",
-                           "drop --quantize, or use --target onnx (int8/int4/fp16 weights through ONNX Runtime)")
+                           "drop --quantize" + (f", or use --target {others[0]} (it writes {quantize} weights)"
+                                                if others else ""))
     if quantize == "fp16" and settings.precision != "fp32":
         raise EdgelinError(f"--quantize fp16 with {settings.precision} graphs",
                            "--quantize fp16 stores a float32 graph's matmul weights as float16; an fp16 graph's "
                            "weights are float16 already", "drop --quantize, or export with --precision fp32")
     settings = dataclasses.replace(settings, quantize=quantize, force=force,
                                    **({"block_size": block_size} if block_size is not None else {}))
-    if settings.state_dtype not in limits.get("state_dtype", STATE_DTYPES):
+    if settings.state_dtype not in limits["state_dtype"]:
         raise EdgelinError(f"device {settings.device} asks for state_dtype {settings.state_dtype}, which the "
                            f"{target_name} target cannot export",
                            f"the {target_name} target keeps its state in {'/'.join(limits['state_dtype'])} today",
@@ -392,7 +387,8 @@ def check_state_dims(layers: Sequence[Sequence["StateTensor"]], settings: Export
               if isinstance(t.dims[-1], int) and t.dims[-1] % m]
     if misses:
         shown = ", ".join(misses[:6]) + (f" and {len(misses) - 6} more" if len(misses) > 6 else "")
+        padders = [name for name in target_names() if get_target(name).pads_state_dims]
         raise EdgelinError(f"device {settings.device} needs state widths that are multiples of {m}",
                            f"these are not: {shown} (the innermost dim of each state tensor)",
                            f"export a model whose head and conv widths are multiples of {m}, or pick another "
-                           "--device, or --target coreml (which pads the state with zeros)")
+                           "--device" + "".join(f", or --target {n} (which pads the state with zeros)" for n in padders))

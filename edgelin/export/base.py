@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgelin.artifact.vocabulary import PRECISIONS, QUANTIZE as QUANTIZE_MODES, STATE_DTYPES  # noqa: F401  (the vocabulary)
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
-    from edgelin.devices import DeviceProfile, ExportSettings
+    from edgelin.devices import DeviceProfile, ExportSettings, ServingLimits
     from edgelin.artifact.manifest import Manifest
+    from edgelin.export.lowering import Lowering
     from edgelin.families import FamilySpec
     from edgelin.model.lm import CausalLM
 
@@ -55,6 +57,25 @@ class Artifact:
     folder: Path
     manifest: "Manifest"
     files: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Built(Artifact):
+    """What a build phase made; `missing`: after a partial build, what was not built and why (the rest runs)."""
+
+    missing: str | None = None
+
+
+@dataclass(frozen=True)
+class TargetFlag:
+    """A command-line flag a target owns (`edgelin export <target> --FLAG`, or `edgelin build DIR --FLAG`),
+    declared as data: the CLI adds it to the command, the target validates its value (options_from_flags)."""
+
+    flag: str  # e.g. "--kv-cache"
+    field: str  # the keyword it is passed as (the target's options field, e.g. "kv_cache")
+    help: str
+    type: type = str  # str, int, bool (an on/off switch) or Path
+    choices: tuple[str, ...] = ()  # the values it takes (checked when parsed), none: any of its type
 
 
 class StateHandle:
@@ -311,11 +332,42 @@ def phase_refusal(target: "Target", phase: str, status: Phase, alternative: str 
 class Target(ABC):
     """An export target, in phases (module docstring). Subclasses set `name`, `extra` (the pip extra
     that brings the target's dependencies) and `options_type` (a frozen dataclass of the target's own
-    export options, e.g. OnnxOptions(opset=18))."""
+    export options, e.g. OnnxOptions(opset=18)), and say what they write: the core asks these, it keeps
+    no table of targets."""
 
     name: str
     extra: str
     options_type: type
+    # What it writes (a combination outside these is refused, never written as another).
+    precisions: tuple[str, ...] = PRECISIONS  # subsets of the vocabulary above, in order of preference
+    state_dtypes: tuple[str, ...] = ("float32",)
+    quantize_modes: tuple[str, ...] = ()
+    # Device profiles: whether one may list this target (the torch reference is not a deployment), the profile
+    # fields it reads as options (e.g. a CUDA target's "sm"), and the computes it runs on (None: any) and why. A
+    # built-in target declares the first and the last two in its package __init__ as well (IN_DEVICE_PROFILES,
+    # PROFILE_COMPUTES, COMPUTE_REASON), where edgelin.devices reads them without importing the target.
+    in_device_profiles: bool = True
+    profile_options: tuple[str, ...] = ()
+    profile_computes: tuple[str, ...] | None = None
+    compute_reason: str = ""
+    # Serving (export --serve triton): the Triton backend that serves its step graph (edgelin.serve.triton's
+    # ONNXRUNTIME or TENSORRT_PLAN), None when Triton cannot serve it.
+    triton_backend: str | None = None
+    # The run side's report: the Python module a runner runs on (runtime_of), the pip distributions that carry
+    # each such module (its version), those that use a GPU; and the optional libraries the target needs, each
+    # with how to install it (the CLI's one line when one is missing).
+    runtime: str = ""
+    runtime_distributions: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    gpu_runtimes: tuple[str, ...] = ()
+    libraries: tuple[tuple[str, str], ...] = ()
+    # Its own command-line flags: those of `edgelin export <target>` and of `edgelin build DIR` (the common ones
+    # are the CLI's); validated by options_from_flags and build.
+    flags: tuple[TargetFlag, ...] = ()
+    build_flags: tuple[TargetFlag, ...] = ()
+    run_flags: tuple[TargetFlag, ...] = ()  # `edgelin bench DIR`'s, for the runner it opens (apply_run_options)
+    erase_gate: bool = False  # its lowering runs Gated DeltaNet-2's erase gate (family_support)
+    pads_state_dims: bool = False  # pads the state up to a profile's state_dim_multiple instead of refusing
+    saturates_float16: bool = False  # stores float16 weights beyond its range saturated (with --force)
 
     @abstractmethod
     def can_export(self) -> Phase:
@@ -353,19 +405,48 @@ class Target(ABC):
         """None when every layer of this family can be exported; otherwise why not."""
         from edgelin.families.spec import erase_gate_refusal
 
-        return erase_gate_refusal(spec, self.name)
+        return erase_gate_refusal(spec, self.name, self.erase_gate)
 
     def default_options(self) -> Any:
         return self.options_type()
+
+    def options_from_flags(self, given: dict[str, Any], settings: "ExportSettings",
+                           precision_flag: str | None = None) -> tuple[Any, "ExportSettings"]:
+        """The target's options from its flags (`given`: {field: value} of those passed) and the settings the
+        export runs with (a target may choose its own defaults where no device profile did, e.g. Core ML's fp16
+        compute unless --precision says otherwise). Refuses a bad combination in one line. Default: the flags
+        are the options' fields."""
+        return (self.options_type(**given) if given else None), settings
+
+    def check_export(self, model: "CausalLM", settings: "ExportSettings", options: Any) -> None:
+        """Refuse, before anything is traced or written, what this target cannot export with these options
+        (one EdgelinError line); the checks every target shares are the pipeline's."""
+
+    def runtime_of(self, runner_label: str) -> str:
+        """The Python module a runner of this target runs on (reports' `runtime`), from its label."""
+        return self.runtime or self.name
+
+    def apply_run_options(self, options: dict[str, Any]) -> None:
+        """Set its run_flags' values (`options`: {field: value} of those passed) for the runners this process opens."""
+
+    def write_serving_notes(self, root: Path, manifest: "Manifest", model: str, limits: "ServingLimits") -> None:
+        """Anything else DIR/triton/ needs for this target (e.g. how to build an engine on the serving GPU)."""
+
+    def lowering(self) -> "Lowering | None":
+        """How this target's graphs express the recurrences while traced (edgelin.export.lowering); None for
+        a target that traces nothing (it keeps the weights and runs the reference)."""
+        return None
 
     @abstractmethod
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings", options: Any,
                folder: Path) -> dict[str, str]:
         """Write the graphs into `folder` (a temp folder the pipeline renames); return {kind: file name}."""
 
-    def build(self, artifact: Artifact, device: "DeviceProfile | None" = None) -> Artifact:
-        """The build phase (engine, compiled model, plugin library). Only for targets whose
-        can_build is not None; they override this."""
+    def build(self, artifact: Artifact, device: "DeviceProfile | None" = None,
+              options: dict[str, Any] | None = None) -> Built:
+        """The build phase (engine, compiled model, plugin library). Only for targets whose can_build is not
+        None; they override this. `options`: {field: value} of the build_flags passed. A partial build (what
+        runs, built; the rest not possible here) says in `missing` what and why."""
         raise EdgelinError(f"the {self.name} target has no build phase", "its exported files run as they are",
                            f"open the folder directly (edgelin bench/generate/validate {artifact.folder})")
 

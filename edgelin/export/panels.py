@@ -66,7 +66,6 @@ def to_panel_op(proto: Any, node: Any, name: str, packed_weight: str, columns: i
     the op's function and domain to `proto` once."""
     from onnx import helper
 
-    from edgelin.export.onnx_patterns import use_domain
     from edgelin.ortops import DOMAIN
 
     node.op_type, node.domain = name, DOMAIN
@@ -105,8 +104,6 @@ def pack_products(proto: Any, half: bool = False) -> int:
     import onnx
     from onnx import numpy_helper
 
-    from edgelin.export.onnx_patterns import drop_unread
-
     inits = {t.name: t for t in proto.graph.initializer}
     packed: dict[str, str] = {}
     count = 0
@@ -125,3 +122,32 @@ def pack_products(proto: Any, half: bool = False) -> int:
     if count:
         drop_unread(proto)
     return count
+
+
+def use_domain(proto, domain: str) -> None:
+    """Import `domain` (version 1) in the model, if it does not yet."""
+    from onnx import helper
+
+    if domain not in {o.domain for o in proto.opset_import}:
+        proto.opset_import.append(helper.make_opsetid(domain, 1))
+
+
+def drop_unread(proto) -> None:
+    """Initializers no node reads any more (a tied table once both its users are quantised), subgraphs included."""
+    import onnx
+
+    read: set[str] = set()
+
+    def visit(graph) -> None:
+        for node in graph.node:
+            read.update(node.input)
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    visit(attribute.g)
+                for sub in attribute.graphs:
+                    visit(sub)
+
+    visit(proto.graph)
+    read.update(o.name for o in proto.graph.output)
+    for tensor in [t for t in proto.graph.initializer if t.name not in read]:
+        proto.graph.initializer.remove(tensor)

@@ -18,6 +18,7 @@ from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, phase_refusal
 from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.artifact.manifest import MANIFEST, GraphEntry, Manifest
+from edgelin.export.phases import export_phases
 from edgelin.export.targets import get_target
 from edgelin.integrity import digest_folder
 from edgelin.model.lm import CausalLM, beyond_range
@@ -79,41 +80,6 @@ def weights_entries(folder: Path, files: dict[str, str], settings: ExportSetting
             "precision": precision_entry(settings), **({"quantization": quantized} if quantized else {})}
 
 
-def check_cache_capacity(model: CausalLM, target: str, settings: ExportSettings, options: Any) -> None:
-    """A fixed-capacity KV cache (`--kv-cache static --context N`) must hold the longest sequence the export's
-    own checks feed it: `edgelin validate DIR` replays the recorded reference vectors and measures the quality
-    figures (reference_vectors.positions_needed: 527 tokens), and an fp16/quantised export runs the same figures
-    as its quality gate. A shorter cache would write an export that cannot validate itself, and a larger one than
-    this machine's memory or ONNX's protobuf limit holds (edgelin.export.static_cache) would fail minutes into the
-    export: both refused before anything is traced, naming the --context that works."""
-    from edgelin.export import reference_vectors
-    from edgelin.export.static_cache import check_static_cache_size
-
-    capacity = getattr(options, "context", None) if getattr(options, "kv_cache", None) == "static" else None
-    if capacity is None:
-        return
-    from edgelin.export.onnx_target import KV_DTYPES, check_static_cache
-
-    check_static_cache(model, target, settings)  # its own refusals first (wrong target, no growing cache)
-    need = reference_vectors.positions_needed()
-    if capacity < need:
-        raise EdgelinError(f"--kv-cache static --context {capacity}",
-                           f"the export's own checks (the reference vectors and quality figures that `edgelin "
-                           f"validate DIR` replays, and the fp16/quantised quality gate) feed one sequence up to "
-                           f"{need} tokens, more than a {capacity}-token cache holds",
-                           f"pass --context {need} or more (the longest sequence the export will hold)")
-    # (options are OnnxOptions here: check_static_cache refused every other target)
-    check_static_cache_size(model.config, capacity, KV_DTYPES[options.kv_dtype],
-                            rotary_tables=options.step_ops != "standard", least=need)
-
-
-def export_phases(baselines: Sequence[str] = (), serve: str | None = None) -> list[str]:
-    """The phases export_model reports to on_progress, in order (a progress bar's total)."""
-    return ["tracing the graphs", "recording reference vectors", "checking quality",
-            *(["exporting baselines"] if baselines else []), *(["writing the Triton repository"] if serve else []),
-            "writing the manifest"]
-
-
 def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tokenizer: Path | None = None,
                  force: bool = False, device: DeviceProfile | None = None, options: Any = None,
                  protected: Sequence[Path] = (), settings: ExportSettings | None = None,
@@ -149,7 +115,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                            f"the {target.name} target takes {target.options_type.__name__}",
                            f"pass {target.options_type.__name__}(...) or no options")
     settings = settings or export_settings(device, target.name)
-    check_cache_capacity(model, target.name, settings, options)
+    target.check_export(model, settings, options)  # the target's own refusals, before anything is traced
     serve_warning = None
     if serve is not None:
         from edgelin.export.graphs import graph_io as _io
@@ -161,7 +127,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         serve_warning = check_config(build_manifest(model, target.name, settings.precision,
                                                     {kind: f"{kind}.onnx" for kind in GRAPHS}, source, None,
                                                     settings.state_dtype), device)
-    if not getattr(target, "pads_state_dims", False):  # Core ML pads the state instead of refusing
+    if not target.pads_state_dims:  # a target that pads the state instead of refusing (Target.pads_state_dims)
         check_state_dims(model.state_tensors(), settings)
     from edgelin.precision import check_state_dtype
 
@@ -228,10 +194,10 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
 def float16_saturation(model: CausalLM, target: Any, settings: ExportSettings, options: Any) -> tuple[str, ...]:
     """Weights an export would store in float16 that lie beyond its range: refused (bad input, before anything is
     written) unless --force, which stores them saturated at ±65504, never as inf (the targets that convert them:
-    onnx, tensorrt, torch, `saturates_float16`), and says so in a warning."""
+    `Target.saturates_float16`), and says so in a warning."""
     import torch
 
-    if not getattr(target, "saturates_float16", False):
+    if not target.saturates_float16:
         return ()
     if settings.precision == "fp16":
         found, what, instead = beyond_range(model, torch.float16), "--precision fp16", "--precision fp32"
@@ -251,15 +217,17 @@ def float16_saturation(model: CausalLM, target: Any, settings: ExportSettings, o
     return (f"{values}: the {what} export stores them saturated at ±65504 (--force)",)
 
 
-def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: bool = False,
+def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, force: bool = False,
                       device: DeviceProfile | None = None, options: Any = None,
                       include_tokenizer: bool = True, settings: ExportSettings | None = None,
                       baselines: Sequence[str] = (), text: Path | None = None,
                       serve: str | None = None, on_progress: Progress | None = None) -> ExportResult:
     """`include_tokenizer=False` (--no-tokenizer): the checkpoint's tokenizer is neither checked nor copied.
     `baselines`, `text`: see export_model (an empty, binary or non-UTF-8 `text` is refused before the
-    checkpoint loads)."""
+    checkpoint loads). `target`: a registered target's name (None: the default, edgelin.export.targets)."""
     from dataclasses import replace
+
+    from edgelin.export.targets import default_target
 
     from edgelin.export.baselines import check_names
     from edgelin.serve.triton import check_server
@@ -279,6 +247,6 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str = "onnx", force: 
     elif include_tokenizer:
         warnings.append(f"no {TOKENIZER} in {info.path}: the export has no tokenizer, so generate will need one")
     source = {"path": str(info.path), "sha256": info.sha256, "format": info.format, "model_type": info.model_type}
-    result = export_model(model, out, target, source, tokenizer, force, device, options, settings=settings,
+    result = export_model(model, out, target or default_target(), source, tokenizer, force, device, options, settings=settings,
                           baselines=baselines, text=text, serve=serve, on_progress=on_progress)
     return replace(result, inert_fields=tuple(info.inert_fields), warnings=(*warnings, *result.warnings))

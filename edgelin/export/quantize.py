@@ -40,8 +40,7 @@ from typing import Any
 
 from edgelin.artifact.quantized import QUANTIZED_OPS, half_tables
 from edgelin.errors import EdgelinError, environment_fault, one_line
-from edgelin.export.onnx_patterns import drop_unread
-from edgelin.export.panels import F16_OP, pack_products, to_float16
+from edgelin.export.panels import F16_OP, drop_unread, pack_products, to_float16
 
 BITS = {"int8": 8, "int4": 4}
 HALF = "fp16"  # --quantize fp16: weight-only float16 storage (_float16_weights)

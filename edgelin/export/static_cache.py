@@ -3,9 +3,9 @@ config before anything is traced, and the refusal of an N that cannot be written
 
 Everything sized by N is linear in it:
 - the cache: per sequence, K and V of every full-context attention layer, [kv_heads, N, head_dim] each at the
-  cache's dtype (--kv-dtype). The runner allocates it whole when a sequence starts (edgelin.export.onnx_runtime);
+  cache's dtype (--kv-dtype). The runner allocates it whole when a sequence starts (edgelin.export.onnx.runner);
   the export's own quality gate (fp16/quantised exports) and `edgelin validate DIR` run it.
-- the step graph's rotary tables (--step-ops contrib or edgelin: edgelin.export.onnx_rotary): a cos and a sin table
+- the step graph's rotary tables (--step-ops contrib or edgelin: edgelin.export.onnx.rotary): a cos and a sin table
   of N x rotary_dim/2 float32 values per attention layer (each layer's rotary is its own initializer), held inline
   in step.onnx, so within protobuf's 2 GiB message limit. The exporter builds them in numpy, copies them into the
   graph and serialises it: about ROTARY_COPIES times their bytes at once.

@@ -11,7 +11,7 @@ In memory: one copy, backed by the file, that the OS can drop and reload. The ru
 and hands each session OrtValues over its slices (where each tensor lives: the manifest's
 `tensors_by_graph`, recorded by `describe`); left to itself ONNX Runtime would map it once per session, so each page would count twice
 in RSS. The runner turns off ONNX Runtime's weight prepacking (a private copy per session) for float
-folders; see edgelin.export.onnx_runtime.
+folders; see edgelin.export.onnx.runner.
 
 Alignment: ONNX Runtime maps a tensor when its offset is a multiple of the allocation granularity
 (4 KiB pages; 64 KiB on Windows). Tensors of PAGE_ALIGN_FROM bytes or more start on a 64 KiB boundary,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from edgelin.artifact.vocabulary import STATE_DTYPES
 from edgelin.errors import EdgelinError
 from edgelin.families.feature_maps import FEATURE_MAPS
 from edgelin.rules import COUNT, FLAG, POSITIVE, SIZE, Rule, invalid
@@ -188,16 +189,11 @@ def _dt_clamp(value: object, name: str, where: str) -> tuple[float, float]:
     return (float(value[0]), float(value[1]))
 
 
-# Targets whose lowering runs the erase gate (Gated DeltaNet-2; TensorRT through the EdgelinStep
-# plugin's erase input). Elsewhere a layer with one is refused by name before anything is traced
-# (edgelin.export.base.Target.family_support). Kept in step with each lowering's engine by
-# tests/test_gdn2_clvr.py.
-ERASE_GATE_TARGETS = ("onnx", "coreml", "tensorrt")
-
-
-def erase_gate_refusal(spec: FamilySpec, target: str) -> str | None:
-    """Why `target` cannot take a layer of `spec` for its erase gate, or None."""
-    if not spec.erase_gate or target in ERASE_GATE_TARGETS:
+def erase_gate_refusal(spec: FamilySpec, target: str, takes_erase: bool) -> str | None:
+    """Why `target` cannot take a layer of `spec` for its erase gate (Gated DeltaNet-2), or None. `takes_erase`:
+    whether the target's lowering runs it (Target.erase_gate, kept in step with each lowering's engine by
+    tests/test_gdn2_clvr.py); elsewhere a layer with one is refused by name before anything is traced."""
+    if not spec.erase_gate or takes_erase:
         return None
     return f"the {target} lowering has no erase gate yet; it is planned"
 
@@ -231,7 +227,6 @@ class LayerDims:
 # float32 in the reference); caches only hold recent inputs (conv taps, attention keys/values).
 STATE_ROLES = ("recurrent", "normalizer", "conv", "key", "value")
 ACCUMULATOR_ROLES = ("recurrent", "normalizer")
-STATE_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)

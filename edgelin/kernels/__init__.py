@@ -4,12 +4,11 @@
 - `chunk_prefill` (Triton): chunked prefill, outputs + final state, fixed-length or varlen.
 - `cuda_step` (CUDA C++ via a torch extension): the step the TensorRT plugin will call, through
   the plain C launcher `edgelin_step_launch` (edgelin/kernels/cuda/edgelin_step.h).
-- `GraphDecoder`: one whole-model decode step captured in a CUDA graph.
 - `use_backend` / `set_backend` / `get_backend` (`edgelin.kernels.dispatch`): which engine the
   model runs its recurrences through (EDGELIN_KERNELS=auto|torch|triton|cuda).
 
 Kernels take the engines' flags only (gate kind from g's shape, delta rule from beta), never a
-family name. Imports are lazy so that `import edgelin` never pulls in Triton.
+family name. Whole-model decoders live with the torch target (edgelin.export.torch). Imports are lazy so that `import edgelin` never pulls in Triton.
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ _EXPORTS = {
     "chunk_prefill": "edgelin.kernels.chunk",
     "cuda_step": "edgelin.kernels.cuda_ext",
     "load_extension": "edgelin.kernels.cuda_ext",
-    "GraphDecoder": "edgelin.kernels.graph_decode",
-    "decode_state": "edgelin.kernels.graph_decode",
     "KernelError": "edgelin.kernels._common",
     "use_backend": "edgelin.kernels.dispatch",
     "set_backend": "edgelin.kernels.dispatch",

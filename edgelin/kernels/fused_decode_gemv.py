@@ -1,4 +1,4 @@
-"""The small-batch GEMVs of the fused decode (edgelin.kernels.fused_decode, B <= DecodeTuning.small_batch).
+"""The small-batch GEMVs of the fused decode (edgelin.export.torch.fused_decode, B <= DecodeTuning.small_batch).
 
 A B=1 decode step is ~80 dependent kernels, each reading 1-6 MB of weights: at 4 TB/s that is ~1 us of
 bytes per kernel, about as long as one DRAM round trip. So each kernel is one wave: a program holds its

@@ -122,7 +122,7 @@ class SoftmaxAttention(nn.Module):
         gives both one buffer of enough capacity (written in place)."""
         cfg = self.cfg
         batch, length = q.shape[:2]
-        # An fp16 graph keeps this cache float32 (edgelin.export.onnx_target.graph_modules): the node runs on
+        # An fp16 graph keeps this cache float32 (edgelin.export.onnx.target.graph_modules): the node runs on
         # the cache's dtype, so only this call's q/k/v are cast, never the whole cache.
         compute = q.dtype
         q, k, v = (t.to(state["key"].dtype) for t in (q, k, v))

@@ -24,12 +24,12 @@ with `SessionOptions.register_custom_ops_library`.
 - `ai.edgelin::SsdRecurrence` (ops_ssd.c): Mamba2's step around its recurrence (the dt path, the key groups
   broadcast to the heads, the value x softplus(dt), the skip D x) in one node, where the graph had ~20 small ones;
   an edgelin op, whose function body is those ONNX ops around `com.microsoft::LinearAttention`
-  (edgelin.export.onnx_ssd).
+  (edgelin.export.onnx.ssd).
 - `ai.edgelin::GatedDeltaRecurrence` (ops_gdn.c): a Gated DeltaNet layer's step into its recurrence (q and k
   L2-normalised per head, the key heads broadcast to the value heads, the softplus decay, beta's sigmoid) in one
-  node, where the graph had ~26 small ones; an edgelin op like SsdRecurrence (edgelin.export.onnx_gdn).
+  node, where the graph had ~26 small ones; an edgelin op like SsdRecurrence (edgelin.export.onnx.gdn).
 - `ai.edgelin::SiluGate` (ops_mlp.c): a gated MLP's silu(gate) * up from the fused gate/up product, one node where
-  the step had three (the Split, SiLU, the Mul; edgelin.export.onnx_silu_gate).
+  the step had three (the Split, SiLU, the Mul; edgelin.export.onnx.silu_gate).
 - `ai.edgelin::CausalConvWithState` (conv.c): the short conv's step with its carried state, SiLU fused (ndim 1),
   the SiLU over a whole row of channels at once; the state may be updated in place.
 - `ai.edgelin::LinearAttention` (linear_attention.c): the recurrence's step for every update rule (linear, gated,

@@ -44,7 +44,10 @@ if TYPE_CHECKING:
 SERVERS = ("triton",)
 FOLDER = "triton"
 CLIENT = "client.py"
-MODEL_FILE = {"onnxruntime": "model.onnx", "tensorrt": "model.plan"}
+# Triton's names for what serves a graph (a target says which: Target.triton_backend): the ONNX Runtime backend,
+# or the TensorRT platform that loads a plan
+ONNXRUNTIME, TENSORRT_PLAN = "onnxruntime", "tensorrt_plan"
+MODEL_FILE = {ONNXRUNTIME: "model.onnx", TENSORRT_PLAN: "model.plan"}
 POSITION_IN, POSITION_OUT = "past_position", "present.position"
 START, READY, CORRID = "START", "READY", "CORRID"
 TRITON_DTYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "int64": "TYPE_INT64", "int32": "TYPE_INT32"}
@@ -59,8 +62,12 @@ def check_server(serve: str | None) -> None:
 
 def unservable(state: Sequence["TensorIO"], target: str) -> str | None:
     """Why this export cannot be served by Triton with implicit state, or None."""
-    if target not in ("onnx", "tensorrt"):
-        return f"Triton Inference Server has no backend for the {target} target (it serves onnx and tensorrt exports)"
+    if _backend(target) is None:
+        from edgelin.export.targets import get_target, target_names
+
+        served = [n for n in target_names() if get_target(n).triton_backend is not None]
+        return (f"Triton Inference Server has no backend for the {target} target (it serves {' and '.join(served)} "
+                "exports)")
     for t in state:
         grown = [d for d in t.dims[1:] if not isinstance(d, int)]
         if grown:
@@ -68,6 +75,13 @@ def unservable(state: Sequence["TensorIO"], target: str) -> str | None:
                     "cache), and Triton's sequence batcher joins sequences of different lengths into one batch, "
                     "whose states would differ in shape, so it cannot be implicit state")
     return None
+
+
+def _backend(target: str) -> str | None:
+    """The Triton backend that serves `target`'s step graph (Target.triton_backend), None if none does."""
+    from edgelin.export.targets import get_target
+
+    return get_target(target).triton_backend
 
 
 def check_servable(state: Sequence["TensorIO"], target: str) -> None:
@@ -91,7 +105,7 @@ def _dims(dims: Sequence[Any]) -> str:
 def controls(backend: str, needs_position: bool) -> list[tuple[str, str, str]]:
     """(name, kind, data type) of the sequence batcher's control inputs the graph takes. TensorRT drops graph
     inputs no node reads, so its engines get only the controls the position arithmetic reads."""
-    if backend == "tensorrt":
+    if backend == TENSORRT_PLAN:
         return [(START, "CONTROL_SEQUENCE_START", "TYPE_INT32"), (READY, "CONTROL_SEQUENCE_READY", "TYPE_INT32")] \
             if needs_position else []
     return [(START, "CONTROL_SEQUENCE_START", "TYPE_INT32"), (READY, "CONTROL_SEQUENCE_READY", "TYPE_INT32"),
@@ -113,7 +127,7 @@ def config_text(manifest: "Manifest", name: str, limits: "ServingLimits", backen
     """config.pbtxt in protobuf text format (Triton's ModelConfig; tests parse it with tritonclient's schema).
     `gpu`: instance kind (None: Triton's default, a GPU when there is one)."""
     lines = [f'name: "{name}"',
-             'backend: "onnxruntime"' if backend == "onnxruntime" else 'platform: "tensorrt_plan"',
+             f'backend: "{ONNXRUNTIME}"' if backend == ONNXRUNTIME else f'platform: "{TENSORRT_PLAN}"',
              f'default_model_filename: "{MODEL_FILE[backend]}"',
              f"max_batch_size: {limits.max_batch_size}",
              "input [",
@@ -172,7 +186,7 @@ def _choices(manifest: "Manifest", device: "DeviceProfile | None") -> tuple[str,
     """(model name, backend, batching limits, GPU instances) of the repository for this export and device."""
     from edgelin.devices import ServingLimits
 
-    backend = "tensorrt" if manifest.target == "tensorrt" else "onnxruntime"
+    backend = _backend(manifest.target)
     limits = device.serving if device is not None else ServingLimits()
     return model_name(manifest.source), backend, limits, None if device is None else device.compute == "cuda"
 
@@ -228,7 +242,7 @@ def trtexec_line(manifest: "Manifest", name: str, limits: "ServingLimits", plugi
     opt = limits.preferred_batch_sizes[-1] if limits.preferred_batch_sizes else limits.max_batch_size
     shapes: list[tuple[str, list[int]]] = [("input_ids", [])]
     shapes += [(t.name, [int(d) for d in t.dims[1:]]) for t in manifest.state_inputs]
-    shapes += [(c, [1]) for c, _, _ in controls("tensorrt", manifest.needs_position)]
+    shapes += [(c, [1]) for c, _, _ in controls(TENSORRT_PLAN, manifest.needs_position)]
     shapes += [(POSITION_IN, [1])] if manifest.needs_position else []
     flag = lambda kind, b: f"--{kind}Shapes=" + ",".join(  # noqa: E731
         f"{n}:" + "x".join(str(d) for d in [b, *dims]) for n, dims in shapes)
@@ -264,17 +278,9 @@ def write_repository(folder: Path, manifest: "Manifest", device: "DeviceProfile 
             raise EdgelinError(f"step graph weights at {location!r}", "a Triton repository needs them next to "
                                "model.onnx", "re-export (edgelin writes weights.bin beside the graphs)")
         _link(Path(folder) / location, version / location)
-    if backend == "tensorrt":  # the plan is built on the serving GPU, with the plugin library edgelin build makes
-        from edgelin.export.tensorrt_build import plugin_file
+    from edgelin.export.targets import get_target
 
-        plugin = f"tensorrt/{plugin_file('10')}"
-        (root / "BUILD.md").write_text(
-            f"# Building {name}/1/model.plan\n\nThe config names platform tensorrt_plan: build the engine where "
-            "TensorRT and the serving GPU are, from the export folder (the repository's model.onnx is the step "
-            "graph with Triton's control inputs and the position state):\n\n```sh\nedgelin build .   # the "
-            f"plugin library, {plugin}\n{trtexec_line(manifest, name, limits, plugin)}\n```\n\nThen load the "
-            f"plugin into the server: `LD_PRELOAD=$PWD/{plugin} tritonserver --model-repository=$PWD/triton` "
-            "(docs/serving.md).\n")
+    get_target(manifest.target).write_serving_notes(root, manifest, name, limits)  # e.g. how to build the plan
     template = (Path(__file__).parent / "triton_client.py").read_text()
     (root / CLIENT).write_text(template.replace('MODEL = "model"  # filled in by edgelin export',
                                                 f'MODEL = "{name}"'))

@@ -432,7 +432,7 @@ def _train_into(recipe: Recipe, out: Path, steps: int | None, progress: Callable
         "sample_prompt": SAMPLE_PROMPT, "sample": SAMPLE_PROMPT + sample,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__,
+                    "python": platform.python_version(), torch.__name__: torch.__version__,
                     **({"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
         "files": sorted(written + [TRAINING_LOG]),  # what --force may replace in this folder later
     }

@@ -1,4 +1,4 @@
-"""The fused whole-model decode (edgelin.kernels.fused_decode) on CUDA, captured in a CUDA graph,
+"""The fused whole-model decode (edgelin.export.torch.fused_decode) on CUDA, captured in a CUDA graph,
 against the unfused model: logits and state after every step, fp32 and fp16, batch 1, 2, 3 and 9; the
 small-batch GEMVs with programmatic dependent launch (Hopper) and without, and at B=9 as GEMVs too."""
 
@@ -34,7 +34,7 @@ TUNINGS = {"default": {}, "no-pdl": {"pdl": False}, "gemv-b16": {"small_batch": 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
 def test_fused_graph_decode_matches_the_model(dtype, tol, batch, tuning):
     # 1, 2, 3: edgelin's GEMVs (PDL on Hopper), value-tiled mixer; 9: the cuBLAS path, or GEMVs with gemv-b16
-    from edgelin.kernels.fused_decode import DecodeTuning, FusedDecoder
+    from edgelin.export.torch.fused_decode import DecodeTuning, FusedDecoder
 
     model = _model(dtype)
     decoder = FusedDecoder(model, batch=batch, tuning=DecodeTuning(**TUNINGS[tuning]))

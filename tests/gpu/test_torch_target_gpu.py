@@ -1,4 +1,4 @@
-"""The torch target's CUDA runners (edgelin.export.torch_runtime) against the same runner stepping eagerly
+"""The torch target's CUDA runners (edgelin.export.torch.runner) against the same runner stepping eagerly
 on the same GPU: the fused Gated DeltaNet decode and the CUDA-graph decode, fp32 and fp16, batch 1 and 3,
 a prefill then 16 steps, logits at every step and every state tensor at the end; handles interleaved on
 one decoder (the resident state copied out and in), a decoder dropped and captured again; and
@@ -47,7 +47,7 @@ def _hybrid() -> CausalLM:
 
 def _folder(model: CausalLM, precision: str, folder: Path):
     from edgelin.export.pipeline import build_manifest
-    from edgelin.export.torch_target import WEIGHTS, write_model
+    from edgelin.export.torch.target import WEIGHTS, write_model
 
     folder.mkdir()
     write_model(model, precision, folder)
@@ -73,7 +73,7 @@ CASES = [("gdn", "fused", "fp32"), ("gdn", "fused", "fp16"), ("gdn", "graph", "f
 
 @pytest.mark.parametrize("family,decode,precision", CASES)
 def test_cuda_graph_runners_match_eager(tmp_path, family, decode, precision):
-    from edgelin.export.torch_runtime import TorchRunner
+    from edgelin.export.torch.runner import TorchRunner
 
     model = _gdn() if family == "gdn" else _hybrid()
     manifest = _folder(model, precision, tmp_path / "out")
@@ -98,8 +98,8 @@ def test_interleaved_handles_and_a_dropped_decoder(tmp_path, monkeypatch):
     """Two handles stepped in turn on one decoder, a fork and a write_state while resident, and
     MAX_DECODERS = 1 so batch 1 and batch 3 evict each other's decoder: each handle's logits must be
     the ones it gets when it runs alone (eager)."""
-    from edgelin.export import torch_runtime
-    from edgelin.export.torch_runtime import TorchRunner
+    from edgelin.export.torch import runner as torch_runtime
+    from edgelin.export.torch.runner import TorchRunner
 
     monkeypatch.setattr(torch_runtime, "MAX_DECODERS", 1)
     model = _hybrid()
@@ -142,7 +142,7 @@ def test_cuda_runner_prefills_in_long_pieces_with_the_same_numbers(tmp_path):
     """On a GPU runtime.prefill hands the runner pieces of CUDA_PREFILL_PIECE tokens, not the CPU's 256
     (8x slower on the H200 for a 2,048-token prompt, docs/performance.md#gpu-decode); one 700-token piece and
     pieces of 256 + 256 + 188 give the same logits and state (the chunked kernels carry the state across)."""
-    from edgelin.export.torch_runtime import CUDA_PREFILL_PIECE, TorchRunner
+    from edgelin.export.torch.runner import CUDA_PREFILL_PIECE, TorchRunner
     from edgelin.runtime import CONSTANT_PIECE, prefill
 
     model = _gdn()
