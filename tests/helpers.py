@@ -123,3 +123,56 @@ def assert_not_fused(proto, fuse) -> None:
     before = [n.op_type for n in proto.graph.node]
     assert fuse(proto, float_tensor_names(proto)) == 0
     assert [n.op_type for n in proto.graph.node] == before
+
+
+# The trainer tests' tiny recipe (tests/train/test_train.py; also the CLI, quality and outputs tests): a 200 kB
+# stdlib corpus, 10% held out.
+TINY = """
+[model]
+hidden_size = 32
+layer_types = ["gla", "softmax"]
+num_heads = 2
+head_k_dim = 16
+head_v_dim = 16
+intermediate_size = 64
+
+[model.attention]
+num_heads = 2
+num_kv_heads = 1
+head_dim = 16
+window = 32
+
+[data]
+source = "python-stdlib"
+max_bytes = 200_000
+val_fraction = 0.1
+
+[tokenizer]
+kind = "bpe"
+vocab_size = 300
+
+[train]
+seed = 0
+steps = 30
+batch_size = 8
+seq_len = 64
+lr = 1e-2
+warmup = 5
+eval_every = 10
+eval_windows = 8
+threads = 1  # one thread: no OpenMP barrier stalls when the test machine is busy
+save_dtype = "float32"
+"""
+
+
+def jitter(model: CausalLM, seed: int = 1) -> CausalLM:
+    """Move the zero-initialised gate and route weights off zero (what training does), so the erase
+    and write gates differ per channel and token and the CLVR route carries a signal."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("erase_proj.weight", "write_proj.weight", "clvr_proj.weight")):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif name.endswith(("erase_bias", "write_bias")):
+                p.copy_(torch.randn(p.shape, generator=gen))
+    return model

@@ -72,7 +72,7 @@ def test_validate_fails_with_exit_1_when_the_threshold_is_impossible(exported):
 
 
 def test_bench_json(exported):
-    """(--baseline kv, exported with the folder: tests/test_artifact.py)"""
+    """(--baseline kv, exported with the folder: tests/artifact/test_artifact.py)"""
     result = run("bench", exported[2], "--positions", "1,40", "--iters", "5", "--warmup", "1",
                  "--prefill-tokens", "16", "--json")
     assert result.exit_code == 0, result.output
@@ -265,7 +265,7 @@ def test_source_checkpoint_changed_since_export(exported, tmp_path):
 
 def test_train_command_writes_a_loadable_checkpoint(tmp_path):
     recipe = tmp_path / "recipe.toml"
-    from test_train import TINY  # the trainer tests' tiny recipe, cut to a few steps
+    from helpers import TINY  # the trainer tests' tiny recipe, cut to a few steps
 
     recipe.write_text(TINY.replace("steps = 30", "steps = 4").replace("eval_every = 10", "eval_every = 2"))
     result = run("train", recipe, "--out", tmp_path / "ckpt", "--json")

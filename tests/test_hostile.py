@@ -340,7 +340,7 @@ def outcomes(tmp_path_factory) -> dict[str, Outcome]:
     export = export_checkpoint(ckpt, root / "assets" / "export").folder
     recipe = root / "assets" / "recipe"
     recipe.mkdir()
-    from test_train import TINY
+    from helpers import TINY
 
     (recipe / "recipe.toml").write_text(TINY.replace("max_bytes = 200_000", "max_bytes = 60_000"))
     assets = Assets(ckpt, export, recipe)

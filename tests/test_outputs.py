@@ -24,7 +24,7 @@ from edgelin.export.onnx import target as onnx_target
 from edgelin.outputs import EXPORT, claim_output
 from helpers import make_checkpoint
 from test_cli import run
-from test_train import TINY
+from helpers import TINY
 
 FAKE_GRAPH = b"not a real graph"  # the folder handling is under test here, not the graphs
 

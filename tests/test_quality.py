@@ -32,7 +32,7 @@ from edgelin.tokenizer import TextTokenizer
 from edgelin.data import split_files, stdlib_files
 from edgelin.train import Recipe
 from helpers import make_checkpoint
-from test_train import TINY  # the trainer tests' tiny recipe: a 200 kB stdlib corpus, 10% held out
+from helpers import TINY  # the trainer tests' tiny recipe: a 200 kB stdlib corpus, 10% held out
 
 GREEDY, PROMPT, TEXT = 512, 16, 512  # what export records by default (edgelin/quality.py)
 

@@ -44,7 +44,7 @@ thread for these tiny models (``torch.set_num_threads(1)``): with 2 OpenMP threa
 machine each small ``nn.Linear`` between interpreted kernels stalls ~20 ms.
 
 Status with fla 0.6.0 / fla-core 0.6.0, triton 3.9.0, torch 2.13 CPU, fp32, 2 layers, hidden 32,
-vocab 100 (tests/test_upstream_fla_smoke.py; "decode err" = max |forward logits (B=2, T=33,
+vocab 100 (tests/convert/test_upstream_fla_smoke.py; "decode err" = max |forward logits (B=2, T=33,
 autograd on) - token-by-token cached decoding logits|):
 
 =============== ====================================================================== ==========

@@ -1,4 +1,4 @@
-"""Building edgelin's wheel in a test (tests/test_wheel.py, tests/test_devices.py)."""
+"""Building edgelin's wheel in a test (tests/test_wheel.py, tests/devices/test_devices.py)."""
 
 from __future__ import annotations
 

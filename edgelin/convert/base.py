@@ -23,7 +23,7 @@ from edgelin.rules import Rule, invalid
 Tensor = torch.Tensor
 
 # Fields that upstream reads but that do not change inference math (every entry is read by some
-# upstream model: tests/test_config_validation.py checks it against reads.py).
+# upstream model: tests/model/test_config_validation.py checks it against reads.py).
 HARMLESS = {
     # metadata, loading and output plumbing (transformers' PreTrainedConfig / PreTrainedModel)
     "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "name_or_path",

@@ -8,7 +8,7 @@ refused by name.
 
 The sets are data, taken from the installed sources (fla 0.6.0, transformers 5.24.0):
 `MODELING_READS` is every `config.X` (and `getattr(config, "X")`) in the modeling files named in the
-comments; tests/test_config_validation.py re-derives them from the installed files, so an upgrade that
+comments; tests/model/test_config_validation.py re-derives them from the installed files, so an upgrade that
 reads a new field fails a test instead of going stale. `CONFIG_READS` are fields that the
 configuration classes themselves consume, and `TRANSFORMERS_GENERIC` those every `PreTrainedConfig` /
 `PreTrainedModel` reads (fla's configs are `PreTrainedConfig`s too).

@@ -192,7 +192,7 @@ def _dt_clamp(value: object, name: str, where: str) -> tuple[float, float]:
 def erase_gate_refusal(spec: FamilySpec, target: str, takes_erase: bool) -> str | None:
     """Why `target` cannot take a layer of `spec` for its erase gate (Gated DeltaNet-2), or None. `takes_erase`:
     whether the target's lowering runs it (Target.erase_gate, kept in step with each lowering's engine by
-    tests/test_gdn2_clvr.py); elsewhere a layer with one is refused by name before anything is traced."""
+    tests/families/test_gdn2_clvr.py); elsewhere a layer with one is refused by name before anything is traced."""
     if not spec.erase_gate or takes_erase:
         return None
     return f"the {target} lowering has no erase gate yet; it is planned"

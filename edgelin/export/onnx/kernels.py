@@ -15,7 +15,7 @@ one `ai.edgelin::SiluGate` (edgelin.export.onnx.silu_gate). The graph gains, per
 type, one ONNX function `ai.edgelin::<op>` whose body is the original node with the caller's attributes (attribute
 references). ONNX Runtime picks a registered kernel for a node before it inlines the node's function, so a session
 with the library runs edgelin's kernels and a session without it runs the bodies: ONNX Runtime's own kernels, bit
-for bit what a `--step-ops contrib` export computes (tests/test_ortops.py, test_ortops_matmul.py).
+for bit what a `--step-ops contrib` export computes (tests/ortops/test_ortops.py, test_ortops_matmul.py).
 The prefill graph keeps ONNX Runtime's kernels but for its 4-bit and 8-bit products (MatMulNBits), which take
 edgelin's kernel too (for all of a piece's tokens at once): ONNX Runtime prepacks its own MatMulNBits weights into a
 private copy per session, so each session held a copy of every quantised weight beside the mapped file.

@@ -245,7 +245,7 @@ def _family_checkpoint(folder: Path, family: str) -> Path:
     from conftest import tiny_config
     from edgelin.checkpoint import save_checkpoint
     from edgelin.model.lm import CausalLM
-    from test_gdn2_clvr import jitter
+    from helpers import jitter
 
     torch.manual_seed(0)
     model = CausalLM(tiny_config((family, family), chunk_size=8)).eval()

@@ -127,7 +127,7 @@ def test_manifest_contract(exports):
 def test_the_hybrids_step_fuses_its_gated_delta_layer_and_both_gated_norms(exports):
     """--step-ops edgelin (the default): the Gated DeltaNet layer's step into its recurrence is one node, and its
     output norm and GLA's (the same RMSNorm(o) w silu(g) in the graph) one each; the rollout test above checks
-    these exports against the reference (tests/test_ortops_gdn.py checks the ops themselves)."""
+    these exports against the reference (tests/ortops/test_ortops_gdn.py checks the ops themselves)."""
     ops = [n.op_type for n in onnx.load(str(exports["hybrid"] / "step.onnx"), load_external_data=False).graph.node]
     assert ops.count("GatedDeltaRecurrence") == 1 and ops.count("GatedRmsNorm") == 2
     assert ops.count("LinearAttention") == 1  # GLA's recurrence (per-key decay) stays the routed op
@@ -154,7 +154,7 @@ def test_onnx_runtime_fuses_every_rmsnorm_of_the_step(exports, tmp_path):
 
 def test_rotary_feeding_a_transpose_is_left_alone(exports):
     """edgelin.export.onnx.rotary fuses rotary where a --kv-cache static step reshapes q and k to [B, T, H x D] for
-    GroupQueryAttention (tests/test_ortops_attention.py, test_kv_static.py); this growing export's attention
+    GroupQueryAttention (tests/ortops/test_ortops_attention.py, test_kv_static.py); this growing export's attention
     transposes them to [B, H, T, D] instead, and its positions have no bound for the tables: nothing fuses."""
     from edgelin.export.onnx.kernels import float_tensor_names
     from edgelin.export.onnx.rotary import fuse_rotary

@@ -15,7 +15,7 @@ import pytest
 from edgelin import ortops
 from edgelin.ortops import cache, packaged
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCE_FILES = [ROOT / "edgelin" / "ortops" / name for name in (*ortops.SOURCES, *ortops.HEADERS)]
 
 

@@ -29,7 +29,7 @@ from ortops_fixtures import (assert_matches_float64_and_function, assert_state_i
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
 
-# The recurrence is linear_attention.c's (<= 2e-6 against ONNX Runtime's, tests/test_ortops.py); the norms, softplus
+# The recurrence is linear_attention.c's (<= 2e-6 against ONNX Runtime's, tests/ortops/test_ortops.py); the norms, softplus
 # and sigmoid add float32 roundings: measured <= 1.4e-7 RMS-relative (kernel and function against float64, kernel
 # against the function) here. Bound ~70x.
 GDN_RTOL = 1e-5
@@ -215,7 +215,7 @@ def test_a_gated_norm_whose_width_does_not_divide_is_refused_in_one_line(library
 @pytest.fixture(scope="module")
 def gdn_exports(tmp_path_factory) -> dict[str, Path]:
     """Two Gated DeltaNet layers around an attention one, float32, --step-ops edgelin and contrib (the same export as
-    tests/test_ortops_matmul.py's: traced once per test run)."""
+    tests/ortops/test_ortops_matmul.py's: traced once per test run)."""
     return float_gdn_exports(tmp_path_factory.mktemp("step-ops-gdn"))
 
 

@@ -1,7 +1,7 @@
 """edgelin's TensorRT plugin library without TensorRT: built with CMake + nvcc against each TensorRT
 header folder in .trt-headers/ (git-ignored; see docs/targets/tensorrt.md for how to get them), checked
 with nm/readelf (exports, no nvinfer1 reference, no libnvinfer link), and driven by the C++ harness
-in tests/trt_harness/ through every method TensorRT's builder and runtime call. The enqueue half
+in tests/plugins/tensorrt/trt_harness/ through every method TensorRT's builder and runtime call. The enqueue half
 of the harness (--gpu) needs a GPU and is run on one by hand (docs/targets/tensorrt.md)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from edgelin.errors import EdgelinError
 from edgelin.plugins import tensorrt as trt
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 HEADER_ROOT = ROOT / ".trt-headers"
 HARNESS = Path(__file__).resolve().parent / "trt_harness" / "harness.cpp"
 HEADERS = sorted(p for p in HEADER_ROOT.glob("*/include") if (p / "NvInferRuntime.h").is_file())

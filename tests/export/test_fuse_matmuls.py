@@ -1,7 +1,7 @@
 """Sibling projections as one MatMul (edgelin.export.fuse_matmuls, issue 13): the step graph's MatMuls
 that read one activation with constant weights become one MatMul + Split, Mamba2's conv-input Concat of
 three projections becomes one piece of that Split, the outputs stay those of the unfused graph, and an
-export's two graphs still share every weight (tests/test_shared_weights.py checks that through the pipeline)."""
+export's two graphs still share every weight (tests/export/test_shared_weights.py checks that through the pipeline)."""
 
 from __future__ import annotations
 

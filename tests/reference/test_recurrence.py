@@ -115,7 +115,7 @@ def test_trained_checkpoint_chunked_state_matches_token_loop():
 
     from edgelin.checkpoint import load_model
 
-    model, _ = load_model(Path(__file__).resolve().parents[1] / "recipes" / "tiny-gdn-hybrid")
+    model, _ = load_model(Path(__file__).resolve().parents[2] / "recipes" / "tiny-gdn-hybrid")
     ids = torch.randint(0, model.config.vocab_size, (2, 130), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         chunked_logits, chunked_state = model(ids)

@@ -19,7 +19,7 @@ import pytest
 from test_report import bench_result, one_line_error, run, run_plain, validate_result, write
 
 pytest.importorskip("matplotlib")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # What a hostile results file may hold in any text field, and how report.md must show it (written by
 # hand: HTML's <>&"' as entities, Markdown's punctuation and $ (GitHub's math) backslash-escaped, the

@@ -24,7 +24,7 @@ from edgelin.model.lm import CausalLM
 from edgelin.precision import LOWER_DTYPES, check_state_dtype, state_verdict
 from edgelin.precision.drift import TokenStream, measure_drift, round_state
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def row(err: float, top1: float = 1.0, steps: int = 4096, weights: str = "trained") -> dict:

@@ -4,7 +4,7 @@
 The kernel == a float64 numpy silu(a) * b written from the formula, and == the node's ONNX function (Split, Sigmoid,
 Mul, Mul: the fallback) run by ONNX Runtime, at batch 1 and 3, one and two tokens, widths that are and are not a
 multiple of the SIMD lanes, AVX2 and portable paths. The fusion takes the exact pattern and refuses an unequal split,
-another axis, and a gate read outside the pattern. Exports: tests/test_ortops_gdn.py and test_ortops_ssd.py count the
+another axis, and a gate read outside the pattern. Exports: tests/ortops/test_ortops_gdn.py and test_ortops_ssd.py count the
 fused nodes, and their rollouts run them."""
 
 from __future__ import annotations

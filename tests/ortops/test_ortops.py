@@ -382,7 +382,7 @@ def test_a_step_ops_edgelin_export_validates_with_and_without_the_library(export
 def test_the_step_rollout_with_the_library_matches_onnxruntimes_kernels(exports, library, batch, bits, monkeypatch):
     """30 teacher-forced steps after an 11-token prefill, library vs function fallback vs a contrib export.
 
-    The fused Gated DeltaNet ops compute the float32 path in another order (~1e-7 apart, tests/test_ortops_gdn.py),
+    The fused Gated DeltaNet ops compute the float32 path in another order (~1e-7 apart, tests/ortops/test_ortops_gdn.py),
     and a 4-bit product rounds its input to int8 per block: where a value sits on a rounding boundary the two round
     it to neighbouring levels, and a level's worth enters the logits (and the recurrent state, for later steps).
     Measured here: steps at 1.7-3.3e-7 until the first such flip, then up to 6.3e-3; the export's own int4 error

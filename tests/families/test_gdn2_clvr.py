@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from conftest import tiny_config
+from helpers import jitter
 from edgelin.checkpoint import save_checkpoint
 from edgelin.cli import app
 from edgelin.errors import EdgelinError
@@ -29,19 +30,6 @@ from helpers import assert_close, assert_states_close
 
 cli = CliRunner()
 GDN2 = "gated_deltanet2"
-
-
-def jitter(model: CausalLM, seed: int = 1) -> CausalLM:
-    """Move the zero-initialised gate and route weights off zero (what training does), so the erase
-    and write gates differ per channel and token and the CLVR route carries a signal."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("erase_proj.weight", "write_proj.weight", "clvr_proj.weight")):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-            elif name.endswith(("erase_bias", "write_bias")):
-                p.copy_(torch.randn(p.shape, generator=gen))
-    return model
 
 
 def gated_inputs(b, t, h, d_k, d_v, decay, seed=0):

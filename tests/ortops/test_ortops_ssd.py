@@ -31,7 +31,7 @@ from ortops_fixtures import (assert_matches_float64_and_function, assert_state_i
 
 pytestmark = pytest.mark.skipif(ortops._compiler() is None, reason="no C compiler: edgelin.ortops builds with one")
 
-# The recurrence is linear_attention.c's (<= 2e-6 against ONNX Runtime's, tests/test_ortops.py); softplus and the
+# The recurrence is linear_attention.c's (<= 2e-6 against ONNX Runtime's, tests/ortops/test_ortops.py); softplus and the
 # skip add float32 roundings: measured <= 1.6e-7 RMS-relative (kernel and function against float64, kernel against
 # the function) here. Bound ~60x.
 SSD_RTOL = 1e-5

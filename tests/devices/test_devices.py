@@ -22,7 +22,7 @@ from edgelin.devices import (DEVICES_DIR, FIELDS, ExportSettings, check_state_di
 from edgelin.errors import EdgelinError
 from edgelin.model.lm import CausalLM
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUILT_IN = {"android", "desktop-cpu", "desktop-gpu", "iphone", "jetson-orin"}
 VALID = {"title": '"Test board"', "kind": '"jetson"', "targets": '["tensorrt", "onnx"]', "compute": '"cuda"',
          "precision": '"fp16"', "state_dtype": '"float32"', "memory_gib": "8", "sm": "87"}  # TOML values

@@ -183,6 +183,6 @@ def test_enable_fla_cpu_refuses_after_plain_triton_import():
         "try:\n    upstream_fla.enable_fla_cpu()\nexcept RuntimeError as e:\n    print('REFUSED', e)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env,
+    out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1])], env=env,
                          capture_output=True, text=True, timeout=120)
     assert "REFUSED enable_fla_cpu() must be called before importing triton/fla" in out.stdout, out.stderr

@@ -11,43 +11,8 @@ import torch
 from edgelin.checkpoint import load_model
 from edgelin.errors import EdgelinError
 from edgelin.train import Recipe, TrainResult, train
+from helpers import TINY
 
-TINY = """
-[model]
-hidden_size = 32
-layer_types = ["gla", "softmax"]
-num_heads = 2
-head_k_dim = 16
-head_v_dim = 16
-intermediate_size = 64
-
-[model.attention]
-num_heads = 2
-num_kv_heads = 1
-head_dim = 16
-window = 32
-
-[data]
-source = "python-stdlib"
-max_bytes = 200_000
-val_fraction = 0.1
-
-[tokenizer]
-kind = "bpe"
-vocab_size = 300
-
-[train]
-seed = 0
-steps = 30
-batch_size = 8
-seq_len = 64
-lr = 1e-2
-warmup = 5
-eval_every = 10
-eval_windows = 8
-threads = 1  # one thread: no OpenMP barrier stalls when the test machine is busy
-save_dtype = "float32"
-"""
 
 SNIPPET = 'def f(x: int) -> str:\n\tif x > 0:\n        return f"{x!r} \u00e9\u4e2d\U0001f600"\n\n\n'
 

@@ -13,13 +13,13 @@ import pytest
 from edgelin.export.pipeline import export_checkpoint
 from helpers import TOKENIZER_VOCAB, make_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT / "docs" / "manifest.schema.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")
 def manifests(tmp_path_factory) -> tuple[dict, dict]:
-    """The export tests/test_artifact.py makes (the hybrid with its KV baseline: the graph cache traces it once a
+    """The export tests/artifact/test_artifact.py makes (the hybrid with its KV baseline: the graph cache traces it once a
     run): (its manifest, the baseline's)."""
     root = tmp_path_factory.mktemp("schema")
     ckpt = make_checkpoint(root / "ckpt", "hybrid", tokenizer=False, vocab_size=TOKENIZER_VOCAB)

@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 
 from edgelin.kernels import chunk, chunk_ho, chunk_intra  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FP32 = {"g", "beta", "gc", "A", "OX", "ox", "h0", "ht"}
 INT = {"cu_seqlens", "chunk_indices", "chunk_offsets"}
 

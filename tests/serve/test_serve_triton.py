@@ -15,7 +15,7 @@ from helpers import TOKENIZER_VOCAB, make_checkpoint
 
 pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] (the dev extra) is not installed")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TYPES = {"float32": "TYPE_FP32", "int64": "TYPE_INT64"}  # Triton's names, written out here, not read from edgelin
 
 
@@ -169,7 +169,7 @@ def _manifest(name: str = "tiny") -> Manifest:
 
 def _unparsable_device():
     """A profile whose [serving] values Triton's parser rejects (max_batch_size is an int32), built directly: past
-    the checks a profile file gets when it is read (tests/test_devices.py), as a check that missed a field would."""
+    the checks a profile file gets when it is read (tests/devices/test_devices.py), as a check that missed a field would."""
     from dataclasses import replace
 
     from edgelin.devices import ServingLimits, get_device

@@ -24,7 +24,7 @@ from edgelin.integrity import sha256_of
 from helpers import TOKENIZER_VOCAB, make_checkpoint
 from test_cli import assert_clean_failure, run
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT, STEPS = 15, 24  # what export records (edgelin/artifact/reference_vectors.py)
 
 
