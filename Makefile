@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt CMakeLists.txt edgelin/ortops
 
 demo: install
 	$(BIN)/edgelin families
-	$(BIN)/edgelin export $(MODEL) --target onnx --out $(OUT) --force --baseline kv
+	$(BIN)/edgelin export onnx $(MODEL) --out $(OUT) --force --baseline kv
 	$(BIN)/edgelin validate $(OUT)
 	$(BIN)/edgelin validate $(OUT) --against $(MODEL) --steps 512 --json > $(OUT)-validate.json
 	$(BIN)/edgelin bench $(OUT) --positions 1,1024,8192,32768 --baseline kv --json > $(OUT)-bench.json

@@ -89,7 +89,7 @@ def test_unknown_target_names_the_optimum_command() -> None:
     """edgelin's own refusal would point at `optimum-cli export edgelin export --help`, which does not exist."""
     from optimum.commands.register.register_edgelin import edgelin_argv
 
-    with pytest.raises(EdgelinError, match=r"--target tflite.*onnx, tensorrt, coreml.*`optimum-cli export edgelin --help`"):
+    with pytest.raises(EdgelinError, match=r"--target tflite.*coreml, onnx, tensorrt, torch.*`optimum-cli export edgelin --help`"):
         edgelin_argv("ckpt", "out", target="tflite")
 
 

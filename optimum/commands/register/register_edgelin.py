@@ -7,7 +7,7 @@ namespace packages). The module stays light: edgelin is imported only when the c
 is `edgelin export` itself (the same typer command, its checks, messages and exit codes), not a second path.
 
     optimum-cli export edgelin --model CKPT OUT_DIR [--task text-generation-with-past] [--device cpu|cuda]
-                               [--dtype fp32|fp16] [--target onnx|tensorrt|coreml] [--device-profile NAME]
+                               [--dtype fp32|fp16] [--target TARGET] [--device-profile NAME]
                                [--serve triton] [--force]
 """
 
@@ -27,7 +27,6 @@ DEVICE_PROFILES = {"cpu": "desktop-cpu", "cuda": "desktop-gpu"}  # --device -> e
 DTYPES = {"fp32": "fp32", "fp16": "fp16", "float32": "fp32", "float16": "fp16"}  # --dtype -> --precision
 
 
-TARGETS = ("onnx", "tensorrt", "coreml")
 # `edgelin export`'s option names in its error and warning lines -> this command's (edgelin's --out is the
 # positional `output` here, --precision is --dtype, an edgelin --device NAME is --device-profile NAME).
 SPELLING = ((re.compile(r"optimum-cli export edgelin export\b"), "optimum-cli export edgelin"),  # usage errors
@@ -45,10 +44,11 @@ def optimum_spelling(text: str) -> str:
 
 
 def edgelin_argv(model: str, output: str, task: str = TASK, device: str | None = None, dtype: str | None = None,
-                 target: str = "onnx", device_profile: str | None = None, serve: str | None = None,
+                 target: str | None = None, device_profile: str | None = None, serve: str | None = None,
                  force: bool = False) -> list[str]:
     """The `edgelin export` arguments for optimum-cli's; a value edgelin cannot map is an EdgelinError."""
     from edgelin.errors import EdgelinError
+    from edgelin.export.targets import default_target, target_names
 
     if task != TASK:
         raise EdgelinError(f"--task {task}", f"edgelin exports one task, {TASK} (a step graph whose recurrent "
@@ -66,8 +66,9 @@ def edgelin_argv(model: str, output: str, task: str = TASK, device: str | None =
         raise EdgelinError(f"--dtype {dtype}", "edgelin exports fp32 or fp16 graphs (the recurrence and the "
                            "state stay float32); for int8/int4 weights use `edgelin export --quantize`",
                            "pass --dtype fp32 or --dtype fp16")
-    if target not in TARGETS:  # checked here: edgelin's own message would name `... edgelin export --help`
-        raise EdgelinError(f"--target {target}", f"optimum-cli's edgelin export writes {', '.join(TARGETS)}",
+    target = target or default_target()
+    if target not in target_names():  # checked here: edgelin's own message would name `... edgelin export --help`
+        raise EdgelinError(f"--target {target}", f"optimum-cli's edgelin export writes {', '.join(target_names())}",
                            "pass one of those (`optimum-cli export edgelin --help`)")
     argv = ["export", model, "--out", output, "--target", target]
     profile = device_profile or (DEVICE_PROFILES[device] if device is not None else None)
@@ -93,7 +94,8 @@ class EdgelinExportCommand(BaseOptimumCLICommand):
                                  "--dtype fp32). Default: no profile, as `edgelin export`.")
         parser.add_argument("--dtype", default=None, help="fp32 or fp16: the graphs' compute precision "
                                                           "(edgelin export --precision).")
-        parser.add_argument("--target", default="onnx", help="edgelin target: onnx (default), tensorrt, coreml.")
+        parser.add_argument("--target", default=None, help="An edgelin target, as `edgelin export TARGET` names it "
+                                                             "(`edgelin export --help` lists them). Default: edgelin's.")
         parser.add_argument("--device-profile", default=None,
                             help="An edgelin device profile by name (`edgelin devices`); a different --device is refused.")
         parser.add_argument("--serve", default=None, help="triton: also write a Triton Inference Server model "
