@@ -1,6 +1,6 @@
 """Adding a target is one folder (issue 44): a toy target written outside edgelin, registered through a real
-entry point (a `*.dist-info/entry_points.txt` on sys.path, as `pip install` leaves it), exports the shipped tiny
-model and validates it through the ordinary CLI, without a line of edgelin changed.
+entry point (a `*.dist-info/entry_points.txt` on sys.path, as `pip install` leaves it), exports a tiny hybrid
+checkpoint and validates it through the ordinary CLI, without a line of edgelin changed.
 
 The toy writes the weights as one numpy .npz "graph" that both graphs of the manifest name, and its runner
 steps the reference model (edgelin.model) on numpy state arrays: enough to run the whole contract (manifest,
@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers import make_checkpoint
+
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "recipes" / "tiny-gdn-hybrid"
 
 TOY = '''
 """A toy edgelin target: the model's weights in one .npz, run by the reference model on numpy state."""
@@ -125,8 +126,11 @@ def edgelin(plugin: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_toy_target_exports_and_validates_through_the_cli(plugin, tmp_path):
+    # a tiny hybrid in the real checkpoint format (the toy runner steps the reference model token by token in
+    # Python: the shipped model's 512-step reference rollout took minutes on the 2-core CI machine)
+    model = make_checkpoint(tmp_path / "ckpt", "hybrid")
     out = tmp_path / "toy-export"
-    exported = edgelin(plugin, "export", "toy", str(MODEL), "--out", str(out), "--json")
+    exported = edgelin(plugin, "export", "toy", str(model), "--out", str(out), "--json")
     assert exported.returncode == 0, exported.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target"] == "toy" and {g["file"] for g in manifest["graphs"].values()} == {"toy.npz"}
@@ -135,7 +139,7 @@ def test_the_toy_target_exports_and_validates_through_the_cli(plugin, tmp_path):
     assert "checks passed" in validated.stdout and "runner: numpy (the toy target)" in validated.stdout
     # the alias spelling knows it too (refused here for its --out, before any work), and a target the registry does
     # not know is one line with its closest name
-    again = edgelin(plugin, "export", str(MODEL), "--target", "toy", "--out", str(out))
+    again = edgelin(plugin, "export", str(model), "--target", "toy", "--out", str(out))
     assert again.returncode == 2 and "toy-export" in again.stderr, again.stderr  # the alias reached the toy
-    unknown = edgelin(plugin, "export", "tox", str(MODEL), "--out", str(tmp_path / "x"))
+    unknown = edgelin(plugin, "export", "tox", str(model), "--out", str(tmp_path / "x"))
     assert unknown.returncode == 2 and "unknown target 'tox' (closest: 'toy')" in unknown.stderr
