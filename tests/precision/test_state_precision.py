@@ -67,8 +67,13 @@ def test_table_covers_every_family_and_dtype_with_its_provenance():
 
 
 def test_table_ships_as_package_data():
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    assert "state_precision.toml" in pyproject["tool"]["setuptools"]["package-data"]["edgelin.precision"]
+    """scikit-build-core's wheel carries every file of the packages it names, less wheel.exclude's patterns."""
+    import fnmatch
+
+    wheel = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["scikit-build"]["wheel"]
+    table = "edgelin/precision/state_precision.toml"
+    assert (REPO / table).is_file() and "edgelin" in wheel["packages"]
+    assert not [pattern for pattern in wheel.get("exclude", []) if fnmatch.fnmatch(table, pattern)]
 
 
 def test_families_command_shows_the_fp16_state_verdict():
