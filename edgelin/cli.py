@@ -17,14 +17,14 @@ from edgelin.cli_support import (JSON, NO_VERIFY, POSITIVE, _debug, _finite, app
 from edgelin.devices import MAX_THREADS
 from edgelin.errors import EdgelinError
 from edgelin.cli_support import EdgelinCommand
-from edgelin.export.base import PRECISIONS, QUANTIZE_MODES
+from edgelin.artifact.vocabulary import PRECISIONS, QUANTIZE
 from edgelin.export.targets import target_names
 from edgelin.output import Output, human_bytes, styled
 
 # Choices typer shows in --help and checks at parse time.
 TargetName = Literal[tuple(target_names())]  # type: ignore[valid-type]  # the registry, not a hand-kept list
-Precision = Literal[PRECISIONS]  # type: ignore[valid-type]  # the vocabulary, declared once (edgelin.export.base)
-Quantize = Literal[QUANTIZE_MODES]  # type: ignore[valid-type]
+Precision = Literal[PRECISIONS]  # type: ignore[valid-type]  # the vocabulary, declared once (edgelin.artifact.vocabulary)
+Quantize = Literal[QUANTIZE]  # type: ignore[valid-type]
 Baseline = Literal["kv"]
 Serve = Literal["triton"]
 

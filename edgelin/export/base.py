@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgelin.artifact.vocabulary import PRECISIONS, QUANTIZE as QUANTIZE_MODES, STATE_DTYPES  # noqa: F401  (the vocabulary)
+from edgelin.artifact.vocabulary import PRECISIONS
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # check_names, BASELINE_SOURCE and MANIFEST_KEY: the export pipeline reads them through this module.
-from edgelin.artifact.baselines import BASELINE_SOURCE, BASELINES, MANIFEST_KEY, check_names  # noqa: F401
+from edgelin.artifact.baselines import BASELINES, check_names
 
 if TYPE_CHECKING:
     from edgelin.model.lm import CausalLM

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 # The layout's read side (what a reader of the artifact needs) is edgelin.artifact.quantized's.
-from edgelin.artifact.quantized import F16_OP, PANEL, panel_columns, unpack_panels  # noqa: F401
+from edgelin.artifact.quantized import F16_OP, PANEL
 
 F32_OP = "MatMulF32"  # float32 activations by a float32 weight in panels
 

@@ -89,17 +89,19 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     the manifest, renamed into place. `options`: the target's own options (its `options_type`, e.g.
     OnnxOptions); None: its defaults. `settings` (precision, state dtype) come from
     edgelin.devices.export_settings, the one place that reads a device profile (default: `device`'s).
-    `baselines`: names of edgelin.export.baselines.BASELINES to export inside the folder (--baseline kv).
+    `baselines`: names of edgelin.artifact.baselines.BASELINES to export inside the folder (--baseline kv).
     `text`: held-out text for the recorded quality figures (--text FILE; default: the checkpoint's recipe
     validation split, else random tokens). The quality gate's result (fp16/quantised exports) goes into
     extra["quality"], and a check failed under --force is also a warning of the result. `serve`: "triton" (--serve
     triton) also writes DIR/triton/, a Triton Inference Server repository (edgelin.serve.triton); a model whose
     state cannot be Triton's implicit state is refused before anything is written. `on_progress(done, total,
     what)` hears each phase as it starts (a progress bar's count)."""
+    from edgelin.artifact.baselines import BASELINE_SOURCE, MANIFEST_KEY as BASELINES_KEY, check_names
+    from edgelin.artifact.reference_vectors import MANIFEST_KEY as REFERENCE_KEY, manifest_entry
     from edgelin.export import baselines as baseline_exports, reference_vectors
     from edgelin.export.quality_gate import check_export_quality
 
-    baseline_exports.check_names(baselines)
+    check_names(baselines)
     out = Path(out)
     target = get_target(target_name)
     phase = target.can_export()
@@ -168,9 +170,9 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         if baselines:
             phase("exporting baselines")
         written = baseline_exports.export_baselines(model, tmp, baselines, lambda m, o: export_model(
-            m, o, target.name, baseline_exports.BASELINE_SOURCE, device=device, options=options, settings=settings))
-        recorded = {reference_vectors.MANIFEST_KEY: reference_vectors.manifest_entry(tmp, reference),
-                    **({baseline_exports.MANIFEST_KEY: written} if written else {}),
+            m, o, target.name, BASELINE_SOURCE, device=device, options=options, settings=settings))
+        recorded = {REFERENCE_KEY: manifest_entry(tmp, reference),
+                    **({BASELINES_KEY: written} if written else {}),
                     **weights_recorded, **({"quality": gate.to_dict(settings.force)} if gate is not None else {})}
         if serve is not None:  # DIR/triton/: the step graph's serving copy (weights hard-linked), config, client
             from edgelin.serve.triton import MANIFEST_KEY as SERVE_KEY, write_repository
@@ -229,7 +231,7 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, fo
 
     from edgelin.export.targets import default_target
 
-    from edgelin.export.baselines import check_names
+    from edgelin.artifact.baselines import check_names
     from edgelin.serve.triton import check_server
     from edgelin.tokenizer import check_tokenizer
 

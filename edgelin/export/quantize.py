@@ -40,7 +40,8 @@ from typing import Any
 
 from edgelin.artifact.quantized import QUANTIZED_OPS, half_tables
 from edgelin.errors import EdgelinError, environment_fault, one_line
-from edgelin.export.panels import F16_OP, drop_unread, pack_products, to_float16
+from edgelin.artifact.quantized import F16_OP
+from edgelin.export.panels import drop_unread, pack_products, to_float16
 
 BITS = {"int8": 8, "int4": 4}
 HALF = "fp16"  # --quantize fp16: weight-only float16 storage (_float16_weights)

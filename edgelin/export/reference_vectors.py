@@ -14,9 +14,8 @@ import numpy as np
 from edgelin import __version__
 from edgelin.artifact.quality import TEXT_TOKENS, precision_key, threshold_key
 # MANIFEST_KEY, manifest_entry and positions_needed: the export pipeline reads them through this module.
-from edgelin.artifact.reference_vectors import (BATCHES, FORMAT, FORMAT_VERSION, MANIFEST_KEY, PROMPT_LEN,  # noqa: F401
-                                                QUALITY, REFERENCE_FILE, STATE_CHECKPOINTS, STEPS, THRESHOLDS,
-                                                batch_key, manifest_entry, positions_needed, state_key,
+from edgelin.artifact.reference_vectors import (BATCHES, FORMAT, FORMAT_VERSION, PROMPT_LEN, QUALITY, REFERENCE_FILE,
+                                                STATE_CHECKPOINTS, STEPS, THRESHOLDS, batch_key, state_key,
                                                 threshold_for)
 from edgelin.data import held_out_text
 from edgelin.reference.parity import flat_state, parity_reference, reference_quality

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from edgelin.kernels.abi import CUDA_DIR, header_abi_version  # noqa: F401 (re-exported)
+from edgelin.kernels.abi import CUDA_DIR, header_abi_version
 from edgelin.kernels._common import (
     KernelError, Tensor, check_aux, check_erase, check_out, check_qkv, check_state, last_dim_contiguous,
     state_destination,

@@ -47,7 +47,8 @@ def _hybrid() -> CausalLM:
 
 def _folder(model: CausalLM, precision: str, folder: Path):
     from edgelin.export.pipeline import build_manifest
-    from edgelin.export.torch.target import WEIGHTS, write_model
+    from edgelin.export.torch.contract import WEIGHTS
+    from edgelin.export.torch.target import write_model
 
     folder.mkdir()
     write_model(model, precision, folder)

@@ -26,7 +26,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -c co
 from conftest import tiny_config  # noqa: E402
 from edgelin import kernels  # noqa: E402
 from edgelin.errors import EdgelinError  # noqa: E402
-from edgelin.kernels import cuda_ext  # noqa: E402
+from edgelin.kernels import abi, cuda_ext  # noqa: E402
 from edgelin.kernels import dispatch  # noqa: E402
 from edgelin.model.lm import CausalLM  # noqa: E402
 from edgelin.model.mixer import use_engine  # noqa: E402
@@ -618,7 +618,7 @@ def test_c_launcher_is_plain_c_and_validates_before_launching(cuda_object, tmp_p
     src = tmp_path / "check.c"
     src.write_text(LAUNCHER_CHECK)
     exe = tmp_path / "check"
-    for cmd in ([NVCC, "-c", str(src), "-o", str(tmp_path / "check.o"), f"-I{cuda_ext.CUDA_DIR}",
+    for cmd in ([NVCC, "-c", str(src), "-o", str(tmp_path / "check.o"), f"-I{abi.CUDA_DIR}",
                  "-Xcompiler=-std=c99,-Wall,-Werror"],  # nvcc hands a .c file to the host C compiler
                 [NVCC, str(tmp_path / "check.o"), str(cuda_object), "-o", str(exe)]):
         build = subprocess.run(cmd, capture_output=True, text=True)
@@ -655,4 +655,4 @@ def test_cuda_step_keeps_gate_and_beta_out_of_half_precision():
     assert cuda_ext.aux_dtype(half, torch.zeros(1, 1, 1), None) is f32
     assert cuda_ext.aux_dtype(half, g16, b16, torch.zeros(1, 1, 4)) is f32  # the erase gate goes with them
     assert cuda_ext.aux_dtype(half, g16, b16, torch.zeros(1, 1, 4, dtype=half)) is half
-    assert cuda_ext.header_abi_version() == 3
+    assert abi.header_abi_version() == 3

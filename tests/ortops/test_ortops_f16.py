@@ -20,7 +20,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
-from edgelin.export.panels import F16_OP
+from edgelin.artifact.quantized import F16_OP
 from edgelin.export.quantize import _float16_weights
 from edgelin.replay import replay
 from helpers import assert_close

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from edgelin.export.coreml.contract import (  # noqa: F401  (coremltools_module, package_view: used from here before)
-    FIX, _fail, coremltools_module, feature_name, load_contract, package_view)
+from edgelin.export.coreml.contract import _fail, coremltools_module, feature_name, load_contract, package_view
 
 if TYPE_CHECKING:
     from edgelin.artifact.manifest import Manifest

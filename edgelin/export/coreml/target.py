@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Phase, Target, TargetFlag, missing_module
-from edgelin.export.coreml.contract import CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION  # noqa: F401
+from edgelin.export.coreml.contract import CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION
 
 if TYPE_CHECKING:
     from edgelin.export.lowering import Lowering

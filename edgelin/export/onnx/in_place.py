@@ -30,7 +30,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from edgelin.export.onnx.metadata import IN_PLACE_KEY  # noqa: F401  (read by the runner)
 
 if TYPE_CHECKING:
     import onnx

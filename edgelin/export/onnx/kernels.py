@@ -30,7 +30,7 @@ from pathlib import Path
 
 from edgelin.export.onnx.gated_norm import fuse_gated_norms
 from edgelin.export.onnx.gdn import fuse_gated_delta_steps
-from edgelin.export.onnx.patterns import use_domain
+from edgelin.export.panels import use_domain
 from edgelin.export.onnx.silu_gate import fuse_silu_gates
 from edgelin.export.onnx.ssd import fuse_ssd_steps
 from edgelin.ortops import DOMAIN

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from edgelin.export.panels import drop_unread, use_domain  # noqa: F401  (graph edits the core shares)
 
 _INT64 = 7  # onnx.TensorProto.INT64
 

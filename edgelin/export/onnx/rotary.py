@@ -18,7 +18,8 @@ Export-side module: imports onnx and numpy inside its functions.
 
 from __future__ import annotations
 
-from edgelin.export.onnx.patterns import CONTRIB, GraphIndex, recorded_shapes, replace_in_place, use_domain
+from edgelin.export.onnx.patterns import CONTRIB, GraphIndex, recorded_shapes, replace_in_place
+from edgelin.export.panels import use_domain
 
 OP = "RotaryEmbedding"
 FLAT = "rotary.flat_shape"  # the [0, 0, -1] a Reshape to [B, T, heads x head_dim] reads

@@ -13,7 +13,8 @@ six nodes `rms_norm` matches, over float32. Export-side module: imports onnx ins
 
 from __future__ import annotations
 
-from edgelin.export.onnx.patterns import CONTRIB, GraphIndex, recorded_shapes, replace_in_place, rms_norm, use_domain
+from edgelin.export.onnx.patterns import CONTRIB, GraphIndex, recorded_shapes, replace_in_place, rms_norm
+from edgelin.export.panels import use_domain
 
 OP = "SkipSimplifiedLayerNormalization"
 

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError, environment_fault, one_line
-from edgelin.export.onnx.metadata import KV_CAPACITY_KEY  # noqa: F401  (the runner reads it)
+from edgelin.export.onnx.metadata import KV_CAPACITY_KEY
 from edgelin.ortops import DOMAIN as ORT_OPS_DOMAIN
-from edgelin.export.base import PRECISIONS, QUANTIZE_MODES, Artifact, Phase, Target, TargetFlag, missing_module
+from edgelin.artifact.vocabulary import PRECISIONS, QUANTIZE
+from edgelin.export.base import Artifact, Phase, Target, TargetFlag, missing_module
 from edgelin.artifact.tensors import TensorIO
 
 if TYPE_CHECKING:
@@ -337,14 +338,14 @@ def check_cache_capacity(model: "CausalLM", target: str, settings: "ExportSettin
     as its quality gate. A shorter cache would write an export that cannot validate itself, and a larger one than
     this machine's memory or ONNX's protobuf limit holds (edgelin.export.static_cache) would fail minutes into the
     export: both refused before anything is traced, naming the --context that works."""
-    from edgelin.export import reference_vectors
+    from edgelin.artifact.reference_vectors import positions_needed
     from edgelin.export.static_cache import check_static_cache_size
 
     capacity = getattr(options, "context", None) if getattr(options, "kv_cache", None) == "static" else None
     if capacity is None:
         return
     check_static_cache(model, target, settings)  # its own refusals first (wrong target, no growing cache)
-    need = reference_vectors.positions_needed()
+    need = positions_needed()
     if capacity < need:
         raise EdgelinError(f"--kv-cache static --context {capacity}",
                            f"the export's own checks (the reference vectors and quality figures that `edgelin "
@@ -381,7 +382,8 @@ def mark_in_place_states(path: Path, outputs: list[TensorIO]) -> list[str]:
     (edgelin.export.onnx.in_place); returns their past input names."""
     import onnx
 
-    from edgelin.export.onnx.in_place import IN_PLACE_KEY, in_place_states
+    from edgelin.export.onnx.in_place import in_place_states
+    from edgelin.export.onnx.metadata import IN_PLACE_KEY
 
     proto = onnx.load(str(path), load_external_data=False)  # weights stay where they are (weights.bin)
     safe = in_place_states(proto.graph, {t.name: t.feeds for t in outputs if t.feeds is not None})
@@ -499,7 +501,7 @@ class OnnxTarget(Target):
         if given.get("step_ops") is not None:
             fields["step_ops"] = given["step_ops"]
         return (self.options_type(**fields) if fields else None), settings
-    quantize_modes = QUANTIZE_MODES  # int8/int4 block-wise (MatMulNBits, GatherBlockQuantized), fp16 weights
+    quantize_modes = QUANTIZE  # int8/int4 block-wise (MatMulNBits, GatherBlockQuantized), fp16 weights
 
     def lowering(self) -> "Lowering":
         from edgelin.export.onnx.lowering import LOWERING

@@ -132,7 +132,8 @@ def write_folder(folder: Path, files: dict[str, str], device: "DeviceProfile | N
     `inplace`/`aliased`: --trt-inplace and the step's {state input: state output} pairs its plugin
     nodes alias (edgelin.export.tensorrt.target.add_step_functions). `strongly_typed`: an fp16 export,
     built as a strongly typed network (the graph's fp16/fp32 types are the engine's)."""
-    from edgelin.plugins.tensorrt import CUDA_DIR, PLUGIN_DIR
+    from edgelin.kernels.abi import CUDA_DIR
+    from edgelin.plugins.tensorrt import PLUGIN_DIR
 
     root = Path(folder) / TRT_DIR
     ranges = Ranges.for_device(device)

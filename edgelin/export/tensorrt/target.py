@@ -45,9 +45,9 @@ from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Built, Phase, TargetFlag
 from edgelin.export.onnx.target import OnnxOptions, OnnxTarget
 from edgelin.export.tensorrt import COMPUTE_REASON, PROFILE_COMPUTES
-from edgelin.export.tensorrt.step_node import (  # noqa: F401  (the plugin node's names, used here and by tests)
-    DTYPE_BF16, DTYPE_F16, DTYPE_F32, GATE_NONE, GATE_PER_KEY, GATE_SCALAR, PLUGIN_DOMAIN, PLUGIN_FIELDS, PLUGIN_NAME,
-    PLUGIN_NAMESPACE, PLUGIN_VERSION, _ONNX_TYPES, overload_name, plugin_step)
+from edgelin.export.tensorrt.step_node import (
+    DTYPE_F32, GATE_NONE, PLUGIN_DOMAIN, PLUGIN_FIELDS, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, _ONNX_TYPES,
+    overload_name)
 
 if TYPE_CHECKING:
     from edgelin.export.lowering import Lowering

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import PRECISIONS
+from edgelin.artifact.vocabulary import PRECISIONS
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"

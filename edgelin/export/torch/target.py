@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Phase, Target, missing_module
 from edgelin.export.torch import IN_DEVICE_PROFILES
-from edgelin.export.torch.contract import (  # noqa: F401  (read_contract: used from here before)
-    CONFIG, CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION, PRECISIONS, WEIGHTS, read_contract)
+from edgelin.export.torch.contract import CONFIG, CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION, PRECISIONS, WEIGHTS
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile, ExportSettings

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgelin.errors import EdgelinError
-from edgelin.kernels.abi import CUDA_DIR  # noqa: F401 (re-exported: edgelin.export.tensorrt_build)
 from edgelin.kernels.abi import header_abi_version as step_abi_version  # the launcher ABI this edgelin speaks
 
 PLUGIN_DIR = Path(__file__).parent

@@ -11,7 +11,8 @@ import onnx.helper as oh
 import pytest
 from onnx import TensorProto
 
-from edgelin.export.onnx.in_place import IN_PLACE_KEY, in_place_states
+from edgelin.export.onnx.in_place import in_place_states
+from edgelin.export.onnx.metadata import IN_PLACE_KEY
 from edgelin.runtime import open_runner
 from helpers import export_family, run_state_in_place
 

@@ -104,7 +104,8 @@ def test_bench_measures_it_like_any_runner(export):
 def test_fp16_weights_load_exactly_and_keep_the_decay_float32(tmp_path):
     from edgelin.export.pipeline import build_manifest
     from edgelin.export.torch.runner import TorchRunner
-    from edgelin.export.torch.target import WEIGHTS, write_model
+    from edgelin.export.torch.contract import WEIGHTS
+    from edgelin.export.torch.target import write_model
     from edgelin.model.lm import CausalLM, with_compute_dtype
     from safetensors.torch import load_file
     from conftest import family_layers, tiny_config
