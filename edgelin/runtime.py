@@ -112,7 +112,7 @@ def check_room(manifest: Manifest, tokens: int, what: str, fix: str | None = Non
 # (12.1 M parameters) peak RSS for a 2,048-token prompt from 643 to 237 MiB at 1 thread, and prefill got no
 # slower (4,200 -> 4,700-5,000 tokens/s: the chunk scan's working set stays in cache); 128 saved another
 # 30 MiB for ~5% of the speed, 64 and below lost 20-50% then. The ONNX runner sets its own since its products
-# became edgelin's kernels (onnx_runtime.CONSTANT_MEMORY_PREFILL_PIECE: 64); this stays the default of others.
+# became edgelin's kernels (the ONNX runner's CONSTANT_MEMORY_PREFILL_PIECE: 64); this stays the default of others.
 CONSTANT_PIECE = Runner.prefill_piece  # 256
 
 # A growing KV cache's prefill graph holds [heads, piece, past + piece] attention scores (and the

@@ -21,7 +21,7 @@ from edgelin.errors import EdgelinError
 
 def load_program(package: Path) -> Any:
     """The MIL program (a coremltools Program: every function) of a saved .mlpackage, read through a private view
-    of it (coreml_check.package_view: coremltools' loader writes into a package it opens)."""
+    of it (edgelin.export.coreml.contract.package_view: coremltools' loader writes into a package it opens)."""
     from edgelin.export.coreml.contract import coremltools_module, package_view
 
     ct = coremltools_module()

@@ -370,7 +370,7 @@ def record_build(folder: Path, plugin: str, trt_major: int, archs: list[str], en
     from edgelin.integrity import sha256_of
 
     # The plugin library and the engines are code the runner loads: their digests, taken as written here, are what
-    # the runner checks them against before loading (tensorrt_runtime.verified_build_file).
+    # the runner checks them against before loading (edgelin.export.tensorrt.runner.verified_build_file).
     digests = {f"{TRT_DIR}/{plugin}": sha256_of(root / plugin),
                **{name: sha256_of(folder / name) for name in engines.values()}}
     record = {"plugin": plugin, "trt_major": trt_major, "archs": archs, "engines": dict(engines),

@@ -19,7 +19,7 @@ the very file TensorRT parses also runs, with the same math, on ONNX Runtime.
 Precision and weights: in an fp16 export the step's plugin nodes take q/k/v in fp16 (`dtype` 1: the
 lowering's engine declares `step_takes_compute_dtype`, so the model's fp32 cast is skipped for them;
 the function casts inside, as the kernel does), g, beta and the state in fp32; prefill keeps the ONNX
-target's fp32 recurrence. Both graphs read one weights.bin (onnx_target.SHARED_WEIGHTS); step.onnx is
+target's fp32 recurrence. Both graphs read one weights.bin (edgelin.export.onnx.target.SHARED_WEIGHTS); step.onnx is
 rewritten with onnx-ir, which keeps the external-data references, and checked by path.
 
 Run phase: where `edgelin build` built the engines (tensorrt/build.json) and tensorrt, cuda-python
