@@ -42,7 +42,7 @@ PREPACKED = ("fp32", "fp16")  # float exports also measured with prepacking on (
 
 def export_all(checkpoint: Path, work: Path) -> dict[str, Path]:
     from edgelin.devices import export_settings
-    from edgelin.export.onnx.target import OnnxOptions
+    from edgelin.export.onnx.options import OnnxOptions
     from edgelin.export.pipeline import export_checkpoint
 
     folders = {}

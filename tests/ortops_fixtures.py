@@ -153,7 +153,7 @@ def gdn_exports(root: Path, kinds: dict[str, tuple]) -> dict[str, Path]:
     """`gdn_checkpoint` exported per kind: name -> (--step-ops, --quantize or None[, more OnnxOptions fields]),
     block 32."""
     from edgelin.devices import export_settings
-    from edgelin.export.onnx.target import OnnxOptions
+    from edgelin.export.onnx.options import OnnxOptions
     from edgelin.export.pipeline import export_checkpoint
 
     ckpt = gdn_checkpoint(root)

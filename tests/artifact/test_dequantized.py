@@ -81,7 +81,7 @@ def partial_blocks(tmp_path_factory) -> tuple[Path, dict[str, Path]]:
     """A one-layer hidden-48 checkpoint exported at each of PARTIAL (the graphs traced once: the float graphs
     are the same before quantisation, tests/graph_cache.py)."""
     from edgelin.devices import export_settings
-    from edgelin.export.onnx.target import OnnxOptions
+    from edgelin.export.onnx.options import OnnxOptions
     from edgelin.export.pipeline import export_checkpoint
     from helpers import make_checkpoint
 

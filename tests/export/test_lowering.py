@@ -17,7 +17,8 @@ from edgelin.errors import EdgelinError
 from edgelin.export import lowering as lowering_mod
 from edgelin.export.graphs import graph_io
 from edgelin.export.lowering import Lowering, get_lowering, lowering, register_lowering, scan_loop
-from edgelin.export.onnx.target import OnnxOptions, OnnxTarget
+from edgelin.export.onnx.options import OnnxOptions
+from edgelin.export.onnx.target import OnnxTarget
 from edgelin.artifact.state import output_name_for, parse_state_name, state_input_name, state_output_name
 from edgelin.families.spec import StateTensor
 from edgelin.model.lm import CausalLM

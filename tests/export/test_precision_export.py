@@ -536,20 +536,20 @@ def test_step_ops_reach_the_onnx_options_and_its_lowering(tmp_path, monkeypatch)
     """--step-ops standard reaches OnnxOptions (with --kv-cache too), and the target traces under the ONNX lowering
     with its contrib ops off (the default: on); the traced graphs themselves are checked in test_onnx_nodes."""
     from edgelin.export import lowering
-    from edgelin.export.onnx import target as onnx_target
+    from edgelin.export.onnx import options as onnx_options, target as onnx_target
     from edgelin.model import mixer
 
     seen = _capture_export(monkeypatch)
     base = ["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out")]
     assert CliRunner().invoke(app, [*base, "--step-ops", "standard", "--kv-cache", "static", "--context", "64"]).exit_code == 2
     assert (seen["options"].step_ops, seen["options"].kv_cache, seen["options"].context) == ("standard", "static", 64)
-    assert onnx_target.OnnxOptions().step_ops == "edgelin"
+    assert onnx_options.OnnxOptions().step_ops == "edgelin"
     engines = []
     monkeypatch.setattr(onnx_target, "export_onnx_graph", lambda *a: engines.append(mixer._ENGINE.get()))
     monkeypatch.setattr(onnx_target, "finish_graphs", lambda *a, **k: {})
     model = load_model(make_checkpoint(tmp_path / "tiny", "mamba2", tokenizer=False))[0]
     for ops in ("contrib", "standard"):
-        onnx_target.OnnxTarget().export(model, None, export_settings(None, "onnx"), onnx_target.OnnxOptions(step_ops=ops),
+        onnx_target.OnnxTarget().export(model, None, export_settings(None, "onnx"), onnx_options.OnnxOptions(step_ops=ops),
                                         tmp_path)
     assert [e.contrib_ops for e in engines] == [True, True, False, False]  # step and prefill, per export
     assert lowering.get_lowering("onnx").engine.contrib_ops  # the registered lowering is left as it was

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from helpers import make_checkpoint
 from edgelin.bench import bench
 from edgelin.errors import EdgelinError
-from edgelin.export.onnx.target import OnnxOptions
+from edgelin.export.onnx.options import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.artifact.reference_vectors import positions_needed
 from edgelin.generate import Sampling, generate

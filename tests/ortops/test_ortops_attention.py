@@ -22,7 +22,7 @@ from onnx import TensorProto, helper
 from edgelin import ortops
 from edgelin.errors import EdgelinError
 from edgelin.export.onnx.kernels import ATTENTION, fallback_function
-from edgelin.export.onnx.target import OnnxOptions
+from edgelin.export.onnx.options import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.runtime import open_runner, prefill
 from helpers import assert_close, qwen_attention_checkpoint

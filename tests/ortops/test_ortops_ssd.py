@@ -22,7 +22,7 @@ from edgelin.export.onnx import gated_norm as onnx_gated_norm
 from edgelin.devices import export_settings
 from edgelin.export.onnx.kernels import float_tensor_names
 from edgelin.export.onnx.ssd import INPUTS, NAME, fuse_ssd_steps, ssd_function
-from edgelin.export.onnx.target import OnnxOptions
+from edgelin.export.onnx.options import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.replay import replay
 from helpers import assert_close, make_checkpoint

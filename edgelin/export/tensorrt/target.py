@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Built, Phase, TargetFlag
-from edgelin.export.onnx.target import OnnxOptions, OnnxTarget
+from edgelin.export.onnx.options import OnnxOptions
+from edgelin.export.onnx.target import OnnxTarget
 from edgelin.export.tensorrt import COMPUTE_REASON, PROFILE_COMPUTES
 from edgelin.export.tensorrt.step_node import (
     DTYPE_F32, GATE_NONE, PLUGIN_DOMAIN, PLUGIN_FIELDS, PLUGIN_NAME, PLUGIN_NAMESPACE, PLUGIN_VERSION, _ONNX_TYPES,

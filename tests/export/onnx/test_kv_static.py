@@ -17,7 +17,7 @@ from edgelin.checkpoint import save_checkpoint
 from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
 from edgelin.artifact.manifest import Manifest
-from edgelin.export.onnx.target import OnnxOptions
+from edgelin.export.onnx.options import OnnxOptions
 from edgelin.export.pipeline import export_checkpoint
 from edgelin.model.lm import CausalLM
 from edgelin.replay import replay
