@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,10 @@ from edgelin import ortops
 @pytest.fixture(scope="module")
 def library() -> Path:
     """The build the runner loads (the per-user cache, keyed by the sources and the compiler): compiled once a run,
-    not once per test file (~5 s of CI's cores each); test_ortops.py builds it afresh where that is the point."""
-    return ortops.build()
+    not once per test file (~5 s of CI's cores each); test_ortops.py builds it afresh where that is the point.
+    EDGELIN_ORT_OPS=PATH tests that library instead (one built by CMake, e.g. against onnxruntime_c_api.h)."""
+    given = os.environ.get(ortops.ENV, "").strip()
+    return Path(given) if given not in ("", "0") else ortops.build()
 
 
 def session(model: onnx.ModelProto, library: Path | None = None, threads: int = 1) -> ort.InferenceSession:

@@ -9,6 +9,9 @@
 
 #ifdef EDGELIN_ORT_HEADER
 #include <onnxruntime_c_api.h>
+#if ORT_API_VERSION < 20
+#error "edgelin's CPU kernels need onnxruntime_c_api.h from ONNX Runtime 1.20 or newer (KernelContext_ParallelFor)"
+#endif
 
 #define ORT_ABI_VERSION 16        /* CreateKernelV2 / KernelComputeV2 (status returns) */
 #define ORT_ABI_PARALLEL_FOR 20   /* a runtime this new has KernelContext_ParallelFor */
