@@ -134,6 +134,27 @@ def digest(path: Path) -> str:
     return sha256_of(path)
 
 
+def check_record(path: Path, record_path: Path, what: str, maker: str, fix: str) -> tuple[dict, str]:
+    """(the build record, the library's sha256) when `path` is the library `record_path` records (its machine, size
+    and sha256); CacheError, naming `what` the library is and `fix`, when the record is unreadable or they differ.
+    One check for the cache's builds and the wheel's (edgelin.ortops.packaged)."""
+    try:
+        record = json.loads(record_path.read_text())
+        expected, size, machine = str(record["sha256"]), int(record["bytes"]), str(record["machine"])
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CacheError(f"the build record {record_path} is unreadable ({type(exc).__name__}), so {path} was not "
+                         f"loaded: {fix}") from exc
+    if machine != platform.machine():
+        raise CacheError(f"{what} was built for {machine[:20]}, this is {platform.machine()}, so it was not loaded: "
+                         f"{fix}")
+    actual_size = path.stat().st_size
+    actual = digest(path) if actual_size == size else None
+    if actual != expected:
+        change = f"{actual_size} bytes, recorded {size}" if actual is None else "its sha256 differs"
+        raise CacheError(f"{what} is not the one {maker} ({change}: damaged or replaced), so it was not loaded: {fix}")
+    return record, actual
+
+
 def verified(where: Path, library: str) -> tuple[Path, str] | None:
     """(the library, its sha256) when it is there and matches the record edgelin wrote when it built it; None when
     it is not there (a build is due); CacheError when it is there but not what edgelin built."""
@@ -147,21 +168,7 @@ def verified(where: Path, library: str) -> tuple[Path, str] | None:
         raise CacheError(f"the cached library {path} has no build record ({RECORD}) from edgelin, so it was not "
                          f"loaded: {remove}")
     check_private(record_path, folder=False)
-    try:
-        record = json.loads(record_path.read_text())
-        expected, size, machine = record["sha256"], record["bytes"], record["machine"]
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise CacheError(f"the build record {record_path} is unreadable ({type(exc).__name__}), so {path} was not "
-                         f"loaded: {remove}") from exc
-    if machine != platform.machine():
-        raise CacheError(f"the cached library {path} was built for {str(machine)[:20]}, this is "
-                         f"{platform.machine()}, so it was not loaded: {remove}")
-    actual_size = path.stat().st_size
-    actual = digest(path) if actual_size == size else None
-    if actual is None or actual != expected:
-        change = f"{actual_size} bytes, recorded {size}" if actual is None else "its sha256 differs"
-        raise CacheError(f"the cached library {path} is not the one edgelin built ({change}: damaged or replaced), "
-                         f"so it was not loaded: {remove}")
+    _, actual = check_record(path, record_path, f"the cached library {path}", "edgelin built", remove)
     return path, actual
 
 

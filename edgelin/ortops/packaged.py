@@ -14,13 +14,11 @@ Runtime-side module: no torch, no onnx.
 from __future__ import annotations
 
 import hashlib
-import json
-import platform
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
 
-from edgelin.ortops.cache import CacheError, digest
+from edgelin.ortops.cache import CacheError, check_record
 
 LIBRARY = "libedgelin_ortops.so"
 RECORD = "libedgelin_ortops.json"
@@ -48,22 +46,12 @@ def find(where: Path | None = None, sources: Sequence[Path] = ()) -> tuple[Path,
     if where is None or not (where / LIBRARY).is_file():
         return None
     library, record_path = where / LIBRARY, where / RECORD
-    try:
-        record = json.loads(record_path.read_text())
-        expected, size, machine = str(record["sha256"]), int(record["bytes"]), str(record["machine"])
-        built_from = str(record["sources_hex_sha256"])
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise CacheError(f"the packaged library {library} has no readable build record ({RECORD}: "
-                         f"{type(exc).__name__}), so it was not loaded: {REINSTALL}") from exc
-    if machine != platform.machine():
-        raise CacheError(f"the packaged library {library} was built for {machine[:20]}, this is {platform.machine()}, "
-                         f"so it was not loaded: install the wheel for this machine, or {REINSTALL}")
-    actual_size = library.stat().st_size
-    actual = digest(library) if actual_size == size else None
-    if actual != expected:
-        change = f"{actual_size} bytes, recorded {size}" if actual is None else "its sha256 differs"
-        raise CacheError(f"the packaged library {library} is not the one its build recorded ({change}: damaged or "
-                         f"replaced), so it was not loaded: {REINSTALL}")
+    record, actual = check_record(library, record_path, f"the packaged library {library}", "its build recorded",
+                                  REINSTALL)
+    built_from = record.get("sources_hex_sha256")
+    if not isinstance(built_from, str):
+        raise CacheError(f"the build record {record_path} names no sources digest, so {library} was not loaded: "
+                         f"{REINSTALL}")
     if sources and all(path.is_file() for path in sources) and sources_digest(sources) != built_from:
         return None  # built before the C sources beside it changed: the first-use build compiles them as they are
     return library, actual
