@@ -14,6 +14,13 @@ rotary stay outside it: do_rotary=0) that writes the new keys and values at the 
 and attends over the valid length only. Fed a past of the valid length, the node is the growing
 cache's concat + attention; fed one buffer of the export's capacity as both past and present (the
 ONNX runner's IO binding), it updates that buffer in place. Eager torch is unchanged.
+
+Apple's targets (Core AI, Core ML) hold the cache in model state of a fixed capacity N instead
+(`fixed_capacity(model, N)` while tracing): the state is [batch, Hkv, N, d_h], a call writes its
+tokens into rows start .. start + T - 1 (a gather and a where: no scatter, no dynamic shapes) and
+attends over the rows up to each query's position. Rows beyond the sequence's length are never
+read, so a sequence's position must equal the number of tokens its cache holds and stay below N
+(the runners check both). Up to N tokens this is the growing cache's attention exactly.
 """
 
 from __future__ import annotations
@@ -49,11 +56,26 @@ def grouped_query_attention(model: nn.Module) -> Iterator[int]:
             layer.export_op = None
 
 
+@contextlib.contextmanager
+def fixed_capacity(model: nn.Module, capacity: int) -> Iterator[int]:
+    """While tracing inside this block, every full-context (window None) attention layer of `model` keeps its KV
+    cache as a fixed-capacity state of `capacity` rows (module docstring). Yields how many layers that covers."""
+    layers = [m for m in model.modules() if isinstance(m, SoftmaxAttention) and m.cfg.window is None]
+    for layer in layers:
+        layer.capacity = capacity
+    try:
+        yield len(layers)
+    finally:
+        for layer in layers:
+            layer.capacity = None
+
+
 class SoftmaxAttention(nn.Module):
     def __init__(self, hidden_size: int, cfg: AttentionConfig, eps: float = 1e-6):
         super().__init__()
         self.cfg = cfg
         self.export_op: str | None = None  # GQA_OP inside grouped_query_attention()
+        self.capacity: int | None = None  # rows of a fixed-capacity cache inside fixed_capacity()
         self.q_proj = nn.Linear(hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
@@ -88,7 +110,9 @@ class SoftmaxAttention(nn.Module):
                 out = out * torch.sigmoid(self.g_proj(x))
             return self.o_proj(out), new_state
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
-        if cfg.window is None:
+        if cfg.window is None and self.capacity is not None:
+            out, new_state = self._fixed(q, k, v, state, positions[:, 0])
+        elif cfg.window is None:
             out, new_state = self._full(q, k, v, state)
         elif mode == "recurrent" and length == 1:
             out, new_state = self._ring_step(q, k, v, state, positions[:, 0])
@@ -113,6 +137,20 @@ class SoftmaxAttention(nn.Module):
         past, length = state["key"].shape[2], q.shape[2]
         valid = torch.arange(past + length, device=q.device) <= past + torch.arange(length, device=q.device)[:, None]
         return self._attend(q, keys, values, valid), {"key": keys, "value": values}
+
+    def _fixed(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Tensor], start: Tensor):
+        """The cache as fixed-capacity state [B, Hkv, N, D]: this call's T keys and values go to rows start ..
+        start + T - 1, and query t attends over rows 0 .. start + t (module docstring)."""
+        capacity, length = state["key"].shape[2], q.shape[2]
+        slots = torch.arange(capacity, device=q.device)
+        offset = slots.unsqueeze(0) - start.unsqueeze(1)  # [B, N]: the new token each row receives
+        write = ((offset >= 0) & (offset < length)).view(-1, 1, capacity, 1)
+        pick = offset.clamp(0, length - 1).view(-1, 1, capacity, 1).expand(-1, k.shape[1], -1, k.shape[3])
+        keys = torch.where(write, k.to(state["key"].dtype).gather(2, pick), state["key"])
+        values = torch.where(write, v.to(state["value"].dtype).gather(2, pick), state["value"])
+        queries = start.view(-1, 1, 1, 1) + torch.arange(length, device=q.device).view(1, 1, length, 1)
+        valid = slots.view(1, 1, 1, capacity) <= queries  # [B, 1, T, N]
+        return self._attend(q, keys.to(q.dtype), values.to(q.dtype), valid), {"key": keys, "value": values}
 
     def _gqa(self, q: Tensor, k: Tensor, v: Tensor, state: dict[str, Tensor], start: Tensor):
         """_full as one GroupQueryAttention node: q [B, T, H, D], k/v [B, T, Hkv, D] -> out [B, T, H*D].
