@@ -113,7 +113,7 @@ class CoremlTarget(Target):
     pads_state_dims = True  # the pipeline leaves state_dim_multiple to this target (zero padding)
     # fp16 or fp32 compute; float32 state (explicit style) or float16 (explicit, or MLState: fp16 only)
     precisions = ("fp16", "fp32")
-    erase_gate = True  # the static chunk loop's two-row WY form (edgelin.export.coreml.lowering)
+    erase_gate = True  # the static chunk loop's two-row WY form (edgelin.export.static_chunks)
     state_dtypes = ("float32", "float16")
     profile_options = ("compute",)  # the compute units (ane, gpu, cpu) the package asks for
     runtime = "coremltools"

@@ -25,7 +25,7 @@ from edgelin.checkpoint import load_model  # noqa: E402
 from edgelin.devices import ExportSettings, export_settings, get_device  # noqa: E402
 from edgelin.errors import EdgelinError  # noqa: E402
 from edgelin.export.coreml.check import check_folder  # noqa: E402
-from edgelin.export.coreml.lowering import StaticChunkEngine  # noqa: E402
+from edgelin.export.static_chunks import StaticChunkEngine  # noqa: E402
 from edgelin.export.coreml.runner import MilRunner, pieces  # noqa: E402
 from edgelin.export.coreml.target import RUN_REFUSAL, CoremlOptions, CoremlTarget  # noqa: E402
 from edgelin.artifact.manifest import Manifest  # noqa: E402
