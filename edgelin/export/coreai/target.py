@@ -1,0 +1,198 @@
+"""Core AI target (Apple's new stack, coreai-core / coreai-torch / coreai-opt): one .aimodel whose `step` and
+`prefill_{L}` entry points share one copy of the weights and hold the recurrent state as model state.
+
+Phases: export converts wherever torch and coreai-torch install (Linux x86_64, macOS), saves the asset (Apple's
+portable form; saved assets target OS 27) and, where Apple's Linux runtime runs, compiles it into the folder
+(model.aimodelx: the runtime loads it in milliseconds instead of compiling the asset on every open). Run: Apple's
+Core AI runtime (edgelin.export.coreai.runner), on Linux through the CPU runtime the coreai-core wheel carries
+(CPU only: compute units cannot be chosen there, and its speed is no device figure), on macOS through the OS's.
+So `edgelin validate`, `bench` and `generate` run a Core AI export here, on Apple's runtime.
+
+The folder holds, besides the manifest, reference vectors and tokenizer every export has: model.aimodel,
+model.aimodelx (where compiled) and coreai.json (edgelin.export.coreai.contract).
+
+Options (CoreaiOptions): the enumerated prefill lengths (one entry point each; other lengths are fed in those
+pieces, the tail by step) and, for a model with full-attention layers, the KV cache's capacity (--context N,
+default 4096: edgelin.export.fixed_cache). Precision fp32; the state float32 (default) or float16.
+
+No torch or coreai at module level (the registry imports this module on any install).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from edgelin.errors import EdgelinError
+from edgelin.export.base import Artifact, Phase, Target, TargetFlag, missing_module
+from edgelin.export.coreai.contract import (ASSET, COMPILED, CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION,
+                                            feature_name, this_platform)
+from edgelin.export.fixed_cache import capacity_dims, kv_cache_entry
+from edgelin.export.prefill_lengths import DEFAULT_LENGTHS, checked_lengths, parse_lengths
+
+if TYPE_CHECKING:
+    from edgelin.artifact.manifest import Manifest
+    from edgelin.devices import DeviceProfile, ExportSettings
+    from edgelin.export.base import Runner
+    from edgelin.export.lowering import Lowering
+    from edgelin.model.lm import CausalLM
+
+# The beta packages this target is tested with (pip install 'edgelin[coreai]' pins them): another version is
+# refused in one line, since the betas change their API between releases.
+PACKAGES = {"coreai-core": "==1.0.0b3", "coreai-torch": ">=0.4.3,<0.5", "coreai-opt": "==0.4.0"}
+EXPORT_NEEDS = ("coreai-core", "coreai-torch")
+RUN_NEEDS = ("coreai-core",)
+INSTALL = "pip install 'edgelin[coreai]'"
+# Where Apple's runtime runs from the wheel: Linux x86_64 (the CPU runtime) and macOS (the OS's Core AI).
+_RUNS_ON = ("linux-x86_64", "darwin-arm64")
+_WHERE = "Linux x86_64 (glibc 2.34+) or a Mac with macOS 27, with edgelin[coreai] installed"
+
+
+@dataclass(frozen=True)
+class CoreaiOptions:
+    """The Core AI target's own export options."""
+
+    prefill_lengths: tuple[int, ...] = DEFAULT_LENGTHS  # one prefill entry point per prompt length
+    context: int | None = None  # the full-attention KV cache's capacity (None: 4096 where there is such a layer)
+
+    def checked(self) -> "CoreaiOptions":
+        return dataclasses.replace(self, prefill_lengths=checked_lengths(self.prefill_lengths))
+
+
+def package_refusal(needs: tuple[str, ...]) -> str | None:
+    """Why the installed beta packages cannot serve (missing, or a version this target is not tested with)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.specifiers import SpecifierSet
+
+    for name in needs:
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            return f"{name} is not installed ({INSTALL})"
+        if found not in SpecifierSet(PACKAGES[name], prereleases=True):
+            return f"{name} {found} is installed; this target is tested with {name}{PACKAGES[name]} ({INSTALL})"
+    return None
+
+
+class CoreaiTarget(Target):
+    name = "coreai"
+    extra = "coreai"
+    options_type = CoreaiOptions
+    precisions = ("fp32",)
+    state_dtypes = ("float32", "float16")  # Core AI takes fp32 model state (Core ML's MLState: fp16 only)
+    erase_gate = True  # the static chunk loop's two-row WY form (edgelin.export.static_chunks)
+    runtime = "coreai"
+    runtime_distributions = (("coreai", ("coreai-core",)),)
+    libraries = (("coreai", INSTALL),)
+    flags = (
+        TargetFlag("--prefill-lengths", "prefill_lengths", "Prompt lengths with a prefill entry point each, "
+                   "comma-separated (default: 16,64); other lengths are fed in those pieces, the tail by step."),
+        TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, held as model "
+                   "state (default: 4096; only for a model with full-attention layers).", int),
+    )
+
+    def options_from_flags(self, given: dict, settings: "ExportSettings",
+                           precision_flag: str | None = None) -> tuple[CoreaiOptions, "ExportSettings"]:
+        lengths = parse_lengths(given.get("prefill_lengths"))
+        return CoreaiOptions(lengths, given.get("context")), settings
+
+    def lowering(self) -> "Lowering":
+        from edgelin.export.lowering import Lowering
+        from edgelin.export.static_chunks import StaticChunkEngine
+
+        return Lowering("coreai", StaticChunkEngine("coreai-static-chunks"), "static chunk loop per enumerated "
+                        "prompt length (coreai-torch cannot convert torch's scan)")
+
+    def can_export(self) -> Phase:
+        missing = missing_module(("torch",))
+        if missing:
+            return Phase(False, "torch is not installed (pip install 'edgelin[onnx,coreai]')", _WHERE)
+        refused = package_refusal(EXPORT_NEEDS)
+        return Phase(False, refused, _WHERE) if refused else Phase(True)
+
+    def can_run(self, device: "DeviceProfile | None" = None) -> Phase:
+        refused = self.device_refusal(device)
+        if refused is not None:
+            return refused
+        if this_platform() not in _RUNS_ON:
+            return Phase(False, f"Apple's Core AI runtime runs on Linux x86_64 and macOS (this is {this_platform()})",
+                         _WHERE)
+        refused = package_refusal(RUN_NEEDS)
+        return Phase(False, refused, _WHERE) if refused else Phase(True)
+
+    def check_export(self, model: "CausalLM", settings: "ExportSettings", options: CoreaiOptions) -> None:
+        from edgelin.export.fixed_cache import resolve_context
+
+        options.checked()
+        if settings.precision != "fp32":
+            raise EdgelinError(f"Core AI precision {settings.precision!r}", "this target computes in fp32 (fp16 "
+                               "arithmetic is emulated on Apple's Linux runtime, so its parity cannot be checked here)",
+                               "pass --precision fp32")
+        if settings.quantize is not None:
+            raise EdgelinError(f"--quantize {settings.quantize} for the coreai target",
+                               "this target keeps float32 weights", "drop --quantize")
+        resolve_context(model, options.context, self.name)
+
+    def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
+               options: CoreaiOptions, folder: Path) -> dict[str, str]:
+        from edgelin import __version__
+        from edgelin.export.coreai.convert import ConvertRequest, EntryPoint, compile_asset, convert_program, save_asset
+        from edgelin.export.fixed_cache import resolve_context
+
+        options = options.checked()
+        capacity = resolve_context(model, options.context, self.name)
+        entries = (EntryPoint("step", "step", 1),) + tuple(EntryPoint(f"prefill_{n}", "prefill", n)
+                                                           for n in options.prefill_lengths)
+        program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity))
+        save_asset(program, folder, ASSET, {"edgelin_version": __version__, "edgelin_state_dtype": settings.state_dtype})
+        compiled = None
+        if sys.platform.startswith("linux"):  # macOS' runtime specialises the asset itself when it loads it
+            compile_asset(folder, ASSET, COMPILED)
+            compiled = {"file": COMPILED, "platform": this_platform(), "coreai_core": _version("coreai-core")}
+        contract = contract_for(model, settings, entries, capacity, compiled)
+        (Path(folder) / CONTRACT).write_text(json.dumps(contract, indent=2) + "\n")
+        return {"step": ASSET, "prefill": ASSET}
+
+    def finish_export(self, folder: Path, manifest: "Manifest", options: Any = None) -> "Manifest | None":
+        """A full-attention KV cache's capacity goes into the manifest's state contract (extra["kv_cache"]) before
+        the reference vectors are recorded through the runner that reads it."""
+        contract = json.loads((Path(folder) / CONTRACT).read_text())
+        if contract["kv_capacity"] is None:
+            return None
+        return dataclasses.replace(manifest, extra={**manifest.extra, "kv_cache": kv_cache_entry(
+            contract["kv_capacity"], contract["state_dtype"])})
+
+    def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
+               threads: int | None = None) -> "Runner":
+        from edgelin.export.coreai.runner import CoreaiRunner
+
+        return CoreaiRunner(artifact.folder, artifact.manifest)
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
+
+
+def contract_for(model: "CausalLM", settings: "ExportSettings", entries: tuple, capacity: int | None,
+                 compiled: dict | None) -> dict:
+    """coreai.json (edgelin.export.coreai.contract's docstring)."""
+    from edgelin.export.graphs import graph_io
+
+    inputs, _ = graph_io(model, "step", settings.state_dtype)
+    states = [{"input": t.name, "feature": feature_name(t.name), "dims": list(capacity_dims(t.dims, capacity)),
+               "dtype": settings.state_dtype} for t in inputs if t.role == "state"]
+    return {
+        "format": CONTRACT_FORMAT, "version": CONTRACT_VERSION, "asset": ASSET, "compiled": compiled,
+        "minimum_os": "27", "compute_precision": settings.precision, "state_dtype": settings.state_dtype,
+        "functions": {e.name: {"kind": e.kind, "length": e.length} for e in entries},
+        "prefill_lengths": [e.length for e in entries if e.kind == "prefill"], "states": states,
+        "ids_dtype": "int32", "position_ids": model.needs_position, "kv_capacity": capacity,
+        "packages": {name: _version(name) for name in EXPORT_NEEDS},
+    }
