@@ -152,6 +152,12 @@ def disk_usage(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def files_bytes(disk: dict[str, int], names: list[str]) -> int:
+    """Bytes of the named files in `disk` (disk_usage), a named folder (a Core ML .mlpackage, a Core AI asset)
+    counting every file under it."""
+    return sum(size for path, size in disk.items() if any(path == n or path.startswith(n + "/") for n in names))
+
+
 def runtime_files(manifest: Manifest) -> list[str]:
     """The files a runner loads: the graphs and, where the export shares one, the weights file."""
     weights = manifest.extra.get("weights", {}).get("file")
@@ -372,7 +378,9 @@ def bench(
     check_memory(runner.manifest, "edgelin", positions, batch, prefill_chunk, available)
     report = BenchReport(str(folder), runner.manifest.target, batch, threads, iters=iters, warmup=warmup)
     report.disk_bytes = disk_usage(folder)
-    report.runtime_bytes = sum(report.disk_bytes.get(name, 0) for name in runtime_files(runner.manifest))
+    # A runner that loads other files than the graphs names them (Core AI: the asset compiled for this platform)
+    report.runtime_bytes = files_bytes(report.disk_bytes, list(getattr(runner, "loaded_files", ()))
+                                       or runtime_files(runner.manifest))
     report.load_rss_bytes, report.load_pss_bytes = load_rss, load_pss
     kv = None
     if baseline == "kv":  # exported with the folder (export --baseline kv); its memory checked up front

@@ -128,14 +128,14 @@ class ExportInspectReport:
 
 
 def inspect_export(folder: Path) -> ExportInspectReport:
-    from edgelin.bench import disk_usage, runtime_files
+    from edgelin.bench import disk_usage, files_bytes, runtime_files
     from edgelin.artifact.manifest import Manifest
 
     manifest = Manifest.load(folder)  # checked: a malformed or inconsistent manifest is one line
     files = disk_usage(folder)
     precision = manifest.extra.get("precision") or {"graphs": manifest.precision}
     return ExportInspectReport(str(folder), manifest.target, precision, manifest.extra.get("quantization"), files,
-                               sum(files.get(name, 0) for name in runtime_files(manifest)), folder_bytes(folder),
+                               files_bytes(files, runtime_files(manifest)), folder_bytes(folder),
                                manifest.extra.get("weights"))
 
 

@@ -6,6 +6,7 @@ coreai.json:
   compiled         the runtime form compiled on export for this platform (`model.aimodelx`: Core AI's Linux
                    CPU runtime loads it in milliseconds; compiling the asset takes seconds to minutes), with the
                    platform and coreai-core version it was compiled by, or null (macOS compiles the asset itself)
+  batch            1 (a runner runs a batch row by row) or "dynamic" (any batch in one call)
   functions        {name: {kind: step|prefill, length}}: one entry point per enumerated prompt length
   states           [{input, feature, dims, dtype}]: each manifest state tensor, its state name in the program and
                    its dims there (batch symbolic; a full-attention KV cache at the export's capacity)

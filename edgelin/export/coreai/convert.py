@@ -1,7 +1,11 @@
 """Core AI conversion: the step graph and one prefill graph per enumerated prompt length, each exported with
-torch.export (batch dynamic) under lowering("coreai") and converted by coreai-torch into entry points of one
+torch.export under lowering("coreai") and converted by coreai-torch into entry points of one
 program, so the entry points share one copy of the weights; then saved as an .aimodel and, where Apple's runtime
 runs it from a compiled folder (Linux), compiled into model.aimodelx.
+
+Batch: 1 by default (a runner runs a batch row by row, each row its own state), or symbolic with
+--dynamic-batch (one call per batch): measured on the shipped model, the symbolic batch makes torch.export's
+decomposition ~4x slower (20 -> 80 s), for a phone or Mac that decodes one sequence at a time.
 
 State: each manifest state tensor is an input the graph mutates in place (`copy_`), which coreai-torch turns into
 model state (state_names): the runtime updates the caller's arrays in place across calls, so a runner's state
@@ -57,6 +61,7 @@ class ConvertRequest:
     entry_points: tuple[EntryPoint, ...]
     state_dtype: str  # float32 | float16
     capacity: int | None  # the full-attention KV cache's rows (None: no such layer)
+    dynamic_batch: bool = False  # batch symbolic (1..MAX_BATCH) instead of 1: a conversion ~4x slower
 
 
 @contextlib.contextmanager
@@ -108,7 +113,7 @@ def _entry_module(model: "CausalLM", kind: str, states: list["TensorIO"]) -> "to
 def _examples(model: "CausalLM", entry: EntryPoint, states: list["TensorIO"], request: ConvertRequest) -> tuple:
     import torch
 
-    batch = 2  # an example batch > 1, so torch.export keeps the dimension symbolic
+    batch = 2 if request.dynamic_batch else 1  # an example batch > 1 keeps the dimension symbolic
     shape = (batch,) if entry.kind == "step" else (batch, entry.length)
     examples = [torch.zeros(shape, dtype=torch.int32)]
     if model.needs_position:
@@ -142,9 +147,9 @@ def convert_program(model: "CausalLM", request: ConvertRequest) -> Any:
             for entry in request.entry_points:
                 module = _entry_module(model, entry.kind, states)
                 examples = _examples(model, entry, states, request)
-                dynamic = tuple({0: batch} for _ in examples)
+                dynamic = tuple({0: batch} for _ in examples) if request.dynamic_batch else None
                 with torch.no_grad(), lowering("coreai"), fixed_capacity(model, request.capacity or 1):
-                    program = torch.export.export(module, examples, dynamic_shapes=(dynamic[0], dynamic[1:]))
+                    program = torch.export.export(module, examples, dynamic_shapes=dynamic and (dynamic[0], dynamic[1:]))
                     program = program.run_decompositions(table)
                 converter.add_exported_program(program, input_names=lead, output_names=["logits"],
                                                state_names=[feature_name(t.name) for t in states],

@@ -11,7 +11,7 @@ So `edgelin validate`, `bench` and `generate` run a Core AI export here, on Appl
 The folder holds, besides the manifest, reference vectors and tokenizer every export has: model.aimodel,
 model.aimodelx (where compiled) and coreai.json (edgelin.export.coreai.contract).
 
-Options (CoreaiOptions): the enumerated prefill lengths (one entry point each; other lengths are fed in those
+Options (CoreaiOptions): batch 1 (a batch runs row by row) or --dynamic-batch; the enumerated prefill lengths (one entry point each; other lengths are fed in those
 pieces, the tail by step) and, for a model with full-attention layers, the KV cache's capacity (--context N,
 default 4096: edgelin.export.fixed_cache). Precision fp32; the state float32 (default) or float16.
 
@@ -58,6 +58,7 @@ class CoreaiOptions:
 
     prefill_lengths: tuple[int, ...] = DEFAULT_LENGTHS  # one prefill entry point per prompt length
     context: int | None = None  # the full-attention KV cache's capacity (None: 4096 where there is such a layer)
+    dynamic_batch: bool = False  # entry points of any batch (one call per batch) instead of batch 1 (row by row)
 
     def checked(self) -> "CoreaiOptions":
         return dataclasses.replace(self, prefill_lengths=checked_lengths(self.prefill_lengths))
@@ -94,12 +95,14 @@ class CoreaiTarget(Target):
                    "comma-separated (default: 16,64); other lengths are fed in those pieces, the tail by step."),
         TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, held as model "
                    "state (default: 4096; only for a model with full-attention layers).", int),
+        TargetFlag("--dynamic-batch", "dynamic_batch", "Entry points that take any batch in one call (default: "
+                   "batch 1, a batch runs row by row; a symbolic batch makes the conversion ~4x slower).", bool),
     )
 
     def options_from_flags(self, given: dict, settings: "ExportSettings",
                            precision_flag: str | None = None) -> tuple[CoreaiOptions, "ExportSettings"]:
         lengths = parse_lengths(given.get("prefill_lengths"))
-        return CoreaiOptions(lengths, given.get("context")), settings
+        return CoreaiOptions(lengths, given.get("context"), bool(given.get("dynamic_batch"))), settings
 
     def lowering(self) -> "Lowering":
         from edgelin.export.lowering import Lowering
@@ -148,13 +151,14 @@ class CoreaiTarget(Target):
         capacity = resolve_context(model, options.context, self.name)
         entries = (EntryPoint("step", "step", 1),) + tuple(EntryPoint(f"prefill_{n}", "prefill", n)
                                                            for n in options.prefill_lengths)
-        program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity))
+        program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity, options.dynamic_batch))
         save_asset(program, folder, ASSET, {"edgelin_version": __version__, "edgelin_state_dtype": settings.state_dtype})
         compiled = None
         if sys.platform.startswith("linux"):  # macOS' runtime specialises the asset itself when it loads it
             compile_asset(folder, ASSET, COMPILED)
             compiled = {"file": COMPILED, "platform": this_platform(), "coreai_core": _version("coreai-core")}
         contract = contract_for(model, settings, entries, capacity, compiled)
+        contract["batch"] = "dynamic" if options.dynamic_batch else 1
         (Path(folder) / CONTRACT).write_text(json.dumps(contract, indent=2) + "\n")
         return {"step": ASSET, "prefill": ASSET}
 
