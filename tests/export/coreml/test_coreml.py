@@ -233,7 +233,7 @@ def test_mlstate_fp16_conversion_tracks_the_reference(mlstate, ckpt):
     assert_close(runner.prefill(ids, state, np.zeros(1, np.int64)), want_logits, 2e-2, "prefill logits")
     for t, token in enumerate(steps):
         assert_close(runner.step(np.array([token]), state, np.array([9 + t])), want_rollout[t], 2e-2, f"step {t}")
-    padded = runner._row_arrays(state._value[0])["past_key_values_0_recurrent_state"]
+    padded = runner._row_arrays(state._value.rows[0])["past_key_values_0_recurrent_state"]
     assert padded.shape == (1, 2, 8, 32) and not padded[..., 8:].any()  # the padding stays zero
 
 
