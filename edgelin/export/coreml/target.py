@@ -135,8 +135,10 @@ class CoremlTarget(Target):
                    "comma-separated (default: 16,64); other lengths are fed in those pieces, the tail by step."),
         TargetFlag("--deployment-target", "deployment_target", "iOS18 (default; one package, shared weights), "
                    "iOS16/iOS17/macOS13/macOS14 (explicit style; one package per function), macOS15."),
-        TargetFlag("--context", "context", "Full-attention layers (Qwen3.5's): the KV cache's capacity in tokens, "
-                   "held as fixed-size state; a run past it is refused (default: 4096).", int),
+        # one option with the onnx target's --context (the CLI shows the first target's help): worded for both
+        TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, one buffer "
+                   "of that many rows (a longer sequence is refused); onnx: with --kv-cache static; coreml: held "
+                   "as fixed-size state (default 4096 for a model with such layers).", int),
     )
 
     def options_from_flags(self, given: dict, settings: "ExportSettings",

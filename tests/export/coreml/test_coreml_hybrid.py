@@ -4,8 +4,8 @@ the conversion, not of Apple's runtime) against transformers' own forward; the c
 coreml.json; a run past it, and a --context the export cannot use, refused in one line.
 
 One checkpoint (transformers' Qwen3.5: linear, full, linear attention; vocab 64) and one explicit fp32 export
-through the CLI are shared by the module; the slow tier adds `edgelin validate` on it and the iPhone's MLState
-export (the profile's default style)."""
+through the CLI are shared by the module (~40 s CPU with `edgelin validate` on it); the slow tier adds the iPhone's
+MLState export (the profile's default style, ~30 s)."""
 
 from __future__ import annotations
 
@@ -146,7 +146,6 @@ def test_the_iphone_profile_defaults_to_mlstate_and_a_flag_wins():
     assert target.options_from_flags({}, export_settings(None, "coreml"))[0].style == "explicit"
 
 
-@pytest.mark.slow  # ~25 s: the reference vectors through the MIL interpreter, batch 1 and 3
 def test_validate_replays_the_explicit_export(explicit):
     assert "passed" in cli("validate", str(explicit))
 
