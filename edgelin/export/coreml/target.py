@@ -185,14 +185,13 @@ class CoremlTarget(Target):
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
                options: CoremlOptions, folder: Path) -> dict[str, str]:
         from edgelin.export.coreml.convert import FunctionPlan, convert_function, save_package
+        from edgelin.export.fixed_cache import resolve_context
 
         if not isinstance(options, CoremlOptions):
             raise EdgelinError(f"Core ML export options of type {type(options).__name__}",
                                "the coreml target takes CoremlOptions", "pass CoremlOptions(...) or nothing")
         options = options.checked()
         check_settings(model, settings, options)
-        from edgelin.export.fixed_cache import resolve_context
-
         capacity = resolve_context(model, options.context, self.name)  # None: no full-attention layers
         plans = [FunctionPlan("step", "step", 1)] + [FunctionPlan(f"prefill_{n}", "prefill", n)
                                                      for n in options.prefill_lengths]
@@ -268,14 +267,13 @@ def contract_for(model: "CausalLM", settings: "ExportSettings", options: CoremlO
     """coreml.json: what the package holds, in Core ML's names (module docstring). `dims` are the package's
     (a KV cache at the capacity, padded), `true_dims` the manifest's (past_sequence: the tokens held)."""
     from edgelin.export.coreml.contract import feature_name
-    from edgelin.export.coreml.convert import padded_dims
-    from edgelin.export.fixed_cache import capacity_dims
+    from edgelin.export.coreml.convert import state_dims
     from edgelin.export.graphs import graph_io
 
     inputs, outputs = graph_io(model, "step", settings.state_dtype)
     feeds = {t.feeds: t.name for t in outputs if t.feeds}
     states = [{"input": t.name, "output": feeds[t.name], "feature": feature_name(t.name),
-               "dims": list(padded_dims(capacity_dims(t.dims, capacity), settings.state_dim_multiple)),
+               "dims": list(state_dims(t, settings.state_dim_multiple, capacity)),
                "true_dims": [1 if d == "batch" else d for d in t.dims],
                "dtype": settings.state_dtype}  # float16 for MLState (check_settings refuses anything else)
               for t in inputs if t.role == "state"]

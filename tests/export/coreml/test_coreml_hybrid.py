@@ -103,6 +103,17 @@ def test_explicit_export_records_the_capacity(explicit):
     check_folder(explicit, manifest)  # the package's spec agrees (function I/O at the capacity)
 
 
+def test_the_check_refuses_a_contract_whose_capacity_differs(explicit, tmp_path):
+    import shutil
+
+    folder = Path(shutil.copytree(explicit, tmp_path / "copy"))
+    contract = json.loads((folder / "coreml.json").read_text())
+    contract["capacity"] = CONTEXT - 100
+    (folder / "coreml.json").write_text(json.dumps(contract))
+    with pytest.raises(EdgelinError, match=f"KV cache of capacity {CONTEXT - 100}.*the manifest says {CONTEXT}"):
+        check_folder(folder, Manifest.load(folder))
+
+
 def test_explicit_conversion_matches_transformers_at_batch_1_and_2(explicit, qwen):
     check_against_transformers(MilRunner(explicit, Manifest.load(explicit)), qwen[1], 1e-4, "explicit fp32")
 
