@@ -174,3 +174,17 @@ def test_iphone_mlstate_export_converts_checks_and_tracks_transformers(qwen, tmp
     assert manifest.kv_capacity == CONTEXT and manifest.extra["kv_cache"]["dtype"] == "float16"
     check_folder(out, manifest)
     check_against_transformers(MilRunner(out, manifest), qwen[1], 2e-2, "mlstate fp16")
+
+
+@pytest.mark.requires_coreml_runtime
+def test_prediction_parity_on_apple_runtime(explicit):
+    """validate DIR on a Mac: the recorded reference through Core ML itself (CoremlRunner), the KV cache at its
+    capacity in explicit state."""
+    phase = CoremlTarget().can_run()
+    if not phase.ok:
+        pytest.skip(phase.reason)
+    from edgelin.replay import replay
+
+    report = replay(explicit)
+    assert report.runner.startswith("coreml (Apple"), report.runner
+    assert report.passed, [m.to_dict() for m in report.failures]
