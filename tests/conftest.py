@@ -74,6 +74,7 @@ FILE_SECONDS = {  # measured in a slow phase of the host (its Mamba2 int4 step 3
     "test_onnx_nodes.py": 25, "test_quality.py": 24, "test_torchless.py": 21, "test_cli.py": 19,
     "test_ortops_f16.py": 40, "test_ortops_matmul.py": 16, "test_report.py": 15, "test_ortops_gdn.py": 15,
     "test_train.py": 15,
+    "test_coreml_hybrid.py": 40,  # (2026-12-06: one Core ML export of a Qwen3.5 hybrid and its validate)
     "test_dequantized.py": 45,  # (estimate, 2026-12-06: three int4/int8 exports of a one-layer model, one trace)
     "test_fuse_matmuls.py": 14, "test_runtime_checks.py": 13, "test_trained_upstream.py": 12,
     # the slow tier's heavy files (make test-all)

@@ -104,6 +104,10 @@ def _text(value: Any) -> str | None:
     return None if isinstance(value, str) and value.strip() else "must be a non-empty string"
 
 
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
 def _notes(value: Any) -> str | None:
     ok = isinstance(value, list) and all(isinstance(n, str) for n in value)
     return None if ok else "must be a list of strings"
@@ -177,6 +181,7 @@ FIELDS: dict[str, FieldRule] = {
     "threads": FieldRule(_integer(0, MAX_THREADS), required=False),
     "sm": FieldRule(_integer(*SM_RANGE), required=False),
     "state_dim_multiple": FieldRule(_integer(1), required=False),
+    "model_state": FieldRule(_boolean, required=False),
     "notes": FieldRule(_notes, required=False),
     "serving": FieldRule(_serving, required=False),
 }
@@ -195,6 +200,9 @@ class DeviceProfile:
     threads: int = 0  # CPU threads for runtimes; 0 = runtime default
     sm: int | None = None  # CUDA compute capability x10 (87 for Orin)
     state_dim_multiple: int = 1  # the innermost state dim must be a multiple of this (Neural Engine: 32)
+    # true: the device's runtime keeps the state inside the model between calls (iOS 18 MLState), the default a
+    # target that can hold it either way exports; None: not stated (explicit state inputs and outputs)
+    model_state: bool | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
     serving: ServingLimits = field(default_factory=ServingLimits)  # Triton batching limits (export --serve)
     source: str = ""  # the file it was read from

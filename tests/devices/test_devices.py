@@ -206,7 +206,7 @@ def test_profile_values_reach_the_settings():
     assert export_settings(get_device("desktop-gpu"), "tensorrt", "fp32").target_options == {"sm": 90}
     ane = export_settings(get_device("iphone"), "coreml")
     assert (ane.precision, ane.state_dtype, ane.state_dim_multiple, ane.target_options) == (
-        "fp16", "float16", 32, {"compute": "ane"})
+        "fp16", "float16", 32, {"compute": "ane", "model_state": True})
     android = export_settings(get_device("android"), "onnx")
     assert android.threads == 4 and android.manifest_entry() == {
         "name": "android", "precision": "fp32", "state_dtype": "float32", "state_dim_multiple": 1, "threads": 4,

@@ -7,7 +7,9 @@ names, shapes (batch 1, padded state dims) and dtypes the contract states, and t
 manifest's vocabulary; the specification version is at least the deployment target's; an MLState
 function reads and writes every state (read_state / coreml_update_state) and holds no fp16<->fp32
 cast of a state; an explicit function casts a state only where the state dtype and the compute
-precision differ; the metadata carries edgelin's version and the source's sha256.
+precision differ; the metadata carries edgelin's version and the source's sha256; a fixed-capacity KV
+cache (full-attention layers, --context N) has the manifest's capacity (extra["kv_cache"]) in
+coreml.json and in every growing state's package dims.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def check_folder(folder: Path, manifest: "Manifest") -> CheckReport:
         if entry["dtype"] != t.dtype or entry["true_dims"] != [1 if d == "batch" else d for d in t.dims]:
             raise _fail(f"{folder}: state {t.name} is {entry['dtype']} {entry['true_dims']} in coreml.json",
                         f"the manifest says {t.dtype} {list(t.dims)}")
+    _check_capacity(folder, contract, manifest, report)
     for package in packages:
         path = Path(folder) / package
         try:
@@ -76,6 +79,26 @@ def check_folder(folder: Path, manifest: "Manifest") -> CheckReport:
             raise _fail(f"Core ML package {path} cannot be read", f"{type(exc).__name__}: {str(exc)[:200]}") from exc
         _check_package(path, spec, contract, manifest, report)
     return report
+
+
+def _check_capacity(folder: Path, contract: dict, manifest: "Manifest", report: CheckReport) -> None:
+    """The KV cache's capacity: coreml.json's, the manifest's, and the growing states' rows in the package."""
+    from edgelin.export.fixed_cache import GROWING
+
+    capacity = contract.get("capacity")
+    if capacity != manifest.kv_capacity:
+        raise _fail(f"{folder}: coreml.json holds a KV cache of capacity {capacity}",
+                    f"the manifest says {manifest.kv_capacity} (extra.kv_cache)")
+    growing = [(s, s["true_dims"].index(GROWING)) for s in contract["states"] if GROWING in s["true_dims"]]
+    if growing and capacity is None:
+        raise _fail(f"{folder}: state {growing[0][0]['input']} grows with the context",
+                    "a Core ML package holds fixed-size states only: coreml.json must give the KV cache's capacity")
+    for entry, axis in growing:
+        if entry["dims"][axis] != capacity:
+            raise _fail(f"{folder}: state {entry['input']} has {entry['dims'][axis]} rows in coreml.json",
+                        f"the KV cache's capacity is {capacity}")
+    if capacity is not None:
+        report.checks.append(f"KV cache: {len(growing)} state tensors of {capacity} rows (the manifest's capacity)")
 
 
 def _functions_of(spec) -> dict[str, Any]:

@@ -14,6 +14,10 @@ Layout of the converted functions (what coreml.json records and edgelin.export.c
 - explicit style: states are inputs (past_*) and outputs (present_*) in the state dtype;
   mlstate style: states are `ct.StateType` (fp16), read with read_state and written with
   coreml_update_state inside the function; the function returns the logits only.
+- full-attention layers (a KV cache that grows with the context): traced under
+  fixed_capacity(model, capacity), so their key/value states are [1, Hkv, capacity, d_h] in both
+  styles, written at the position (gather + select) and read up to it; the MLState style is then
+  Apple's stateful-Llama layout (the KV cache in fp16 model state).
 
 coremltools and torch are imported inside the functions (the registry imports the target module on
 a runtime-only install).
@@ -99,7 +103,15 @@ def register_ops() -> None:
     _OPS_REGISTERED = True
 
 
-def _wrapped(model: "CausalLM", kind: str, states: list["TensorIO"], style: str, multiple: int) -> "torch.nn.Module":
+def state_dims(t: "TensorIO", multiple: int, capacity: int | None) -> tuple[int, ...]:
+    """A state tensor's dims in the package: a KV cache at the capacity, batch 1, padded (padded_dims)."""
+    from edgelin.export.fixed_cache import capacity_dims
+
+    return padded_dims(capacity_dims(t.dims, capacity), multiple)
+
+
+def _wrapped(model: "CausalLM", kind: str, states: list["TensorIO"], style: str, multiple: int,
+             capacity: int | None) -> "torch.nn.Module":
     """The graph module with padded states: explicit (states in and out) or mlstate (fp16 buffers)."""
     import torch
     from torch import nn
@@ -107,8 +119,8 @@ def _wrapped(model: "CausalLM", kind: str, states: list["TensorIO"], style: str,
     from edgelin.export.graphs import GRAPHS
 
     graph = GRAPHS[kind](model).eval()
-    true_dims = [tuple(1 if d == "batch" else d for d in t.dims) for t in states]
-    pads = [padded_dims(t.dims, multiple)[-1] - dims[-1] for t, dims in zip(states, true_dims)]
+    dims = [state_dims(t, multiple, capacity) for t in states]
+    pads = [padded[-1] - t.dims[-1] for t, padded in zip(states, dims)]  # the innermost dim is a fixed size
     needs_position = model.needs_position
 
     def unpad(x: torch.Tensor, pad: int) -> torch.Tensor:
@@ -132,9 +144,8 @@ def _wrapped(model: "CausalLM", kind: str, states: list["TensorIO"], style: str,
         def __init__(self):
             super().__init__()
             self.inner = graph
-            for t in states:  # Core ML states are fp16 ("State only support fp16 dtype")
-                self.register_buffer(feature_name(t.name), torch.zeros(padded_dims(t.dims, multiple),
-                                                                       dtype=torch.float16))
+            for t, shape in zip(states, dims):  # Core ML states are fp16 ("State only support fp16 dtype")
+                self.register_buffer(feature_name(t.name), torch.zeros(shape, dtype=torch.float16))
 
         def forward(self, input_ids, *lead):
             buffers = [getattr(self, feature_name(t.name)) for t in states]
@@ -148,20 +159,22 @@ def _wrapped(model: "CausalLM", kind: str, states: list["TensorIO"], style: str,
 
 
 def convert_function(model: "CausalLM", plan: FunctionPlan, style: str, compute: str, state_dtype: str,
-                     multiple: int, deployment: str) -> Any:
-    """Trace one function under lowering("coreml") and convert it: a coremltools MLModel."""
+                     multiple: int, deployment: str, capacity: int | None = None) -> Any:
+    """Trace one function under lowering("coreml") (and, with a `capacity`, the full-attention layers' KV cache
+    at that many rows: fixed_capacity) and convert it: a coremltools MLModel."""
     import numpy as np
     import torch
 
     import coremltools as ct
     from edgelin.export.graphs import graph_io
     from edgelin.export.lowering import lowering
+    from edgelin.model.attention import fixed_capacity
 
     register_ops()
     inputs, outputs = graph_io(model, plan.kind, state_dtype)
     states = [t for t in inputs if t.role == "state"]
     lead = [t for t in inputs if t.role != "state"]
-    module = _wrapped(model, plan.kind, states, style, multiple).requires_grad_(False)
+    module = _wrapped(model, plan.kind, states, style, multiple, capacity).requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
     shape_of = {"input_ids": [1] if plan.kind == "step" else [1, plan.length], "position_ids": [1]}
     examples = [torch.randint(0, model.config.vocab_size, shape_of["input_ids"], generator=gen, dtype=torch.int32)]
@@ -172,16 +185,18 @@ def convert_function(model: "CausalLM", plan: FunctionPlan, style: str, compute:
     ct_states, ct_outputs = [], [ct.TensorType(name="logits", dtype=np.float32)]
     if style == "explicit":
         for t in states:
-            examples.append(torch.randn(padded_dims(t.dims, multiple), generator=gen) * 0.1)
-            ct_inputs.append(ct.TensorType(name=feature_name(t.name), shape=padded_dims(t.dims, multiple),
+            examples.append(torch.randn(state_dims(t, multiple, capacity), generator=gen) * 0.1)
+            ct_inputs.append(ct.TensorType(name=feature_name(t.name), shape=state_dims(t, multiple, capacity),
                                            dtype=state_np))
         ct_outputs += [ct.TensorType(name=feature_name(t.name), dtype=state_np) for t in outputs if t.role == "state"]
     else:
-        ct_states = [ct.StateType(wrapped_type=ct.TensorType(shape=padded_dims(t.dims, multiple), dtype=np.float16),
-                                  name=feature_name(t.name)) for t in states]
+        ct_states = [ct.StateType(wrapped_type=ct.TensorType(shape=state_dims(t, multiple, capacity),
+                                                             dtype=np.float16), name=feature_name(t.name))
+                     for t in states]
     log = None
+    held = fixed_capacity(model, capacity) if capacity is not None else contextlib.nullcontext()
     try:
-        with quiet() as log, lowering("coreml"), torch.no_grad():
+        with quiet() as log, lowering("coreml"), held, torch.no_grad():
             traced = torch.jit.trace(module, tuple(examples), check_trace=False)
             return ct.convert(
                 traced, inputs=ct_inputs, outputs=ct_outputs, states=ct_states or None, convert_to="mlprogram",

@@ -9,6 +9,12 @@ the profile's multiple inside the package and read back unpadded, in the manifes
 A row's state: explicit style, a dict of padded arrays by Core ML feature name (passed in, read
 back from the outputs); MLState style, a Core ML `MLState` on macOS (held by the runner, updated by
 Core ML in place) or the same dict for the numpy check.
+
+A fixed-capacity KV cache (full-attention layers, manifest.kv_capacity; edgelin.export.fixed_cache):
+each growing state tensor is one buffer of `capacity` rows inside the package, which the functions
+write at the position. The handle counts the tokens it holds: a call must continue them (position ==
+held) and fit (held + new <= capacity), else it is refused in one line before Core ML sees it;
+read_state returns the rows held, write_state pads a cache of any length up to the capacity.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from abc import abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +31,7 @@ import numpy as np
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
 from edgelin.export.coreml.contract import feature_name
+from edgelin.export.fixed_cache import FixedCache
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile
@@ -43,6 +51,15 @@ def pieces(length: int, lengths: list[int]) -> list[int]:
     return out + [1] * left
 
 
+@dataclass
+class Rows:
+    """A handle's contents: one state per sequence of the batch (the package runs batch 1), and the tokens
+    each sequence's fixed-capacity KV cache holds (0 without one: nothing to count)."""
+
+    rows: list[Any]
+    held: int = 0
+
+
 class ContractRunner(Runner):
     """What both Core ML runners share: rows, prompt pieces, padding (module docstring). A subclass
     implements `_call(function, feeds, row) -> (logits [1, V], row)` and `_row_new`."""
@@ -56,6 +73,7 @@ class ContractRunner(Runner):
         self.style = self.contract["style"]
         self._states = self.contract["states"]
         self._prefill = {f["length"]: name for name, f in self.contract["functions"].items() if f["kind"] == "prefill"}
+        self._cache = FixedCache.of(manifest)  # None: every state has a fixed size
 
     # ---- rows -------------------------------------------------------------------------------------
     def _zeros(self) -> dict[str, np.ndarray]:
@@ -76,11 +94,15 @@ class ContractRunner(Runner):
         """Run one function on one row: (logits [1, V], the row's new state)."""
 
     # ---- Runner ------------------------------------------------------------------------------------
-    def _new(self, batch: int) -> list[Any]:
-        return [self._row_new() for _ in range(batch)]
+    def _new(self, batch: int) -> Rows:
+        return Rows([self._row_new() for _ in range(batch)])
 
     def _run(self, kind: str, input_ids: np.ndarray, state: StateHandle, position: np.ndarray | None) -> np.ndarray:
-        rows, logits = state._value, []
+        handle: Rows = state._value
+        rows, logits = handle.rows, []
+        tokens = 1 if kind == "step" else input_ids.shape[1]
+        if self._cache is not None:  # before any row runs: a refused call leaves the handle as it was
+            self._cache.check_call(kind, handle.held, tokens, position)
         for b in range(len(rows)):
             start = 0 if position is None else int(position[b])
             sizes = [1] if kind == "step" else pieces(input_ids.shape[1], list(self._prefill))
@@ -95,24 +117,36 @@ class ContractRunner(Runner):
                 out, rows[b] = self._call("step" if size == 1 else self._prefill[size], feeds, rows[b])
                 offset += size
             logits.append(np.asarray(out, np.float32).reshape(1, -1))
+        handle.held += tokens if self._cache is not None else 0
         return np.concatenate(logits, 0)
 
     def _read(self, state: StateHandle) -> State:
-        rows = [self._row_arrays(row) for row in state._value]
-        return {s["input"]: np.concatenate([r[s["feature"]][..., :s["true_dims"][-1]] for r in rows], 0)
-                .astype(_DTYPES[s["dtype"]]) for s in self._states}
+        handle: Rows = state._value
+        rows = [self._row_arrays(row) for row in handle.rows]
+        values = [np.concatenate([r[s["feature"]][..., :s["true_dims"][-1]] for r in rows], 0)
+                  .astype(_DTYPES[s["dtype"]]) for s in self._states]
+        if self._cache is not None:  # the rows the KV cache holds, not its capacity
+            values = self._cache.valid(values, handle.held)
+        return {s["input"]: value for s, value in zip(self._states, values)}
 
     def _write(self, state: StateHandle, values: State) -> None:
+        given = [values[s["input"]] for s in self._states]
+        held = 0
+        if self._cache is not None:  # a cache of `held` tokens, padded to the package's capacity
+            held = self._cache.held(given)
+            given = self._cache.padded(given)
         rows = []
         for b in range(state.batch):
             arrays = self._zeros()
-            for s in self._states:
-                arrays[s["feature"]][..., :s["true_dims"][-1]] = values[s["input"]][b:b + 1]
+            for s, value in zip(self._states, given):
+                arrays[s["feature"]][..., :s["true_dims"][-1]] = value[b:b + 1]
             rows.append(self._row_from(arrays))
-        state._value = rows
+        state._value = Rows(rows, held)
 
-    def _copy(self, state: StateHandle) -> list[Any]:
-        return [self._row_from({k: v.copy() for k, v in self._row_arrays(row).items()}) for row in state._value]
+    def _copy(self, state: StateHandle) -> Rows:
+        handle: Rows = state._value
+        return Rows([self._row_from({k: v.copy() for k, v in self._row_arrays(row).items()}) for row in handle.rows],
+                    handle.held)
 
 
 class MilRunner(ContractRunner):

@@ -23,6 +23,12 @@ function `prefill_{L}`, traced with a static chunk loop (lowering("coreml")); a 
 pieces of those lengths and its tail by step. Batch is static 1 (the Neural Engine); a runner runs
 a batch row by row.
 
+Hybrids with full-attention layers (Qwen3.5's full_attention): their KV cache is a fixed-capacity
+state of `--context N` rows (edgelin.model.attention.fixed_capacity; edgelin.export.fixed_cache), in
+either style: an MLState KV cache as Apple's stateful Llama example keeps it (fp16, iOS 18), or
+explicit state at the capacity. The manifest records it (extra["kv_cache"], layout static), and the
+runners refuse a call past the capacity in one line.
+
 No torch or coremltools at module level (the registry imports this module on any install).
 """
 
@@ -72,6 +78,7 @@ class CoremlOptions:
     style: str = "explicit"  # explicit | mlstate
     prefill_lengths: tuple[int, ...] = DEFAULT_PREFILL_LENGTHS  # one prefill function per length
     deployment_target: str | None = None  # None: iOS18 (one multifunction package)
+    context: int | None = None  # --context: the full-attention layers' KV cache capacity (None: the default)
 
     def checked(self) -> "CoremlOptions":
         """These options, normalised (sorted unique lengths), or one line saying what is wrong."""
@@ -93,7 +100,7 @@ class CoremlOptions:
             raise EdgelinError(f"MLState with deployment target {deployment}",
                                "Core ML states (MLState) need iOS 18 / macOS 15 or later",
                                "use deployment target iOS18 or macOS15, or --coreml-style explicit")
-        return CoremlOptions(self.style, tuple(sorted(set(lengths))), deployment)
+        return CoremlOptions(self.style, tuple(sorted(set(lengths))), deployment, self.context)
 
 
 
@@ -115,22 +122,29 @@ class CoremlTarget(Target):
     precisions = ("fp16", "fp32")
     erase_gate = True  # the static chunk loop's two-row WY form (edgelin.export.static_chunks)
     state_dtypes = ("float32", "float16")
-    profile_options = ("compute",)  # the compute units (ane, gpu, cpu) the package asks for
+    # the compute units (ane, gpu, cpu) the package asks for; whether the device keeps the state in the model
+    # (MLState: the default style then)
+    profile_options = ("compute", "model_state")
     runtime = "coremltools"
     libraries = (("coremltools", "pip install coremltools (Core ML predictions also need macOS 13+)"),)
     flags = (
         TargetFlag("--coreml-style", "style", "Explicit state inputs/outputs, or iOS 18 MLState (fp16 state) "
-                   "(default: explicit).", str, STYLES),
+                   "(default: mlstate where the device profile keeps the state in the model, e.g. --device "
+                   "iphone; else explicit).", str, STYLES),
         TargetFlag("--prefill-lengths", "prefill_lengths", "Prompt lengths with a prefill function each, "
                    "comma-separated (default: 16,64); other lengths are fed in those pieces, the tail by step."),
         TargetFlag("--deployment-target", "deployment_target", "iOS18 (default; one package, shared weights), "
                    "iOS16/iOS17/macOS13/macOS14 (explicit style; one package per function), macOS15."),
+        # one option with the onnx target's --context (the CLI shows the first target's help): worded for both
+        TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, one buffer "
+                   "of that many rows (a longer sequence is refused); onnx: with --kv-cache static; coreml: held "
+                   "as fixed-size state (default 4096 for a model with such layers).", int),
     )
 
     def options_from_flags(self, given: dict, settings: "ExportSettings",
                            precision_flag: str | None = None) -> tuple[CoremlOptions, "ExportSettings"]:
         return cli_options(settings, precision_flag, given.get("style"), given.get("prefill_lengths"),
-                           given.get("deployment_target"))
+                           given.get("deployment_target"), given.get("context"))
 
     def runtime_of(self, runner_label: str) -> str:
         """Apple's Core ML through coremltools, or (off macOS) the MIL program in numpy."""
@@ -161,57 +175,59 @@ class CoremlTarget(Target):
             return Phase(False, "coremltools is not installed (pip install 'edgelin[coreml]')", _WHERE_RUN)
         return Phase(True)
 
-    def supports(self, model: "CausalLM", device: "DeviceProfile | None" = None) -> str | None:
-        """The base checks, then: every state tensor has a fixed size. A full-attention softmax layer
-        (no sliding window: Qwen3.5's full_attention layers) keeps a KV cache that grows with the context;
-        this exporter's packages take fixed-size states only (static shapes for the Neural Engine, and an
-        MLState cannot change shape), so such a layer is refused by name before anything is traced."""
-        reason = super().supports(model, device)
-        if reason is not None:
-            return reason
-        from edgelin.families import SOFTMAX
+    def check_export(self, model: "CausalLM", settings: "ExportSettings", options: object) -> None:
+        """Full-attention layers: the KV cache's capacity (--context) resolved, or refused, before tracing."""
+        from edgelin.export.fixed_cache import resolve_context
 
-        for layer, name in enumerate(model.config.layer_types):
-            if name == SOFTMAX and model.config.attention.window is None:
-                return (f"layer {layer} ({name}, full attention): its KV cache grows with the context, and the "
-                        "Core ML export takes fixed-size states only (a growing or fixed-capacity KV cache is "
-                        "planned); a sliding-window attention layer exports")
-        return None
+        if isinstance(options, CoremlOptions):
+            resolve_context(model, options.context, self.name)
 
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
                options: CoremlOptions, folder: Path) -> dict[str, str]:
         from edgelin.export.coreml.convert import FunctionPlan, convert_function, save_package
+        from edgelin.export.fixed_cache import resolve_context
 
         if not isinstance(options, CoremlOptions):
             raise EdgelinError(f"Core ML export options of type {type(options).__name__}",
                                "the coreml target takes CoremlOptions", "pass CoremlOptions(...) or nothing")
         options = options.checked()
         check_settings(model, settings, options)
+        capacity = resolve_context(model, options.context, self.name)  # None: no full-attention layers
         plans = [FunctionPlan("step", "step", 1)] + [FunctionPlan(f"prefill_{n}", "prefill", n)
                                                      for n in options.prefill_lengths]
         models = {p.name: convert_function(model, p, options.style, settings.precision, settings.state_dtype,
-                                           settings.state_dim_multiple, options.deployment_target)
+                                           settings.state_dim_multiple, options.deployment_target, capacity)
                   for p in plans}
         multi = multifunction_ok(options.deployment_target)
-        contract = contract_for(model, settings, options, device, plans, multi)
+        contract = contract_for(model, settings, options, device, plans, multi, capacity)
         packages = save_package(models, Path(folder), PACKAGE, multi)
         (Path(folder) / CONTRACT).write_text(json.dumps(contract, indent=2) + "\n")
         by_function = {p.name: contract["functions"][p.name]["package"] for p in plans}
         assert set(by_function.values()) == set(packages), (by_function, packages)
         return {"step": by_function["step"], "prefill": by_function[plans[-1].name]}
 
-    def finish_export(self, folder: Path, manifest: "Manifest", options: object = None) -> None:
+    def finish_export(self, folder: Path, manifest: "Manifest", options: object = None) -> "Manifest | None":
         """Once the manifest exists (the pipeline calls this): the source hash and edgelin's version
-        into every package's metadata, then the Linux contract check of what was written."""
+        into every package's metadata, then the Linux contract check of what was written. A package
+        holding a fixed-capacity KV cache returns the manifest with it recorded (extra["kv_cache"]), which
+        the runners that record the reference vectors next read."""
+        import dataclasses
+
         from edgelin.export.coreml.check import check_folder
         from edgelin.export.coreml.convert import stamp_metadata
+        from edgelin.export.fixed_cache import kv_cache_entry
 
         contract = json.loads((Path(folder) / CONTRACT).read_text())
+        finished = None
+        if contract.get("capacity") is not None:
+            finished = manifest = dataclasses.replace(manifest, extra={
+                **manifest.extra, "kv_cache": kv_cache_entry(contract["capacity"], contract["state_dtype"])})
         metadata = {"edgelin_version": manifest.edgelin_version, "source_sha256": str(manifest.source.get("sha256")),
                     "edgelin_style": contract["style"], "edgelin_state_dtype": contract["state_dtype"]}
         for package in sorted({f["package"] for f in contract["functions"].values()}):
             stamp_metadata(Path(folder) / package, metadata)
         check_folder(Path(folder), manifest)
+        return finished
 
     def conversion_runner(self, artifact: Artifact) -> "Runner":
         """Where Core ML cannot run (off macOS): the Linux contract check, then a runner that evaluates
@@ -247,16 +263,17 @@ def check_settings(model: "CausalLM", settings: "ExportSettings", options: Corem
 
 
 def contract_for(model: "CausalLM", settings: "ExportSettings", options: CoremlOptions,
-                 device: "DeviceProfile | None", plans: list, multifunction: bool) -> dict:
-    """coreml.json: what the package holds, in Core ML's names (module docstring)."""
+                 device: "DeviceProfile | None", plans: list, multifunction: bool, capacity: int | None) -> dict:
+    """coreml.json: what the package holds, in Core ML's names (module docstring). `dims` are the package's
+    (a KV cache at the capacity, padded), `true_dims` the manifest's (past_sequence: the tokens held)."""
     from edgelin.export.coreml.contract import feature_name
-    from edgelin.export.coreml.convert import padded_dims
+    from edgelin.export.coreml.convert import state_dims
     from edgelin.export.graphs import graph_io
 
     inputs, outputs = graph_io(model, "step", settings.state_dtype)
     feeds = {t.feeds: t.name for t in outputs if t.feeds}
     states = [{"input": t.name, "output": feeds[t.name], "feature": feature_name(t.name),
-               "dims": list(padded_dims(t.dims, settings.state_dim_multiple)),
+               "dims": list(state_dims(t, settings.state_dim_multiple, capacity)),
                "true_dims": [1 if d == "batch" else d for d in t.dims],
                "dtype": settings.state_dtype}  # float16 for MLState (check_settings refuses anything else)
               for t in inputs if t.role == "state"]
@@ -271,14 +288,17 @@ def contract_for(model: "CausalLM", settings: "ExportSettings", options: CoremlO
         "batch": 1, "state_dim_multiple": settings.state_dim_multiple,
         "prefill_lengths": list(options.prefill_lengths), "functions": functions,
         "ids_dtype": "int32", "position_ids": model.needs_position, "states": states,
+        "capacity": capacity,  # the full-attention layers' KV cache (--context), None without such layers
     }
 
 
 def cli_options(settings: "ExportSettings", precision_flag: str | None, style: str | None, lengths: str | None,
-                deployment: str | None) -> tuple[CoremlOptions, "ExportSettings"]:
+                deployment: str | None, context: int | None = None) -> tuple[CoremlOptions, "ExportSettings"]:
     """`edgelin export --target coreml`'s options, and its defaults where no device profile chose:
     fp16 compute (the Neural Engine's), and for MLState a float16 state (the only one Core ML takes;
-    a profile that asks for float32 is refused by the export, never overridden)."""
+    a profile that asks for float32 is refused by the export, never overridden). The style: --coreml-style,
+    else MLState where the device profile keeps the state in the model (`model_state = true`: iphone), else
+    explicit."""
     import dataclasses
 
     parsed = DEFAULT_PREFILL_LENGTHS
@@ -288,7 +308,9 @@ def cli_options(settings: "ExportSettings", precision_flag: str | None, style: s
         except ValueError:
             raise EdgelinError(f"--prefill-lengths {lengths}", "it takes comma-separated prompt lengths",
                                "pass e.g. --prefill-lengths 16,64") from None
-    options = CoremlOptions(style or "explicit", parsed, deployment).checked()
+    if style is None:
+        style = "mlstate" if settings.target_options.get("model_state") else "explicit"
+    options = CoremlOptions(style, parsed, deployment, context).checked()
     if settings.device is None:
         settings = dataclasses.replace(settings, precision=precision_flag or "fp16",
                                        state_dtype="float16" if options.style == "mlstate" else settings.state_dtype)

@@ -233,7 +233,7 @@ def test_mlstate_fp16_conversion_tracks_the_reference(mlstate, ckpt):
     assert_close(runner.prefill(ids, state, np.zeros(1, np.int64)), want_logits, 2e-2, "prefill logits")
     for t, token in enumerate(steps):
         assert_close(runner.step(np.array([token]), state, np.array([9 + t])), want_rollout[t], 2e-2, f"step {t}")
-    padded = runner._row_arrays(state._value[0])["past_key_values_0_recurrent_state"]
+    padded = runner._row_arrays(state._value.rows[0])["past_key_values_0_recurrent_state"]
     assert padded.shape == (1, 2, 8, 32) and not padded[..., 8:].any()  # the padding stays zero
 
 
@@ -286,7 +286,7 @@ UPSTREAM_STYLES = {"explicit": ("fp32", "float32", 1e-5), "mlstate": ("fp16", "f
 def upstream(tmp_path_factory):
     """Tiny upstream checkpoints built by the upstream libraries (no hub): fla's GLA (its forward under
     the Triton interpreter, tests/upstream_fla.py) and transformers' Qwen3.5 text model with linear
-    layers only (its full-attention layers are refused: test below). Each with 13 ids and the upstream
+    layers only (with full-attention layers: test_coreml_hybrid.py). Each with 13 ids and the upstream
     library's own logits for them."""
     root = tmp_path_factory.mktemp("upstream")
     ids = np.random.default_rng(0).integers(0, 100, (1, 13))
@@ -348,17 +348,6 @@ def test_upstream_checkpoint_exports_and_matches_the_upstream_forward(upstream, 
     assert_close(np.stack(got, 1), want[:, 7:], tol, f"{source} {style} vs the upstream forward")
     report = replay(out)
     assert report.passed, [m.to_dict() for m in report.failures]
-
-
-def test_qwen35_full_attention_is_refused_by_name(tmp_path):
-    """Qwen3.5's full_attention layers keep a growing KV cache: refused before tracing, one line, no folder."""
-    from upstream_hf import tiny_qwen35
-
-    tiny_qwen35(tmp_path / "qwen", num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    with pytest.raises(EdgelinError, match=r"layer 1 \(softmax, full attention\): its KV cache grows") as err:
-        export_checkpoint(tmp_path / "qwen", tmp_path / "x", "coreml", options=CoremlOptions("explicit", (8,)),
-                          settings=ExportSettings(precision="fp32", state_dtype="float32"))
-    assert "\n" not in str(err.value) and not (tmp_path / "x").exists()
 
 
 # ---- refusals ---------------------------------------------------------------------------------------

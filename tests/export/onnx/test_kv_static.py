@@ -175,7 +175,7 @@ def test_options_are_checked():
 @pytest.mark.parametrize(("args", "needle"), [
     (["--kv-cache", "static"], "--kv-cache static without --context"),
     (["--context", "64"], "--context 64 without --kv-cache static"),
-    (["--kv-cache", "static", "--context", "64", "--target", "coreml"], "apply to --target onnx only"),
+    (["--kv-cache", "static", "--context", "64", "--target", "coreml"], "--kv-cache applies to --target onnx only"),
 ])
 @pytest.mark.slow
 def test_cli_refuses_bad_cache_options_in_one_line(folders, tmp_path, args, needle):
