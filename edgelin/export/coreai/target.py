@@ -93,8 +93,9 @@ class CoreaiTarget(Target):
     flags = (
         TargetFlag("--prefill-lengths", "prefill_lengths", "Prompt lengths with a prefill entry point each, "
                    "comma-separated (default: 16,64); other lengths are fed in those pieces, the tail by step."),
-        TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, held as model "
-                   "state (default: 4096; only for a model with full-attention layers).", int),
+        TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, one buffer "
+                   "of that many rows (a longer sequence is refused); onnx: with --kv-cache static; coreai, coreml: "
+                   "held as model state (default 4096 for a model with such layers).", int),
         TargetFlag("--dynamic-batch", "dynamic_batch", "Entry points that take any batch in one call (default: "
                    "batch 1, a batch runs row by row; a symbolic batch makes the conversion ~4x slower).", bool),
     )

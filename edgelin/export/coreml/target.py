@@ -137,8 +137,8 @@ class CoremlTarget(Target):
                    "iOS16/iOS17/macOS13/macOS14 (explicit style; one package per function), macOS15."),
         # one option with the onnx target's --context (the CLI shows the first target's help): worded for both
         TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, one buffer "
-                   "of that many rows (a longer sequence is refused); onnx: with --kv-cache static; coreml: held "
-                   "as fixed-size state (default 4096 for a model with such layers).", int),
+                   "of that many rows (a longer sequence is refused); onnx: with --kv-cache static; coreai, coreml: "
+                   "held as model state (default 4096 for a model with such layers).", int),
     )
 
     def options_from_flags(self, given: dict, settings: "ExportSettings",
