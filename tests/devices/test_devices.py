@@ -109,7 +109,7 @@ def test_unknown_field_through_the_cli_is_one_line(tmp_path, monkeypatch):
     ("state_dtype", '"bfloat16"', "state_dtype must be one of: float32, float16 (closest: 'float16')"),
     ("kind", '"laptop"', "kind must be one of: desktop, jetson, phone, server"),
     ("compute", '"npu"', "compute must be one of: cpu, cuda, ane, gpu"),
-    ("targets", '["onnx", "tensorrtt"]', "'tensorrtt' is not a target; targets are: coreml, onnx, tensorrt "
+    ("targets", '["onnx", "tensorrtt"]', "'tensorrtt' is not a target; targets are: coreai, coreml, onnx, tensorrt "
                                          "(closest: 'tensorrt')"),
     ("targets", '[]', "targets must be a non-empty list"),
     ("targets", '["onnx", "onnx"]', "names a target twice"),
