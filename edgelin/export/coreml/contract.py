@@ -35,6 +35,10 @@ def coremltools_module() -> ModuleType:
     _MLModelProxy ..." lines (no Core ML runtime here, as expected: the conversion is checked instead) and one on
     an untested torch version (a converter's concern); CoremlRunner says itself when predictions cannot run."""
     logging.getLogger("coremltools").setLevel(logging.ERROR)  # its modules log through this logger or children
+    # coremltools imports torchao where it is installed (coreai-opt brings it), whose import logs "Failed to load
+    # ..._C_mxfp8...so" (kernels built for another Python) and warns on a torch API: neither concerns a Core ML run.
+    for noisy in ("torchao", "torch.utils._pytree"):  # the latter: torchao's enum registration, on torch 2.13
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import coremltools
