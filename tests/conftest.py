@@ -67,7 +67,7 @@ def _graph_cache(tmp_path_factory):
 # order, so starting with the long files (longest processing time first) keeps one worker from running a
 # long file alone at the end. A file not listed goes last; a stale figure only costs balance, never a test.
 FILE_SECONDS = {  # measured in a slow phase of the host (its Mamba2 int4 step 3.0 ms against 0.9 quiet)
-    "test_onnx.py": 187, "test_precision_export.py": 102, "test_ortops.py": 88, "test_kernels.py": 80,
+    "test_onnx.py": 187, "test_coreai.py": 150, "test_precision_export.py": 102, "test_ortops.py": 88, "test_kernels.py": 80,
     "test_tensorrt_target.py": 79, "test_coreml.py": 74, "test_ortops_attention.py": 68, "test_artifact.py": 68,
     "test_outputs.py": 59, "test_lowering.py": 58, "test_cli_faults.py": 49, "test_convert_fla.py": 46,
     "test_ortops_ssd.py": 43, "test_cli_polish.py": 32, "test_fused_decode.py": 29, "test_upstream_fla_smoke.py": 27,

@@ -31,6 +31,7 @@ import numpy as np
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
 from edgelin.export.coreml.contract import feature_name
+from edgelin.export.prefill_lengths import pieces  # noqa: F401 (the runners' prompt pieces; tests import it here)
 from edgelin.export.fixed_cache import FixedCache
 
 if TYPE_CHECKING:
@@ -38,17 +39,6 @@ if TYPE_CHECKING:
     from edgelin.artifact.manifest import Manifest
 
 _DTYPES = {"float16": np.float16, "float32": np.float32}
-
-
-def pieces(length: int, lengths: list[int]) -> list[int]:
-    """How a prompt of `length` tokens is fed: the enumerated prefill lengths, largest first, then 1s
-    (steps) for the tail: pieces(15, [4, 16]) -> [4, 4, 4, 1, 1, 1]."""
-    out, left = [], length
-    for size in sorted(lengths, reverse=True):
-        while left >= size:
-            out.append(size)
-            left -= size
-    return out + [1] * left
 
 
 @dataclass
