@@ -31,7 +31,7 @@ import numpy as np
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
 from edgelin.export.coreml.contract import feature_name
-from edgelin.export.prefill_lengths import pieces  # noqa: F401 (the runners' prompt pieces; tests import it here)
+from edgelin.export.prefill_lengths import pieces
 from edgelin.export.fixed_cache import FixedCache
 
 if TYPE_CHECKING:
