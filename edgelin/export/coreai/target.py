@@ -49,6 +49,7 @@ RUN_NEEDS = ("coreai-core",)
 INSTALL = "pip install 'edgelin[coreai]'"
 # Where Apple's runtime runs from the wheel: Linux x86_64 (the CPU runtime) and macOS (the OS's Core AI).
 _RUNS_ON = ("linux-x86_64", "darwin-arm64")
+DEPLOYMENT_TARGETS = ("iOS27", "macOS27")
 _WHERE = "Linux x86_64 (glibc 2.34+) or a Mac with macOS 27, with edgelin[coreai] installed"
 
 
@@ -59,8 +60,14 @@ class CoreaiOptions:
     prefill_lengths: tuple[int, ...] = DEFAULT_LENGTHS  # one prefill entry point per prompt length
     context: int | None = None  # the full-attention KV cache's capacity (None: 4096 where there is such a layer)
     dynamic_batch: bool = False  # entry points of any batch (one call per batch) instead of batch 1 (row by row)
+    deployment_target: str | None = None  # iOS27 | macOS27 (None: both; a saved asset targets OS 27 only)
 
     def checked(self) -> "CoreaiOptions":
+        if self.deployment_target is not None and self.deployment_target not in DEPLOYMENT_TARGETS:
+            raise EdgelinError(f"Core AI deployment target {self.deployment_target}",
+                               "Core AI assets target OS 27 only (coreai-core 1.0.0b3 saves no earlier format)",
+                               "pass --deployment-target iOS27 or macOS27, or export with --target coreml for "
+                               "iOS 16-26 / macOS 13-26")
         return dataclasses.replace(self, prefill_lengths=checked_lengths(self.prefill_lengths))
 
 
@@ -96,6 +103,9 @@ class CoreaiTarget(Target):
         TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, one buffer "
                    "of that many rows (a longer sequence is refused); onnx: with --kv-cache static; coreai, coreml: "
                    "held as model state (default 4096 for a model with such layers).", int),
+        TargetFlag("--deployment-target", "deployment_target", "The OS the model is built for. coreml: iOS18 (default; one package, shared weights), "
+                   "iOS16/iOS17/macOS13/macOS14 (explicit style; one package per function), macOS15; coreai: "
+                   "iOS27 or macOS27 (its assets target OS 27 only)."),
         TargetFlag("--dynamic-batch", "dynamic_batch", "Entry points that take any batch in one call (default: "
                    "batch 1, a batch runs row by row; a symbolic batch makes the conversion ~4x slower).", bool),
     )
@@ -103,7 +113,9 @@ class CoreaiTarget(Target):
     def options_from_flags(self, given: dict, settings: "ExportSettings",
                            precision_flag: str | None = None) -> tuple[CoreaiOptions, "ExportSettings"]:
         lengths = parse_lengths(given.get("prefill_lengths"))
-        return CoreaiOptions(lengths, given.get("context"), bool(given.get("dynamic_batch"))), settings
+        options = CoreaiOptions(lengths, given.get("context"), bool(given.get("dynamic_batch")),
+                                given.get("deployment_target"))
+        return options.checked(), settings
 
     def lowering(self) -> "Lowering":
         from edgelin.export.lowering import Lowering
@@ -160,6 +172,7 @@ class CoreaiTarget(Target):
             compiled = {"file": COMPILED, "platform": this_platform(), "coreai_core": _version("coreai-core")}
         contract = contract_for(model, settings, entries, capacity, compiled)
         contract["batch"] = "dynamic" if options.dynamic_batch else 1
+        contract["deployment_target"] = options.deployment_target
         (Path(folder) / CONTRACT).write_text(json.dumps(contract, indent=2) + "\n")
         return {"step": ASSET, "prefill": ASSET}
 

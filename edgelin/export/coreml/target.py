@@ -133,8 +133,9 @@ class CoremlTarget(Target):
                    "iphone; else explicit).", str, STYLES),
         TargetFlag("--prefill-lengths", "prefill_lengths", "Prompt lengths with a prefill function each, "
                    "comma-separated (default: 16,64); other lengths are fed in those pieces, the tail by step."),
-        TargetFlag("--deployment-target", "deployment_target", "iOS18 (default; one package, shared weights), "
-                   "iOS16/iOS17/macOS13/macOS14 (explicit style; one package per function), macOS15."),
+        TargetFlag("--deployment-target", "deployment_target", "The OS the model is built for. coreml: iOS18 (default; one package, shared weights), "
+                   "iOS16/iOS17/macOS13/macOS14 (explicit style; one package per function), macOS15; coreai: "
+                   "iOS27 or macOS27 (its assets target OS 27 only)."),
         # one option with the onnx target's --context (the CLI shows the first target's help): worded for both
         TargetFlag("--context", "context", "The full-attention layers' KV cache capacity in tokens, one buffer "
                    "of that many rows (a longer sequence is refused); onnx: with --kv-cache static; coreai, coreml: "

@@ -205,7 +205,10 @@ def test_refusals(hybrid, tmp_path):
         export_checkpoint(ckpt, tmp_path / "b", "coreai", settings=ExportSettings(precision="fp16"))
     with pytest.raises(EdgelinError, match="prefill-lengths"):
         export_checkpoint(ckpt, tmp_path / "c", "coreai", options=CoreaiOptions((1,)), settings=FP32)
-    assert not any((tmp_path / n).exists() for n in "abc")  # refused before anything is written
+    with pytest.raises(EdgelinError, match="target OS 27 only"):
+        export_checkpoint(ckpt, tmp_path / "d", "coreai", options=CoreaiOptions((4,), deployment_target="iOS18"),
+                          settings=FP32)
+    assert not any((tmp_path / n).exists() for n in "abcd")  # refused before anything is written
 
 
 def test_context_shorter_than_validation_refused(qwen, tmp_path):
