@@ -151,15 +151,41 @@ def convert_program(model: "CausalLM", request: ConvertRequest) -> Any:
                 with torch.no_grad(), lowering("coreai"), fixed_capacity(model, request.capacity or 1):
                     program = torch.export.export(module, examples, dynamic_shapes=dynamic and (dynamic[0], dynamic[1:]))
                     program = program.run_decompositions(table)
-                converter.add_exported_program(program, input_names=lead, output_names=["logits"],
-                                               state_names=[feature_name(t.name) for t in states],
-                                               entrypoint_name=entry.name)
+                try:
+                    converter.add_exported_program(program, input_names=lead, output_names=["logits"],
+                                                   state_names=[feature_name(t.name) for t in states],
+                                                   entrypoint_name=entry.name)
+                except ValueError as exc:
+                    raise _unsupported(exc, program, entry, model) from exc
             return converter.to_coreai()
     except EdgelinError:
         raise
     except Exception as exc:
         raise EdgelinError("Core AI conversion failed" + _where(exc), f"{type(exc).__name__}: {str(exc)[:300]}",
                            BUG) from exc
+
+
+def _unsupported(exc: ValueError, program: Any, entry: EntryPoint, model: "CausalLM") -> Exception:
+    """An op coreai-torch has no lowering for, as one line naming the layer(s) that use it (from the exported
+    nodes' module stacks), raised before anything is saved; any other refusal of the converter as it is."""
+    text = str(exc)
+    if "unsupported ATen ops:" not in text:
+        return exc
+    ops = [op.strip() for op in text.split("unsupported ATen ops:", 1)[1].split(". Use", 1)[0].split(",")]
+    layers = sorted({int(part.split(".")[1]) for node in program.graph.nodes if str(node.target) in ops
+                     for path, _ in (node.meta.get("nn_module_stack") or {}).values()
+                     for part in [path[path.find("layers."):]] if path.find("layers.") >= 0
+                     and part.split(".")[1].isdigit()})
+    where = ", ".join(f"layer {i} ({model.config.layer_types[i]})" for i in layers) or "outside the layers"
+    return EdgelinError(f"Core AI cannot convert {where}: {', '.join(ops)} in the {entry.name} entry point",
+                        f"coreai-torch {_package_version('coreai-torch')} has no lowering for it",
+                        "export this model with another target (onnx, coreml), or report it as an edgelin bug")
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
 
 
 def _where(exc: Exception) -> str:

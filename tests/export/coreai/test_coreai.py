@@ -226,3 +226,19 @@ def test_beta_package_versions_checked(monkeypatch):
     monkeypatch.setitem(target.PACKAGES, "coreai-core", "==9.9")
     phase = CoreaiTarget().can_run()
     assert not phase.ok and "coreai-core 1.0.0b3 is installed" in phase.reason and "edgelin[coreai]" in phase.reason
+
+
+def test_an_op_the_converter_lacks_names_the_layer(hybrid, tmp_path, monkeypatch):
+    """Without edgelin's rewrite of aten.remainder.Scalar (the sliding-window ring's slot), coreai-torch 0.4.3 has
+    no lowering for it: the export is refused naming the attention layer, and nothing is written."""
+    import coreai_torch
+
+    import edgelin.export.coreai.convert as convert
+
+    ckpt, _ = hybrid
+    monkeypatch.setattr(convert, "decompositions", coreai_torch.get_decomp_table)
+    model, _ = load_model(ckpt)
+    softmax = [i for i, t in enumerate(model.config.layer_types) if t == "softmax"]
+    with pytest.raises(EdgelinError, match=rf"layer {softmax[0]} \(softmax\): aten.remainder.Scalar in the step"):
+        export_checkpoint(ckpt, tmp_path / "out", "coreai", options=CoreaiOptions((4,)), settings=FP32)
+    assert not (tmp_path / "out").exists()
