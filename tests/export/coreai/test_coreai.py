@@ -242,3 +242,19 @@ def test_an_op_the_converter_lacks_names_the_layer(hybrid, tmp_path, monkeypatch
     with pytest.raises(EdgelinError, match=rf"layer {softmax[0]} \(softmax\): aten.remainder.Scalar in the step"):
         export_checkpoint(ckpt, tmp_path / "out", "coreai", options=CoreaiOptions((4,)), settings=FP32)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # the symbolic batch makes the conversion ~4x slower
+def test_dynamic_batch_runs_a_batch_in_one_call(hybrid, tmp_path):
+    ckpt, _ = hybrid
+    folder = export_checkpoint(ckpt, tmp_path / "out", "coreai", options=CoreaiOptions((4,), dynamic_batch=True),
+                               settings=FP32).folder
+    assert json.loads((folder / "coreai.json").read_text())["batch"] == "dynamic"
+    model, _ = load_model(ckpt)
+    rng = np.random.default_rng(5)
+    ids, steps = rng.integers(0, model.config.vocab_size, (3, 9)), rng.integers(0, model.config.vocab_size, (3, 4))
+    want, _ = reference_run(model.eval(), ids, steps)
+    runner = CoreaiRunner(folder, Manifest.load(folder))
+    got, _ = runner_run(runner, ids, steps)
+    assert len(runner._read(runner.new_state(3))) and np.abs(got - want).max() < TOL * max(1.0, np.abs(want).max())
+    assert replay(folder).passed
