@@ -47,10 +47,11 @@ class Bounds:
 BOUNDS: dict[str, Bounds] = {
     "fp32": Bounds(),
     "fp16": Bounds(min_top1=0.95, max_ppl_change=0.01),
+    "bf16": Bounds(min_top1=0.95, max_ppl_change=0.02),
     "int8": Bounds(min_top1=0.95, max_ppl_change=0.02),
     "int4": Bounds(min_top1=0.90, max_ppl_change=0.05),
 }
-GENTLER = {"fp16": "--precision fp32", "int8": "--precision fp16 without --quantize",
+GENTLER = {"fp16": "--precision fp32", "bf16": "--precision fp32", "int8": "--precision fp16 without --quantize",
            "int4": "--quantize int8"}
 
 

@@ -2,7 +2,7 @@
 fields and each target's subsets of it (what a target writes, it says itself: edgelin.export.base.Target). A leaf
 module: the registry, the device profiles and the Target base all import it, and it imports nothing."""
 
-PRECISIONS = ("fp32", "fp16")  # graph compute precision (--precision)
+PRECISIONS = ("fp32", "fp16", "bf16")  # graph compute precision (--precision); bf16: the coreai target's
 # weight-only quantisation (--quantize; fp16: float16 weight storage, float32 arithmetic); the state and recurrence
 # stay float
 QUANTIZE = ("int8", "int4", "fp16")

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgelin.artifact.vocabulary import PRECISIONS
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
@@ -339,7 +338,7 @@ class Target(ABC):
     extra: str
     options_type: type
     # What it writes (a combination outside these is refused, never written as another).
-    precisions: tuple[str, ...] = PRECISIONS  # subsets of the vocabulary above, in order of preference
+    precisions: tuple[str, ...] = ("fp32", "fp16")  # a subset of the vocabulary (PRECISIONS), in order of preference
     state_dtypes: tuple[str, ...] = ("float32",)
     quantize_modes: tuple[str, ...] = ()
     # Device profiles: whether one may list this target (the torch reference is not a deployment), the profile

@@ -61,7 +61,7 @@ def precision_entry(settings: ExportSettings) -> dict[str, str | int | None]:
     recurrence (its state, decay and gates) and the logits are float32 at every precision; `weights`
     is the float dtype of the weights that are not quantised (norms, decay parameters; also the embedding
     table and LM head unquantised, or quantised with --keep-embeddings-float: extra["quantization"] lists them)."""
-    low = {"fp32": "float32", "fp16": "float16"}[settings.precision]
+    low = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[settings.precision]
     return {"graphs": settings.precision, "weights": low, "quantized_weights": settings.quantize,
             "block_size": settings.block_size if settings.quantize in ("int8", "int4") else None, "compute": low,
             "recurrence": "float32", "state": settings.state_dtype, "logits": "float32"}

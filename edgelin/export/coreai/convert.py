@@ -62,6 +62,7 @@ class ConvertRequest:
     state_dtype: str  # float32 | float16
     capacity: int | None  # the full-attention KV cache's rows (None: no such layer)
     dynamic_batch: bool = False  # batch symbolic (1..MAX_BATCH) instead of 1: a conversion ~4x slower
+    precision: str = "fp32"  # fp32 | bf16: the weights and matmuls (the recurrence stays float32)
 
 
 @contextlib.contextmanager
@@ -76,23 +77,41 @@ def quiet() -> Iterator[io.StringIO]:
 
 def decompositions() -> dict:
     """coreai-torch's decomposition table, plus what its converter lacks for edgelin's graphs:
-    aten.remainder.Scalar (the sliding-window ring's slot index) as remainder.Tensor, which it lowers."""
+    aten.remainder.Scalar (the sliding-window ring's slot index) as remainder.Tensor, which it lowers; and a
+    bfloat16 aten.full (new_zeros, masks in a bf16 graph), which coreai-torch 0.4.3 emits as float32 and then
+    refuses ("dtype f32 vs bf16"), as a float32 full cast to bfloat16."""
     import coreai_torch
     import torch
 
     table = coreai_torch.get_decomp_table()
     table[torch.ops.aten.remainder.Scalar] = lambda x, y: torch.ops.aten.remainder.Tensor(
         x, torch.scalar_tensor(y, dtype=x.dtype))
+
+    def full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=None):  # noqa: ANN001, ANN202
+        if dtype != torch.bfloat16:
+            return NotImplemented
+        return torch.ops.aten.full.default(size, fill_value, dtype=torch.float32, layout=layout, device=device,
+                                           pin_memory=pin_memory).to(torch.bfloat16)
+
+    table[torch.ops.aten.full.default] = full
     return table
 
 
-def _entry_module(model: "CausalLM", kind: str, states: list["TensorIO"]) -> "torch.nn.Module":
-    """The graph with its state as inputs it updates in place (coreai-torch's model state)."""
+def _entry_module(model: "CausalLM", kind: str, states: list["TensorIO"], precision: str) -> "torch.nn.Module":
+    """The graph with its state as inputs it updates in place (coreai-torch's model state). bf16: the graph of a
+    bfloat16 copy of the model (edgelin.model.lm.with_compute_dtype: weights and matmuls bf16; the recurrence, its
+    state, decay and gates float32, cast inside LinearMixer), each state fed in the dtype the model keeps it in
+    (accumulators float32, conv and KV caches bf16) and written back in the state's dtype; logits float32."""
+    import torch
     from torch import nn
 
     from edgelin.export.graphs import GRAPHS
+    from edgelin.model.lm import with_compute_dtype
 
-    graph = GRAPHS[kind](model).eval()
+    low = torch.bfloat16 if precision == "bf16" else torch.float32
+    graph = GRAPHS[kind](with_compute_dtype(model, low)).eval()
+    kept = [torch.float32 if t.accumulates or low == torch.float32 else low
+            for layer in model.state_tensors() for t in layer]
     needs_position = model.needs_position
 
     class Entry(nn.Module):
@@ -102,10 +121,10 @@ def _entry_module(model: "CausalLM", kind: str, states: list["TensorIO"]) -> "to
 
         def forward(self, input_ids, *args):
             lead, held = (args[:1], args[1:]) if needs_position else ((), args)
-            out = self.inner(input_ids.long(), *(a.long() for a in lead), *(s.float() for s in held))
+            out = self.inner(input_ids.long(), *(a.long() for a in lead), *(s.to(d) for s, d in zip(held, kept)))
             for state, new in zip(held, out[1:]):
                 state.copy_(new.to(state.dtype))
-            return out[0]
+            return out[0].float()
 
     return Entry().eval().requires_grad_(False)
 
@@ -145,7 +164,7 @@ def convert_program(model: "CausalLM", request: ConvertRequest) -> Any:
         with quiet():
             converter = coreai_torch.TorchConverter(mode=coreai_torch.TorchConverter.Mode.RELEASE)
             for entry in request.entry_points:
-                module = _entry_module(model, entry.kind, states)
+                module = _entry_module(model, entry.kind, states, request.precision)
                 examples = _examples(model, entry, states, request)
                 dynamic = tuple({0: batch} for _ in examples) if request.dynamic_batch else None
                 with torch.no_grad(), lowering("coreai"), fixed_capacity(model, request.capacity or 1):

@@ -91,7 +91,7 @@ class CoreaiTarget(Target):
     name = "coreai"
     extra = "coreai"
     options_type = CoreaiOptions
-    precisions = ("fp32",)
+    precisions = ("fp32", "bf16")  # fp16 arithmetic is emulated on Apple's Linux runtime: its parity is not checked
     state_dtypes = ("float32", "float16")  # Core AI takes fp32 model state (Core ML's MLState: fp16 only)
     erase_gate = True  # the static chunk loop's two-row WY form (edgelin.export.static_chunks)
     runtime = "coreai"
@@ -145,10 +145,10 @@ class CoreaiTarget(Target):
         from edgelin.export.fixed_cache import resolve_context
 
         options.checked()
-        if settings.precision != "fp32":
-            raise EdgelinError(f"Core AI precision {settings.precision!r}", "this target computes in fp32 (fp16 "
-                               "arithmetic is emulated on Apple's Linux runtime, so its parity cannot be checked here)",
-                               "pass --precision fp32")
+        if settings.precision not in self.precisions:
+            raise EdgelinError(f"Core AI precision {settings.precision!r}", "this target computes in fp32 or bf16 "
+                               "(fp16 arithmetic is emulated on Apple's Linux runtime, so an fp16 export's parity could "
+                               "not be checked here)", "pass --precision fp32 or --precision bf16")
         if settings.quantize is not None:
             raise EdgelinError(f"--quantize {settings.quantize} for the coreai target",
                                "this target keeps float32 weights", "drop --quantize")
@@ -164,7 +164,8 @@ class CoreaiTarget(Target):
         capacity = resolve_context(model, options.context, self.name)
         entries = (EntryPoint("step", "step", 1),) + tuple(EntryPoint(f"prefill_{n}", "prefill", n)
                                                            for n in options.prefill_lengths)
-        program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity, options.dynamic_batch))
+        program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity, options.dynamic_batch,
+                                                         settings.precision))
         save_asset(program, folder, ASSET, {"edgelin_version": __version__, "edgelin_state_dtype": settings.state_dtype})
         compiled = None
         if sys.platform.startswith("linux"):  # macOS' runtime specialises the asset itself when it loads it

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError, environment_fault, one_line
 from edgelin.ortops import DOMAIN as ORT_OPS_DOMAIN
-from edgelin.artifact.vocabulary import PRECISIONS, QUANTIZE
+from edgelin.artifact.vocabulary import QUANTIZE
 from edgelin.export.base import Artifact, Phase, Target, TargetFlag, missing_module
 from edgelin.export.onnx.options import (KV_DTYPES, ORT_OPS_KEY, OnnxOptions,
                                          check_cache_capacity, check_static_cache, kv_cache_entry, kv_retyped, mark_in_place_states,
@@ -257,7 +257,7 @@ class OnnxTarget(Target):
     extra = "onnx"
     options_type = OnnxOptions
     saturates_float16 = True  # fp16 weights beyond float16's range: ±65504 (with_compute_dtype, to_float16)
-    precisions = PRECISIONS
+    precisions = ("fp32", "fp16")
     erase_gate = True  # the ONNX forms and (TensorRT, a subclass) the EdgelinStep plugin's erase input
     triton_backend = "onnxruntime"  # edgelin.serve.triton.ONNXRUNTIME
     runtime = "onnxruntime"
@@ -348,9 +348,9 @@ class OnnxTarget(Target):
         if not isinstance(options, OnnxOptions):
             raise EdgelinError(f"ONNX export options of type {type(options).__name__}",
                                "the onnx target takes OnnxOptions", "pass OnnxOptions(opset=...) or nothing")
-        if settings.precision not in PRECISIONS:
+        if settings.precision not in self.precisions:
             raise EdgelinError(f"ONNX precision {settings.precision!r}",
-                               f"this target exports {'/'.join(PRECISIONS)} graphs", "use --precision fp32 or fp16")
+                               f"this target exports {'/'.join(self.precisions)} graphs", "use --precision fp32 or fp16")
         if settings.state_dtype != "float32":  # float16 state: issue 11
             raise EdgelinError(f"ONNX state dtype {settings.state_dtype!r}", "this target stores the state as float32",
                                "export with state dtype float32 (pick a device profile whose state_dtype is float32)")

@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 from edgelin.errors import EdgelinError
-from edgelin.artifact.vocabulary import PRECISIONS
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 CONTRACT = "torch.json"
 CONTRACT_FORMAT = "edgelin-torch"
 CONTRACT_VERSION = 1
+PRECISIONS = ("fp32", "fp16")  # the weights it writes (the vocabulary's bf16 is the coreai target's)
 
 
 def read_contract(folder: Path) -> dict:
