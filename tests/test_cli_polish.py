@@ -247,7 +247,7 @@ def test_export_help_shows_choices_and_flags_as_flags():
     assert proc.returncode == 0
     assert "<bool>" not in stdout
     assert re.search(r"--force +Replace an existing output folder", stdout), stdout
-    assert re.search(r"--target +-t +<coreml\|onnx\|tensorrt\|torch> ", stdout) and "<fp32|fp16>" in stdout, stdout
+    assert re.search(r"--target +-t +<coreai\|coreml\|onnx\|tensorrt\|torch> ", stdout) and "<fp32|fp16|bf16>" in stdout, stdout
     assert "--no-tokenizer" in stdout
 
 

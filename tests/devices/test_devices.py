@@ -105,7 +105,7 @@ def test_unknown_field_through_the_cli_is_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("field, value, needle", [
-    ("precision", '"fp8"', "precision = 'fp8': precision must be one of: fp32, fp16"),
+    ("precision", '"fp8"', "precision = 'fp8': precision must be one of: fp32, fp16, bf16"),
     ("state_dtype", '"bfloat16"', "state_dtype must be one of: float32, float16 (closest: 'float16')"),
     ("kind", '"laptop"', "kind must be one of: desktop, jetson, phone, server"),
     ("compute", '"npu"', "compute must be one of: cpu, cuda, ane, gpu"),
@@ -193,7 +193,7 @@ def test_flags_override_the_profile():
     assert (settings.precision, settings.state_dtype, settings.device) == ("fp32", "float32", "jetson-orin")
     assert export_settings(orin, "tensorrt", "fp32").precision == "fp32"
     assert export_settings(get_device("android"), "onnx", "fp16").precision == "fp16"  # the flag wins
-    with pytest.raises(EdgelinError, match="--precision int8: precision must be one of: fp32, fp16"):
+    with pytest.raises(EdgelinError, match="--precision int8: precision must be one of: fp32, fp16, bf16"):
         export_settings(orin, "onnx", "int8")
 
 
