@@ -54,6 +54,8 @@ SECTIONS = (
             "in `recipes/`)."),
     Section("TensorRT", "See [targets/tensorrt.md](targets/tensorrt.md)."),
     Section("Core ML", "See [targets/coreml.md](targets/coreml.md)."),
+    Section("Core AI", "See [targets/coreai.md](targets/coreai.md): Apple's Core AI runtime, here the CPU runtime "
+            "the coreai-core wheel carries on Linux."),
     Section("Upstream parity", "edgelin's reference and its ONNX export against the library a checkpoint came "
             "from (see [checkpoints.md](checkpoints.md))."),
 )

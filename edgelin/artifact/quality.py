@@ -73,19 +73,26 @@ def quantization_of(extra: dict[str, Any]) -> str | None:
     return None
 
 
+def float16_state(manifest: "Manifest") -> bool:
+    """Whether the export keeps a state in float16 that the reference keeps in float32: a static KV cache with
+    --kv-dtype fp16, or a float16 state tensor under float32 graphs (Core AI's float16 model state: measured
+    1.4e-3..1.6e-3 of the logits' scale on the tiny families, bench/coreai_families.py)."""
+    return manifest.kv_dtype == "float16" or any(t.dtype == "float16" for t in manifest.state_inputs)
+
+
 def precision_key(manifest: "Manifest") -> str:
-    """fp32 / fp16 / int8 / int4: what the thresholds and quality bounds are chosen by (float32 graphs on an fp16
-    static KV cache, --kv-dtype fp16, count as fp16)."""
+    """fp32 / fp16 / int8 / int4: what the thresholds and quality bounds are chosen by (float32 graphs with a
+    float16 state, float16_state, count as fp16)."""
     key = quantization_of(manifest.extra) or manifest.precision
-    return "fp16" if key == "fp32" and manifest.kv_dtype == "float16" else key
+    return "fp16" if key == "fp32" and float16_state(manifest) else key
 
 
 def threshold_key(manifest: "Manifest") -> str:
     """What the parity threshold (reference_vectors.THRESHOLDS) is chosen by: precision_key's answer, but fp32 for
     --quantize fp16 on float32 graphs with a float32 cache, whose parity reference carries the export's own float16
     weights while both sides compute in float32 (measured ~1e-5 of the logits' scale: fp16's 2e-2 would not notice a
-    wrong kernel). A float16 KV cache (--kv-dtype fp16) rounds what the reference keeps in float32: fp16's."""
-    weights_only = manifest.precision == "fp32" and manifest.kv_dtype != "float16"
+    wrong kernel). A float16 state (float16_state) rounds what the reference keeps in float32: fp16's."""
+    weights_only = manifest.precision == "fp32" and not float16_state(manifest)
     return "fp32" if weights_only and quantization_of(manifest.extra) == "fp16" else precision_key(manifest)
 
 

@@ -23,7 +23,7 @@ from edgelin.errors import EdgelinError
 from edgelin.model.lm import CausalLM
 
 REPO = Path(__file__).resolve().parents[2]
-BUILT_IN = {"android", "desktop-cpu", "desktop-gpu", "iphone", "jetson-orin"}
+BUILT_IN = {"android", "desktop-cpu", "desktop-gpu", "iphone", "jetson-orin", "mac"}
 VALID = {"title": '"Test board"', "kind": '"jetson"', "targets": '["tensorrt", "onnx"]', "compute": '"cuda"',
          "precision": '"fp16"', "state_dtype": '"float32"', "memory_gib": "8", "sm": "87"}  # TOML values
 
@@ -207,6 +207,11 @@ def test_profile_values_reach_the_settings():
     ane = export_settings(get_device("iphone"), "coreml")
     assert (ane.precision, ane.state_dtype, ane.state_dim_multiple, ane.target_options) == (
         "fp16", "float16", 32, {"compute": "ane", "model_state": True})
+    # the Mac exports both Apple targets at fp32 compute with float32 state (Core AI's only compute precision;
+    # Core ML's explicit style, on the GPU's compute units)
+    mac_ai, mac_ml = (export_settings(get_device("mac"), target) for target in ("coreai", "coreml"))
+    assert (mac_ai.precision, mac_ai.state_dtype, mac_ai.target_options) == ("fp32", "float32", {})
+    assert (mac_ml.precision, mac_ml.state_dtype, mac_ml.target_options) == ("fp32", "float32", {"compute": "gpu"})
     android = export_settings(get_device("android"), "onnx")
     assert android.threads == 4 and android.manifest_entry() == {
         "name": "android", "precision": "fp32", "state_dtype": "float32", "state_dim_multiple": 1, "threads": 4,

@@ -1,6 +1,6 @@
 """Core ML target (issue 10): conversion, the Linux contract check, the MIL numeric check of the
 conversion (numpy, not Apple's runtime), refusals. Predictions on Apple's runtime: the
-`requires_coreml_runtime` tests at the end run only on macOS (.github/workflows/coreml-macos.yml).
+`requires_coreml_runtime` tests at the end run only on macOS (.github/workflows/apple-macos.yml).
 
 Two conversions of one tiny hybrid (gated_deltanet + sliding-window softmax + gla) are shared by the
 module: explicit style at fp32 with prefill lengths 4 and 19 (19 > the chunk size 16: two chunks, the
@@ -447,7 +447,7 @@ def test_validate_stderr_holds_only_edgelin_lines(explicit):
     assert not other, other
 
 
-# ---- Apple's runtime (macOS only: .github/workflows/coreml-macos.yml) --------------------------------
+# ---- Apple's runtime (macOS only: .github/workflows/apple-macos.yml) --------------------------------
 def _macos_at_least(major: int) -> bool:
     from edgelin.export.coreml.target import macos_major
 
