@@ -1,14 +1,15 @@
 """Every family, the hybrid and a Qwen3.5 checkpoint through the Core AI target, both state dtypes: converted by
 coreai-torch, then the recorded reference replayed through Apple's Core AI runtime (`edgelin validate DIR`).
 
-    python bench/coreai_families.py [--families gla,hybrid,qwen3_5] [--states float32,float16] [--json]
+    python bench/coreai_families.py [--families gla,hybrid,qwen3_5] [--states float32,float16,bf16] [--json]
 
 Tiny random models (tests/conftest.py sizes, chunk size 8), one prefill entry point (12: a full chunk and a partial
 one; the replay's 15-token prompt is prefill_12 + 3 steps), batch 1 (a batch of 3 runs row by row), 24 steps;
-fp32 compute (the only precision the target has):
-- float32: float32 model state;
-- float16: float16 model state, exported only where the measured fp16-state verdict
-  (edgelin/precision/state_precision.toml) allows it; elsewhere the cell is the export's one-line refusal.
+three columns:
+- float32: fp32 compute, float32 model state;
+- float16: fp32 compute, float16 model state, exported only where the measured fp16-state verdict
+  (edgelin/precision/state_precision.toml) allows it; elsewhere the cell is the export's one-line refusal;
+- bf16: bf16 weights and matmuls (--precision bf16; the recurrence float32), float32 model state.
 qwen3_5 is a transformers Qwen3.5 checkpoint (tests/upstream_hf.py: linear, full attention, linear) whose
 full-attention layer holds a 600-token KV cache as model state (--context 600).
 The figure is the worst max-relative error over every replay check (logits and states). On Linux the runtime is
@@ -61,8 +62,9 @@ def run_one(root: Path, family: str, state: str) -> dict:
     options = CoreaiOptions((PREFILL,), context=QWEN_CONTEXT if family == QWEN else None)
     start = time.process_time()
     try:
-        folder = export_checkpoint(ckpt, root / f"{family}-{state}", "coreai", options=options,
-                                   settings=ExportSettings(precision="fp32", state_dtype=state),
+        settings = (ExportSettings(precision="bf16") if state == "bf16" else
+                    ExportSettings(precision="fp32", state_dtype=state))
+        folder = export_checkpoint(ckpt, root / f"{family}-{state}", "coreai", options=options, settings=settings,
                                    include_tokenizer=False).folder
     except EdgelinError as err:
         return {"family": family, "state": state, "refused": f"{err.what}: {err.why}"}
@@ -99,7 +101,7 @@ def result(rows: list[dict]) -> dict:
         "command": "python bench/coreai_families.py --json", "commit": commit, "date": date.today().isoformat(),
         "machine": MACHINE, "source": "this run (issue 45)",
         "method": f"tiny random models (chunk size {CHUNK}) and a tiny transformers Qwen3.5 checkpoint, exported by "
-                  f"coreai-torch {version('coreai-torch')} at fp32 compute with one prefill_{PREFILL} entry point "
+                  f"coreai-torch {version('coreai-torch')} with one prefill_{PREFILL} entry point "
                   "and batch 1; the recorded reference (prefill_12 + 3 steps and a 24-step rollout at batch 1 and 3, "
                   "rows run one by one) replayed through the compiled model.aimodelx on Apple's runtime, logits and "
                   "states; float16 state exported only where the fp16-state verdict allows; a failed check would "
@@ -107,11 +109,11 @@ def result(rows: list[dict]) -> dict:
         "notes": ("Every exported model passed its replay. " if all(r.get("passed", True) for r in rows) else
                   "Some replays FAILED (see the rows). ")
                  + "Thresholds: 1e-4 with a float32 state, fp16's 2e-2 with a float16 one (it rounds what the "
-                 "float32 reference keeps). The Linux runtime is a CPU runtime (compute units cannot be chosen on "
+                 "float32 reference keeps), bf16's 5e-2 for bf16 compute (against the float32 reference). The Linux runtime is a CPU runtime (compute units cannot be chosen on "
                  "Linux) and its speed is no device figure: no Mac or iPhone latency has been measured. Export took "
                  f"{min(seconds, default=0):g}-{max(seconds, default=0):g} CPU s per model on this machine.",
-        "columns": ["family", "float32 state", "float16 state"],
-        "rows": [[LABELS.get(f, f), cell(by_cell.get((f, "float32"))), cell(by_cell.get((f, "float16")))]
+        "columns": ["family", "fp32, float32 state", "fp32, float16 state", "bf16, float32 state"],
+        "rows": [[LABELS.get(f, f), *(cell(by_cell.get((f, v))) for v in ("float32", "float16", "bf16"))]
                  for f in families],
     }
 
@@ -121,7 +123,8 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default=",".join([*FAMILIES, "hybrid", QWEN]))
-    parser.add_argument("--states", default="float32,float16")
+    parser.add_argument("--states", default="float32,float16,bf16", help="float32, float16 (state dtypes at fp32 "
+                        "compute) and bf16 (bf16 compute, float32 state)")
     parser.add_argument("--json", action="store_true", help=f"write {RESULT.relative_to(ROOT)}")
     args = parser.parse_args()
     import torch

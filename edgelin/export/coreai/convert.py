@@ -79,7 +79,8 @@ def decompositions() -> dict:
     """coreai-torch's decomposition table, plus what its converter lacks for edgelin's graphs:
     aten.remainder.Scalar (the sliding-window ring's slot index) as remainder.Tensor, which it lowers; and a
     bfloat16 aten.full (new_zeros, masks in a bf16 graph), which coreai-torch 0.4.3 emits as float32 and then
-    refuses ("dtype f32 vs bf16"), as a float32 full cast to bfloat16."""
+    refuses ("dtype f32 vs bf16"), as a float32 full cast to bfloat16; aten.elu (linear attention's elu + 1
+    feature map), which it has no lowering for, as where(x > 0, x, alpha (e^x - 1))."""
     import coreai_torch
     import torch
 
@@ -94,6 +95,8 @@ def decompositions() -> dict:
                                            pin_memory=pin_memory).to(torch.bfloat16)
 
     table[torch.ops.aten.full.default] = full
+    table[torch.ops.aten.elu.default] = lambda x, alpha=1.0, scale=1.0, input_scale=1.0: scale * torch.where(
+        x > 0, x, alpha * torch.expm1(x * input_scale))
     return table
 
 
