@@ -109,7 +109,7 @@ def result(rows: list[dict]) -> dict:
         "notes": ("Every exported model passed its replay. " if all(r.get("passed", True) for r in rows) else
                   "Some replays FAILED (see the rows). ")
                  + "Thresholds: 1e-4 with a float32 state, fp16's 2e-2 with a float16 one (it rounds what the "
-                 "float32 reference keeps), bf16's 5e-2 for bf16 compute (against the float32 reference). The Linux runtime is a CPU runtime (compute units cannot be chosen on "
+                 "float32 reference keeps), bf16's 0.1 for bf16 compute (against the float32 reference). The Linux runtime is a CPU runtime (compute units cannot be chosen on "
                  "Linux) and its speed is no device figure: no Mac or iPhone latency has been measured. Export took "
                  f"{min(seconds, default=0):g}-{max(seconds, default=0):g} CPU s per model on this machine.",
         "columns": ["family", "fp32, float32 state", "fp32, float16 state", "bf16, float32 state"],

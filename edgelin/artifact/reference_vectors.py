@@ -60,7 +60,9 @@ QUALITY = "quality/"  # key prefix of the quality figures' reference
 # max |exported - reference| / max |reference|, per output, by the graphs' precision (fp32, fp16) or
 # weight quantisation (int8, int4; edgelin.artifact.quality.precision_key). README ("validate: quality figures")
 # has the measured errors behind them.
-THRESHOLDS = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2, "int8": 5e-2, "int4": 0.25}  # bf16: 8 mantissa bits to fp16's 11
+# bf16 (the coreai target's --precision bf16): 8 significant bits to fp16's 11; measured on the shipped model on Apple's
+# runtime: logits 3.0e-2, the softmax layer's bf16 KV cache 5.3e-2 of their scale (docs/targets/coreai.md#precision).
+THRESHOLDS = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 0.1, "int8": 5e-2, "int4": 0.25}
 
 
 def positions_needed(text_tokens: int = TEXT_TOKENS, prompt_len: int = PROMPT_LEN, steps: int = STEPS,
