@@ -170,7 +170,7 @@ def convert_program(model: "CausalLM", request: ConvertRequest) -> Any:
                 module = _entry_module(model, entry.kind, states, request.precision)
                 examples = _examples(model, entry, states, request)
                 dynamic = tuple({0: batch} for _ in examples) if request.dynamic_batch else None
-                with torch.no_grad(), lowering("coreai"), fixed_capacity(model, request.capacity or 1):
+                with torch.no_grad(), lowering("coreai"), fixed_capacity(module, request.capacity or 1):
                     program = torch.export.export(module, examples, dynamic_shapes=dynamic and (dynamic[0], dynamic[1:]))
                     program = program.run_decompositions(table)
                 try:
