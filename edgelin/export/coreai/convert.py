@@ -62,6 +62,7 @@ class ConvertRequest:
     state_dtype: str  # float32 | float16
     capacity: int | None  # the full-attention KV cache's rows (None: no such layer)
     dynamic_batch: bool = False  # batch symbolic (1..MAX_BATCH) instead of 1: a conversion ~4x slower
+    composite_ops: bool = True  # matching delta-rule layers as Apple's composite (edgelin.export.coreai.lowering)
 
 
 @contextlib.contextmanager
@@ -87,9 +88,12 @@ def decompositions() -> dict:
 
 
 def _entry_module(model: "CausalLM", kind: str, states: list["TensorIO"]) -> "torch.nn.Module":
-    """The graph with its state as inputs it updates in place (coreai-torch's model state)."""
+    """The graph with its state as inputs it updates in place (coreai-torch's model state), holding the one
+    GatedDeltaUpdate every matching layer calls while it is traced (`gated_delta_update`: each call site becomes
+    its own composite graph; unused where no layer matches)."""
     from torch import nn
 
+    from edgelin.export.coreai.lowering import composite_module
     from edgelin.export.graphs import GRAPHS
 
     graph = GRAPHS[kind](model).eval()
@@ -99,6 +103,7 @@ def _entry_module(model: "CausalLM", kind: str, states: list["TensorIO"]) -> "to
         def __init__(self):
             super().__init__()
             self.inner = graph
+            self.gated_delta_update = composite_module()
 
         def forward(self, input_ids, *args):
             lead, held = (args[:1], args[1:]) if needs_position else ((), args)
@@ -148,18 +153,34 @@ def convert_program(model: "CausalLM", request: ConvertRequest) -> Any:
                 module = _entry_module(model, entry.kind, states)
                 examples = _examples(model, entry, states, request)
                 dynamic = tuple({0: batch} for _ in examples) if request.dynamic_batch else None
-                with torch.no_grad(), lowering("coreai"), fixed_capacity(model, request.capacity or 1):
+                composites = _mark_composites(module) if request.composite_ops else None
+                with torch.no_grad(), fixed_capacity(model, request.capacity or 1), lowering(
+                        "coreai", composite=module.gated_delta_update, composite_ops=request.composite_ops):
                     program = torch.export.export(module, examples, dynamic_shapes=dynamic and (dynamic[0], dynamic[1:]))
                     program = program.run_decompositions(table)
+                if composites is not None:  # one composite graph per call site; the module's forward restored
+                    composites = coreai_torch._subexport_and_restore(module, program) or None
                 converter.add_exported_program(program, input_names=lead, output_names=["logits"],
                                                state_names=[feature_name(t.name) for t in states],
-                                               entrypoint_name=entry.name)
+                                               entrypoint_name=entry.name, _externalized_exported_programs=composites)
             return converter.to_coreai()
     except EdgelinError:
         raise
     except Exception as exc:
         raise EdgelinError("Core AI conversion failed" + _where(exc), f"{type(exc).__name__}: {str(exc)[:300]}",
                            BUG) from exc
+
+
+def _mark_composites(module: "torch.nn.Module") -> list:
+    """Mark the module's GatedDeltaUpdate for externalization before it is exported (its forward becomes a custom
+    op the exported program keeps opaque): coreai-torch's pre-marked-program path, the one Apple's coreai-models
+    takes. add_pytorch_module(externalize_modules=...) does the same but exports every entry point twice."""
+    import coreai_torch
+
+    from edgelin.export.coreai.lowering import externalize_specs
+
+    coreai_torch._patch_model_for_externalization(module, externalize_specs())
+    return []
 
 
 def _where(exc: Exception) -> str:

@@ -106,11 +106,12 @@ class CoreaiTarget(Target):
         return CoreaiOptions(lengths, given.get("context"), bool(given.get("dynamic_batch"))), settings
 
     def lowering(self) -> "Lowering":
+        from edgelin.export.coreai.lowering import CoreaiEngine
         from edgelin.export.lowering import Lowering
-        from edgelin.export.static_chunks import StaticChunkEngine
 
-        return Lowering("coreai", StaticChunkEngine("coreai-static-chunks"), "static chunk loop per enumerated "
-                        "prompt length (coreai-torch cannot convert torch's scan)")
+        return Lowering("coreai", CoreaiEngine(), "delta-rule layers with a scalar or no decay through Apple's "
+                        "GatedDeltaUpdate composite; the others a static chunk loop per enumerated prompt length "
+                        "(coreai-torch cannot convert torch's scan)")
 
     def can_export(self) -> Phase:
         missing = missing_module(("torch",))
