@@ -84,7 +84,10 @@ class CoreaiEngine(StaticChunkEngine):
         q = q * k.shape[-1] ** 0.5  # cancels the composite's own d_k^-0.5
         log_decay = torch.zeros_like(beta) if g is None else g.squeeze(-1)
         heads_first = (t.transpose(1, 2) for t in (q, k, v, log_decay, beta))
-        return module(*heads_first, state)
+        # `state + 0`: with a model-state input fed straight into the composite, coreai-core 1.0.0b3's rewrite
+        # fails on a model with 3+ such layers ("input types did not match callee signature"); an add between
+        # them avoids it (tests/export/coreai/test_coreai_composite.py converts three such layers)
+        return module(*heads_first, state + 0)
 
     def step(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
              beta: Tensor | None = None, erase: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -59,6 +59,7 @@ class CoreaiOptions:
     prefill_lengths: tuple[int, ...] = DEFAULT_LENGTHS  # one prefill entry point per prompt length
     context: int | None = None  # the full-attention KV cache's capacity (None: 4096 where there is such a layer)
     dynamic_batch: bool = False  # entry points of any batch (one call per batch) instead of batch 1 (row by row)
+    composite_ops: bool = True  # matching delta-rule layers as Apple's GatedDeltaUpdate (False: edgelin's forms)
 
     def checked(self) -> "CoreaiOptions":
         return dataclasses.replace(self, prefill_lengths=checked_lengths(self.prefill_lengths))
@@ -153,7 +154,8 @@ class CoreaiTarget(Target):
         capacity = resolve_context(model, options.context, self.name)
         entries = (EntryPoint("step", "step", 1),) + tuple(EntryPoint(f"prefill_{n}", "prefill", n)
                                                            for n in options.prefill_lengths)
-        program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity, options.dynamic_batch))
+        program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity, options.dynamic_batch,
+                                                        options.composite_ops))
         save_asset(program, folder, ASSET, {"edgelin_version": __version__, "edgelin_state_dtype": settings.state_dtype})
         compiled = None
         if sys.platform.startswith("linux"):  # macOS' runtime specialises the asset itself when it loads it
