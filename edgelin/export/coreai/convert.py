@@ -13,8 +13,14 @@ handle is its arrays. The recurrent state is float32 by default (Core AI takes f
 MLState) or float16. A full-attention KV cache is state at the export's capacity (edgelin.model.attention's
 fixed_capacity).
 
-Prefill: coreai-torch crashes on torch's scan, so each prompt length is its own entry point traced with the
-static chunk loop (edgelin.export.static_chunks); a prompt is fed in pieces of those lengths, its tail by step.
+Prefill: coreai-torch crashes on torch's scan, so each prompt length is its own entry point; a prompt is fed in
+pieces of those lengths, its tail by step.
+
+Layers: under lowering("coreai") (edgelin.export.coreai.lowering) the delta-rule layers with a scalar or no decay
+call Apple's GatedDeltaUpdate module, which each entry point's module holds and which is marked for
+externalization before torch.export, so coreai-torch emits each call as the composite op "gated_delta_update"
+(Apple's runtime may put its fused kernel there); the other layers trace the static chunk loop
+(edgelin.export.static_chunks). ConvertRequest.composite_ops=False traces every layer the static way.
 
 coreai and torch are imported inside the functions (the registry imports the target on a runtime-only install).
 """

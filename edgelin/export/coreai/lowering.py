@@ -46,6 +46,12 @@ def composite_module() -> torch.nn.Module:
     return GatedDeltaUpdate(use_qk_l2_norm=False)
 
 
+def _available() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("coreai_torch") is not None
+
+
 def externalize_specs() -> list:
     """What convert marks: every GatedDeltaUpdate in the module tree, as the named composite."""
     with warnings.catch_warnings():
@@ -69,13 +75,18 @@ class CoreaiEngine(StaticChunkEngine):
 
     `composite`: the GatedDeltaUpdate instance the traced module holds (convert puts one into each entry point's
     module and passes it here, so every call site is that instance's, which coreai-torch externalizes one graph
-    per call site); None: a fresh one per call (same math, nothing to externalize: tests of the engine alone).
+    per call site); None: a fresh one per call (same math, nothing to externalize: tests of the engine alone), or
+    edgelin's forms where coreai-torch is not installed (the lowering traced without converting).
     `composite_ops` False: edgelin's forms for every layer (the static chunk loop: the path before the composite).
     """
 
     name: str = "coreai-gated-delta-update"
     composite_ops: bool = True
     composite: Any = field(default=None, compare=False, repr=False)
+
+    def _takes(self, state: Tensor, k: Tensor, g: Tensor | None, beta: Tensor | None, erase: Tensor | None) -> bool:
+        return (self.composite_ops and takes_composite(state, k, g, beta, erase)
+                and (self.composite is not None or _available()))
 
     def _run(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None,
              beta: Tensor) -> tuple[Tensor, Tensor]:
@@ -91,7 +102,7 @@ class CoreaiEngine(StaticChunkEngine):
 
     def step(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
              beta: Tensor | None = None, erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        if not (self.composite_ops and takes_composite(state, k, g, beta, erase)):
+        if not self._takes(state, k, g, beta, erase):
             return super().step(state, q, k, v, g, beta, erase)
         o, state = self._run(state, *(t.unsqueeze(1) for t in (q, k, v)), None if g is None else g.unsqueeze(1),
                              beta.unsqueeze(1))
@@ -99,13 +110,13 @@ class CoreaiEngine(StaticChunkEngine):
 
     def recurrent(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
                   beta: Tensor | None = None, erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        if not (self.composite_ops and takes_composite(state, k, g, beta, erase)):
+        if not self._takes(state, k, g, beta, erase):
             return super().recurrent(state, q, k, v, g, beta, erase)
         return self._run(state, q, k, v, g, beta)
 
     def chunked(self, state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor | None = None,
                 beta: Tensor | None = None, chunk_size: int = 64,
                 erase: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        if not (self.composite_ops and takes_composite(state, k, g, beta, erase)):
+        if not self._takes(state, k, g, beta, erase):
             return super().chunked(state, q, k, v, g, beta, chunk_size, erase)
         return self._run(state, q, k, v, g, beta)
