@@ -159,13 +159,15 @@ def convert_program(model: "CausalLM", request: ConvertRequest) -> Any:
                 module = _entry_module(model, entry.kind, states)
                 examples = _examples(model, entry, states, request)
                 dynamic = tuple({0: batch} for _ in examples) if request.dynamic_batch else None
-                composites = _mark_composites(module) if request.composite_ops else None
+                if request.composite_ops:
+                    _mark_composites(module)
                 with torch.no_grad(), fixed_capacity(model, request.capacity or 1), lowering(
                         "coreai", composite=module.gated_delta_update, composite_ops=request.composite_ops):
                     program = torch.export.export(module, examples, dynamic_shapes=dynamic and (dynamic[0], dynamic[1:]))
                     program = program.run_decompositions(table)
-                if composites is not None:  # one composite graph per call site; the module's forward restored
-                    composites = coreai_torch._subexport_and_restore(module, program) or None
+                # one composite graph per call site (None: no layer took it); the module's forward restored
+                composites = (coreai_torch._subexport_and_restore(module, program) or None) if request.composite_ops \
+                    else None
                 converter.add_exported_program(program, input_names=lead, output_names=["logits"],
                                                state_names=[feature_name(t.name) for t in states],
                                                entrypoint_name=entry.name, _externalized_exported_programs=composites)
@@ -177,7 +179,7 @@ def convert_program(model: "CausalLM", request: ConvertRequest) -> Any:
                            BUG) from exc
 
 
-def _mark_composites(module: "torch.nn.Module") -> list:
+def _mark_composites(module: "torch.nn.Module") -> None:
     """Mark the module's GatedDeltaUpdate for externalization before it is exported (its forward becomes a custom
     op the exported program keeps opaque): coreai-torch's pre-marked-program path, the one Apple's coreai-models
     takes. add_pytorch_module(externalize_modules=...) does the same but exports every entry point twice."""
@@ -186,7 +188,6 @@ def _mark_composites(module: "torch.nn.Module") -> list:
     from edgelin.export.coreai.lowering import externalize_specs
 
     coreai_torch._patch_model_for_externalization(module, externalize_specs())
-    return []
 
 
 def _where(exc: Exception) -> str:
