@@ -11,7 +11,9 @@ linear mixer (`edgelin.model.mixer.use_engine`), in the spirit of optimum's mode
   plugin implements (S's update and readout; the normaliser stays in standard ops), prefill as for ONNX.
 - "coreml": coremltools cannot convert torch's scan and Core ML takes tensors of rank <= 5, so
   its prefill functions are traced per enumerated prompt length with a static chunk loop (unrolled
-  in Python) of rank <= 5 tensors per chunk (edgelin.export.static_chunks); step as for ONNX. Core AI traces the same loop.
+  in Python) of rank <= 5 tensors per chunk (edgelin.export.static_chunks); step as for ONNX.
+- "coreai": delta-rule layers with a scalar or no decay through Apple's GatedDeltaUpdate composite (step and
+  prefill), the other layers Core ML's static chunk loop (edgelin.export.coreai.lowering).
 
 Register those with `register_lowering(Lowering(...))`; asking for a target with no lowering is an
 error, never a silent fall back to some other form.

@@ -13,8 +13,14 @@ handle is its arrays. The recurrent state is float32 by default (Core AI takes f
 MLState) or float16. A full-attention KV cache is state at the export's capacity (edgelin.model.attention's
 fixed_capacity).
 
-Prefill: coreai-torch crashes on torch's scan, so each prompt length is its own entry point traced with the
-static chunk loop (edgelin.export.static_chunks); a prompt is fed in pieces of those lengths, its tail by step.
+Prefill: coreai-torch crashes on torch's scan, so each prompt length is its own entry point; a prompt is fed in
+pieces of those lengths, its tail by step.
+
+Layers: under lowering("coreai") (edgelin.export.coreai.lowering) the delta-rule layers with a scalar or no decay
+call Apple's GatedDeltaUpdate module, which each entry point's module holds and which is marked for
+externalization before torch.export, so coreai-torch emits each call as the composite op "gated_delta_update"
+(Apple's runtime may put its fused kernel there); the other layers trace the static chunk loop
+(edgelin.export.static_chunks). ConvertRequest.composite_ops=False traces every layer the static way.
 
 coreai and torch are imported inside the functions (the registry imports the target on a runtime-only install).
 """
@@ -63,6 +69,7 @@ class ConvertRequest:
     capacity: int | None  # the full-attention KV cache's rows (None: no such layer)
     dynamic_batch: bool = False  # batch symbolic (1..MAX_BATCH) instead of 1: a conversion ~4x slower
     precision: str = "fp32"  # fp32 | bf16: the weights and matmuls (the recurrence stays float32)
+    composite_ops: bool = True  # matching delta-rule layers as Apple's composite (edgelin.export.coreai.lowering)
 
 
 @contextlib.contextmanager
@@ -101,13 +108,16 @@ def decompositions() -> dict:
 
 
 def _entry_module(model: "CausalLM", kind: str, states: list["TensorIO"], precision: str) -> "torch.nn.Module":
-    """The graph with its state as inputs it updates in place (coreai-torch's model state). bf16: the graph of a
-    bfloat16 copy of the model (edgelin.model.lm.with_compute_dtype: weights and matmuls bf16; the recurrence, its
-    state, decay and gates float32, cast inside LinearMixer), each state fed in the dtype the model keeps it in
-    (accumulators float32, conv and KV caches bf16) and written back in the state's dtype; logits float32."""
+    """The graph with its state as inputs it updates in place (coreai-torch's model state), holding the one
+    GatedDeltaUpdate every matching layer calls while it is traced (`gated_delta_update`: each call site becomes
+    its own composite graph; unused where no layer matches). bf16: the graph of a bfloat16 copy of the model
+    (edgelin.model.lm.with_compute_dtype: weights and matmuls bf16; the recurrence, its state, decay and gates
+    float32, cast inside LinearMixer), each state fed in the dtype the model keeps it in (accumulators float32, conv
+    and KV caches bf16) and written back in the state's dtype; logits float32."""
     import torch
     from torch import nn
 
+    from edgelin.export.coreai.lowering import composite_module
     from edgelin.export.graphs import GRAPHS
     from edgelin.model.lm import with_compute_dtype
 
@@ -121,6 +131,7 @@ def _entry_module(model: "CausalLM", kind: str, states: list["TensorIO"], precis
         def __init__(self):
             super().__init__()
             self.inner = graph
+            self.gated_delta_update = composite_module()
 
         def forward(self, input_ids, *args):
             lead, held = (args[:1], args[1:]) if needs_position else ((), args)
@@ -170,13 +181,19 @@ def convert_program(model: "CausalLM", request: ConvertRequest) -> Any:
                 module = _entry_module(model, entry.kind, states, request.precision)
                 examples = _examples(model, entry, states, request)
                 dynamic = tuple({0: batch} for _ in examples) if request.dynamic_batch else None
-                with torch.no_grad(), lowering("coreai"), fixed_capacity(module, request.capacity or 1):
+                if request.composite_ops:
+                    _mark_composites(module)
+                with torch.no_grad(), fixed_capacity(module, request.capacity or 1), lowering(
+                        "coreai", composite=module.gated_delta_update, composite_ops=request.composite_ops):
                     program = torch.export.export(module, examples, dynamic_shapes=dynamic and (dynamic[0], dynamic[1:]))
                     program = program.run_decompositions(table)
+                # one composite graph per call site (None: no layer took it); the module's forward restored
+                composites = (coreai_torch._subexport_and_restore(module, program) or None) if request.composite_ops \
+                    else None
                 try:
                     converter.add_exported_program(program, input_names=lead, output_names=["logits"],
                                                    state_names=[feature_name(t.name) for t in states],
-                                                   entrypoint_name=entry.name)
+                                                   entrypoint_name=entry.name, _externalized_exported_programs=composites)
                 except ValueError as exc:
                     raise _unsupported(exc, program, entry, model) from exc
             return converter.to_coreai()
@@ -208,6 +225,17 @@ def _package_version(name: str) -> str:
     from importlib.metadata import version
 
     return version(name)
+
+
+def _mark_composites(module: "torch.nn.Module") -> None:
+    """Mark the module's GatedDeltaUpdate for externalization before it is exported (its forward becomes a custom
+    op the exported program keeps opaque): coreai-torch's pre-marked-program path, the one Apple's coreai-models
+    takes. add_pytorch_module(externalize_modules=...) does the same but exports every entry point twice."""
+    import coreai_torch
+
+    from edgelin.export.coreai.lowering import externalize_specs
+
+    coreai_torch._patch_model_for_externalization(module, externalize_specs())
 
 
 def _where(exc: Exception) -> str:

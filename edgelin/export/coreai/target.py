@@ -61,6 +61,7 @@ class CoreaiOptions:
     context: int | None = None  # the full-attention KV cache's capacity (None: 4096 where there is such a layer)
     dynamic_batch: bool = False  # entry points of any batch (one call per batch) instead of batch 1 (row by row)
     deployment_target: str | None = None  # iOS27 | macOS27 (None: both; a saved asset targets OS 27 only)
+    composite_ops: bool = True  # matching delta-rule layers as Apple's GatedDeltaUpdate (False: edgelin's forms)
 
     def checked(self) -> "CoreaiOptions":
         if self.deployment_target is not None and self.deployment_target not in DEPLOYMENT_TARGETS:
@@ -118,11 +119,12 @@ class CoreaiTarget(Target):
         return options.checked(), settings
 
     def lowering(self) -> "Lowering":
+        from edgelin.export.coreai.lowering import CoreaiEngine
         from edgelin.export.lowering import Lowering
-        from edgelin.export.static_chunks import StaticChunkEngine
 
-        return Lowering("coreai", StaticChunkEngine("coreai-static-chunks"), "static chunk loop per enumerated "
-                        "prompt length (coreai-torch cannot convert torch's scan)")
+        return Lowering("coreai", CoreaiEngine(), "delta-rule layers with a scalar or no decay through Apple's "
+                        "GatedDeltaUpdate composite; the others a static chunk loop per enumerated prompt length "
+                        "(coreai-torch cannot convert torch's scan)")
 
     def can_export(self) -> Phase:
         missing = missing_module(("torch",))
@@ -165,7 +167,7 @@ class CoreaiTarget(Target):
         entries = (EntryPoint("step", "step", 1),) + tuple(EntryPoint(f"prefill_{n}", "prefill", n)
                                                            for n in options.prefill_lengths)
         program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity, options.dynamic_batch,
-                                                         settings.precision))
+                                                         settings.precision, options.composite_ops))
         save_asset(program, folder, ASSET, {"edgelin_version": __version__, "edgelin_state_dtype": settings.state_dtype})
         compiled = None
         if sys.platform.startswith("linux"):  # macOS' runtime specialises the asset itself when it loads it
