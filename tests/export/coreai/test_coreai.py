@@ -274,3 +274,14 @@ def test_bf16_export_replays_within_its_bounds(hybrid, tmp_path):
     worst = max(m.max_rel for m in report.metrics if m.check in ("prefill", "rollout"))
     assert 1e-4 < worst < 0.1
     assert manifest.extra["quality"]["passed"]
+
+
+def test_flags_become_options():
+    target = CoreaiTarget()
+    options, _ = target.options_from_flags({}, FP32)
+    assert options == CoreaiOptions((16, 64), None, False, None, True)
+    options, _ = target.options_from_flags({"prefill_lengths": "64,8,8", "context": 700, "dynamic_batch": True,
+                                            "deployment_target": "macOS27", "composite_ops": False}, FP32)
+    assert options == CoreaiOptions((8, 64), 700, True, "macOS27", False)
+    with pytest.raises(EdgelinError, match="target OS 27 only"):
+        target.options_from_flags({"deployment_target": "macOS15"}, FP32)
