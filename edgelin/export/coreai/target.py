@@ -190,8 +190,9 @@ class CoreaiTarget(Target):
         verify(model, folder, manifest, tensors, min(options.prefill_lengths))
 
     def finish_export(self, folder: Path, manifest: "Manifest", options: Any = None) -> "Manifest | None":
-        """A full-attention KV cache's capacity goes into the manifest's state contract (extra["kv_cache"]) before
-        the reference vectors are recorded through the runner that reads it."""
+        """A full-attention KV cache's capacity goes into the manifest's state contract (extra["kv_cache"]), and
+        compressed weights' account (extra["precision"], ["quantization"]: what replay's thresholds, the quality
+        gate and inspect read) into its extra, before the reference vectors are recorded through the runner."""
         contract = json.loads((Path(folder) / CONTRACT).read_text())
         extra = {**manifest.extra, **contract.get("weights", {})}  # compressed weights: precision, quantization
         if contract["kv_capacity"] is not None:
