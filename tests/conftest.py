@@ -76,6 +76,7 @@ FILE_SECONDS = {  # measured in a slow phase of the host (its Mamba2 int4 step 3
     "test_train.py": 15,
     "test_coreml_hybrid.py": 40,  # (2026-12-06: one Core ML export of a Qwen3.5 hybrid and its validate)
     "test_dequantized.py": 45,  # (estimate, 2026-12-06: three int4/int8 exports of a one-layer model, one trace)
+    "test_coreai_quantize.py": 60,  # (estimate, 2026-12-06: one int4 Core AI export of the tiny hybrid, its replay)
     "test_fuse_matmuls.py": 14, "test_runtime_checks.py": 13, "test_trained_upstream.py": 12,
     # the slow tier's heavy files (make test-all)
     "test_kv_static.py": 130, "test_validate_stream.py": 111, "test_hostile.py": 71, "test_tensorrt_build.py": 65,

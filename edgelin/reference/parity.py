@@ -151,9 +151,15 @@ def _untie_products(model: "CausalLM", weight: Any, dequantized: Any) -> list[st
 
 def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str]) -> tuple["CausalLM", Account]:
     """A copy of `model` whose weights are the export's dequantised ones (the model is left as it is)."""
+    return with_dequantized(model, read_quantized(folder, graph_files), float_lookups(folder, graph_files))
+
+
+def with_dequantized(model: "CausalLM", tensors: list[Dequantized],
+                     lookups: list[np.ndarray]) -> tuple["CausalLM", Account]:
+    """A copy of `model` whose weights are `tensors` where they match one (within each element's half step);
+    `lookups`: float tables the artifact looks rows up in while multiplying by their quantised copy."""
     import torch
 
-    tensors, lookups = read_quantized(folder, graph_files), float_lookups(folder, graph_files)
     twin = copy.deepcopy(model)
     covered = [np.zeros(t.rows.shape[0], bool) for t in tensors]
     replaced = []
@@ -186,4 +192,10 @@ def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest") -> t
     model with the export's dequantised weights, else `model` itself (and None)."""
     if quantization_of(manifest.extra) is None:
         return model, None
+    from edgelin.export.targets import get_target
+
+    # A target that keeps its weights its own way reads them back itself (Target.dequantized_weights)
+    read = getattr(get_target(manifest.target), "dequantized_weights", None)
+    if read is not None:
+        return with_dequantized(model, read(folder, manifest), [])
     return with_export_weights(model, folder, [graph.file for graph in manifest.graphs.values()])

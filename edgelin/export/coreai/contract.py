@@ -13,6 +13,8 @@ coreai.json:
   ids_dtype        int32 (the program's token and position inputs)
   position_ids     whether the entry points take position_ids
   kv_capacity      the full-attention KV cache's capacity (--context), or null
+  weights          with --quantize only: {precision, quantization}, the manifest's extra entries of that name
+                   (edgelin.export.coreai.weights: the compressed matrices by parameter name, bits, block size)
 """
 
 from __future__ import annotations

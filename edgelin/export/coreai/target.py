@@ -13,7 +13,9 @@ model.aimodelx (where compiled) and coreai.json (edgelin.export.coreai.contract)
 
 Options (CoreaiOptions): batch 1 (a batch runs row by row) or --dynamic-batch; the enumerated prefill lengths (one entry point each; other lengths are fed in those
 pieces, the tail by step) and, for a model with full-attention layers, the KV cache's capacity (--context N,
-default 4096: edgelin.export.fixed_cache). Precision fp32; the state float32 (default) or float16.
+default 4096: edgelin.export.fixed_cache). Precision fp32; the state float32 (default) or float16. Weights
+float32, or with --quantize int8/int4 (coreai-opt, --block-size) or fp16 stored compressed in the program,
+checked on Apple's runtime before the folder is published (edgelin.export.coreai.weights); compute stays fp32.
 
 No torch or coreai at module level (the registry imports this module on any install).
 """
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Phase, Target, TargetFlag, missing_module
 from edgelin.export.coreai.contract import (ASSET, COMPILED, CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION,
-                                            feature_name, this_platform)
+                                            feature_name, load_contract, this_platform)
 from edgelin.export.fixed_cache import capacity_dims, kv_cache_entry
 from edgelin.export.prefill_lengths import DEFAULT_LENGTHS, checked_lengths, parse_lengths
 
@@ -93,6 +95,7 @@ class CoreaiTarget(Target):
     extra = "coreai"
     options_type = CoreaiOptions
     precisions = ("fp32", "bf16")  # fp16 arithmetic is emulated on Apple's Linux runtime: its parity is not checked
+    quantize_modes = ("fp16", "int8", "int4")  # weights only (edgelin.export.coreai.weights); compute fp32
     state_dtypes = ("float32", "float16")  # Core AI takes fp32 model state (Core ML's MLState: fp16 only)
     erase_gate = True  # the static chunk loop's two-row WY form (edgelin.export.static_chunks)
     runtime = "coreai"
@@ -155,10 +158,13 @@ class CoreaiTarget(Target):
             raise EdgelinError(f"Core AI precision {settings.precision!r}", "this target computes in fp32 or bf16 "
                                "(fp16 arithmetic is emulated on Apple's Linux runtime, so an fp16 export's parity could "
                                "not be checked here)", "pass --precision fp32 or --precision bf16")
-        if settings.quantize is not None:
-            raise EdgelinError(f"--quantize {settings.quantize} for the coreai target",
-                               "this target keeps float32 weights", "drop --quantize")
+        if settings.quantize is not None and settings.precision != "fp32":
+            raise EdgelinError(f"--quantize {settings.quantize} with --precision {settings.precision}",
+                               "the coreai target compresses the weights of a float32 program (compute stays fp32)",
+                               "pass --precision bf16 or --quantize, not both")
         resolve_context(model, options.context, self.name)
+        if settings.quantize in ("int8", "int4"):
+            _check_block_size(model, settings.block_size)
 
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
                options: CoreaiOptions, folder: Path) -> dict[str, str]:
@@ -172,6 +178,12 @@ class CoreaiTarget(Target):
                                                            for n in options.prefill_lengths)
         program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity, options.dynamic_batch,
                                                          settings.precision, options.composite_ops))
+        tensors = []
+        if settings.quantize is not None:
+            from edgelin.export.coreai.weights import compress, read_compressed
+
+            program = compress(program, settings.quantize, settings.block_size)
+            tensors = read_compressed(program)
         save_asset(program, folder, ASSET, {"edgelin_version": __version__, "edgelin_state_dtype": settings.state_dtype})
         compiled = None
         if sys.platform.startswith("linux"):  # macOS' runtime specialises the asset itself when it loads it
@@ -180,23 +192,59 @@ class CoreaiTarget(Target):
         contract = contract_for(model, settings, entries, capacity, compiled)
         contract["batch"] = "dynamic" if options.dynamic_batch else 1
         contract["deployment_target"] = options.deployment_target
+        from edgelin.export.pipeline import precision_entry
+
+        contract["weights"] = {"precision": precision_entry(settings)}  # the weights' account, into the manifest
+        if settings.quantize is not None:  # by finish_export
+            from edgelin.export.coreai.weights import describe
+
+            contract["weights"]["quantization"] = describe(model, tensors, settings.quantize, settings.block_size)
         (Path(folder) / CONTRACT).write_text(json.dumps(contract, indent=2) + "\n")
+        if settings.quantize is not None:  # before the folder is published: the runtime reads what was written
+            self._verify(model, settings, options, folder, tensors)
         return {"step": ASSET, "prefill": ASSET}
 
+    def _verify(self, model: "CausalLM", settings: "ExportSettings", options: CoreaiOptions, folder: Path,
+                tensors: list) -> None:
+        from edgelin.export.coreai.weights import verify
+        from edgelin.export.pipeline import build_manifest
+
+        files = {"step": ASSET, "prefill": ASSET}
+        manifest = build_manifest(model, self.name, settings.precision, files, {}, None, settings.state_dtype)
+        manifest = self.finish_export(folder, manifest, options) or manifest
+        verify(model, folder, manifest, tensors, min(options.prefill_lengths))
+
     def finish_export(self, folder: Path, manifest: "Manifest", options: Any = None) -> "Manifest | None":
-        """A full-attention KV cache's capacity goes into the manifest's state contract (extra["kv_cache"]) before
-        the reference vectors are recorded through the runner that reads it."""
+        """A full-attention KV cache's capacity goes into the manifest's state contract (extra["kv_cache"]), and
+        compressed weights' account (extra["precision"], ["quantization"]: what replay's thresholds, the quality
+        gate and inspect read) into its extra, before the reference vectors are recorded through the runner."""
         contract = json.loads((Path(folder) / CONTRACT).read_text())
-        if contract["kv_capacity"] is None:
-            return None
-        return dataclasses.replace(manifest, extra={**manifest.extra, "kv_cache": kv_cache_entry(
-            contract["kv_capacity"], contract["state_dtype"])})
+        extra = {**manifest.extra, **contract.get("weights", {})}  # compressed weights: precision, quantization
+        if contract["kv_capacity"] is not None:
+            extra["kv_cache"] = kv_cache_entry(contract["kv_capacity"], contract["state_dtype"])
+        return dataclasses.replace(manifest, extra=extra) if extra != manifest.extra else None
+
+    def dequantized_weights(self, folder: Path, manifest: "Manifest") -> list:
+        """The export's compressed weights read back from its asset (edgelin.reference.parity's reference)."""
+        from edgelin.export.coreai.weights import read_asset
+
+        return read_asset(folder, load_contract(folder)["asset"])
 
     def runner(self, artifact: Artifact, device: "DeviceProfile | None" = None,
                threads: int | None = None) -> "Runner":
         from edgelin.export.coreai.runner import CoreaiRunner
 
         return CoreaiRunner(artifact.folder, artifact.manifest)
+
+
+def _check_block_size(model: "CausalLM", block_size: int) -> None:
+    """coreai-opt quantises a weight only where its input dimension is a whole number of blocks (the others stay
+    float32): a block size that fits no weight would quantise nothing."""
+    inputs = {p.shape[1] for p in model.parameters() if p.ndim == 2}
+    if not any(n % block_size == 0 for n in inputs):
+        raise EdgelinError(f"--block-size {block_size} for this model", "coreai-opt quantises a weight only where "
+                           f"its input dimension is a multiple of the block, and none is ({sorted(inputs)})",
+                           "pass a smaller --block-size (e.g. 32)")
 
 
 def _version(name: str) -> str:
