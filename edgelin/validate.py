@@ -43,6 +43,7 @@ from edgelin.errors import EdgelinError
 from edgelin.quality import measure
 from edgelin.reference.parity import flat_state, parity_reference, reference_quality
 from edgelin.replay import Checks, ValidationReport
+from edgelin.export.targets import weights_reader
 from edgelin.runtime import check_room, open_runner, runner_label
 
 if TYPE_CHECKING:
@@ -162,7 +163,7 @@ def validate(
     text_ids, text_source = held_out_text(manifest, Path(folder), text, text_tokens, Path(source))
     check_capacity(manifest, prompt_len, steps, text_ids)  # before the long part, too
     fp32 = load_reference(manifest, against)
-    model, weights = parity_reference(fp32, Path(folder), manifest)
+    model, weights = parity_reference(fp32, Path(folder), manifest, weights_reader(manifest))
     key = precision_key(manifest)
     threshold = rtol if rtol is not None else threshold_for(threshold_key(manifest))
     report = AgainstReport(str(folder), manifest.target, key, source, [batch], prompt_len, steps, threshold,

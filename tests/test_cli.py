@@ -175,7 +175,7 @@ def test_remote_code_is_refused(tmp_path, ckpt):
 
 
 def test_unknown_target(tmp_path, ckpt):
-    export_fails(tmp_path, ckpt, "'--target'", "'onx' is not one of 'coreml', 'onnx'", args=("--target", "onx"))
+    export_fails(tmp_path, ckpt, "'--target'", "'onx' is not one of 'coreai', 'coreml', 'onnx'", args=("--target", "onx"))
 
 
 def test_device_without_the_target(tmp_path, ckpt):

@@ -18,6 +18,7 @@ from edgelin.artifact.reference_vectors import (BATCHES, FORMAT, FORMAT_VERSION,
                                                 STATE_CHECKPOINTS, STEPS, THRESHOLDS, batch_key, state_key,
                                                 threshold_for)
 from edgelin.data import held_out_text
+from edgelin.export.targets import weights_reader
 from edgelin.reference.parity import flat_state, parity_reference, reference_quality
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
     rng = np.random.default_rng(seed)
     arrays: dict[str, np.ndarray] = {}
     quality_model = model  # the quality figures measure against fp32; the parity against the artifact's weights
-    model, weights = parity_reference(model, folder, manifest)
+    model, weights = parity_reference(model, folder, manifest, weights_reader(manifest))
     with torch.no_grad():
         for batch in BATCHES:
             ids = rng.integers(0, vocab, (batch, PROMPT_LEN + STEPS), dtype=np.int64)

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, NamedTuple
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from edgelin.artifact.manifest import Manifest
     from edgelin.export.base import Target
 
 ENTRY_POINT_GROUP = "edgelin.targets"
@@ -134,3 +137,9 @@ def get_target(name: str) -> "Target":
         raise EdgelinError(f"target {name!r} ({known[name]}) is not a Target", "a target's declaration names a "
                            "subclass of edgelin.export.base.Target", "fix the declaration in its package")
     return cls()
+
+
+def weights_reader(manifest: "Manifest") -> "Callable | None":
+    """How the export's target reads its weights back where it keeps them its own way (Target.dequantized_weights,
+    optional: the parity reference of a weight-quantised export carries them); None: read off the ONNX graphs."""
+    return getattr(get_target(manifest.target), "dequantized_weights", None)

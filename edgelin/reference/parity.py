@@ -27,6 +27,8 @@ recorded reference vectors hold.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import copy
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,15 +189,14 @@ def with_dequantized(model: "CausalLM", tensors: list[Dequantized],
     return twin.eval(), Account(tuple(replaced), total - int(sum(c.sum() for c in covered)), total)
 
 
-def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest") -> tuple["CausalLM", Account | None]:
+def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest",
+                     read: "Callable[[Path, Manifest], list[Dequantized]] | None" = None) -> tuple["CausalLM", Account | None]:
     """(what the artifact's parity is checked against, the account): for a weight-quantised export the
-    model with the export's dequantised weights, else `model` itself (and None)."""
+    model with the export's dequantised weights, else `model` itself (and None). `read`: where the export's target
+    keeps its weights its own way, how it reads them back (its Target.dequantized_weights; the caller looks it up,
+    this module imports nothing of the export side); else they are read off the ONNX graphs."""
     if quantization_of(manifest.extra) is None:
         return model, None
-    from edgelin.export.targets import get_target
-
-    # A target that keeps its weights its own way reads them back itself (Target.dequantized_weights)
-    read = getattr(get_target(manifest.target), "dequantized_weights", None)
     if read is not None:
         return with_dequantized(model, read(folder, manifest), [])
     return with_export_weights(model, folder, [graph.file for graph in manifest.graphs.values()])

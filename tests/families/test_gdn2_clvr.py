@@ -203,7 +203,7 @@ def test_families_lists_gdn2_and_clvr_with_states_and_targets():
     rows = {r["family"]: r for r in json.loads(cli.invoke(app, ["families", "--json"]).stdout)}
     gdn2 = rows[GDN2]
     assert gdn2["state"] == ["recurrent_state [batch, H, d_k, d_v]", "conv_state [batch, 2*Hk*d_k + H*d_v, W-1]"]
-    assert gdn2["targets"] == "coreml: yes, onnx: yes, tensorrt: yes, torch: yes"  # the registry lists by name
+    assert gdn2["targets"] == "coreai: yes, coreml: yes, onnx: yes, tensorrt: yes, torch: yes"  # the registry lists by name
     assert "erase" in gdn2["rule"] and gdn2["tensorrt_step"].startswith("kernel (gate=1 delta=1 erase=1)")
     assert "no new state" in rows["+clvr"]["state"][0]
 

@@ -407,7 +407,7 @@ def test_cli_refuses_coreml_options_in_one_line(ckpt, tmp_path):
     assert_clean_failure(run("export", ckpt, "--target", "coreml", "--coreml-style", "mlstate",
                              "--deployment-target", "iOS16", "--out", tmp_path / "a"), "MLState", "iOS16")
     assert_clean_failure(run("export", ckpt, "--target", "onnx", "--prefill-lengths", "4", "--out", tmp_path / "b"),
-                         "--prefill-lengths applies to --target coreml only")
+                         "--prefill-lengths applies to --target coreai or coreml only")
     assert_clean_failure(run("export", ckpt, "--target", "coreml", "--prefill-lengths", "4,x", "--out",
                              tmp_path / "c"), "--prefill-lengths 4,x")
     assert not any(tmp_path.iterdir())
