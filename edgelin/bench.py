@@ -324,8 +324,7 @@ def check_capacity(manifest: Manifest, label: str, positions: list[int], prefill
     if what:
         raise EdgelinError(f"{label}: {' and '.join(what)} on an export whose fixed-capacity KV cache holds "
                            f"{capacity} tokens", f"a step timed at position p needs p + 1 tokens of cache and the "
-                           f"prefill-vs-steps pass --prefill-tokens (exported with --kv-cache static --context "
-                           f"{capacity})", f"{' and '.join(fixes)}, or re-export with a larger --context")
+                           f"prefill-vs-steps pass --prefill-tokens (exported with {manifest.kv_flag(capacity)})", f"{' and '.join(fixes)}, or re-export with a larger --context")
 
 
 def human(nbytes: float) -> str:

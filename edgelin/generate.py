@@ -104,13 +104,13 @@ def check_length(manifest, prompt_tokens: int, max_new_tokens: int) -> None:
         return
     if prompt_tokens < capacity:
         fix = (f"pass -n {capacity - prompt_tokens} or fewer, shorten the prompt, or re-export with "
-               f"--kv-cache static --context {need} or more")
+               f"{manifest.kv_flag(need)} or more")
     elif max_new_tokens < capacity:
-        fix = (f"shorten the prompt to at most {capacity - max_new_tokens} tokens, or re-export with --kv-cache "
-               f"static --context {need} or more")
+        fix = (f"shorten the prompt to at most {capacity - max_new_tokens} tokens, or re-export with "
+               f"{manifest.kv_flag(need)} or more")
     else:
         fix = (f"shorten the prompt and lower -n (prompt tokens + -n at most {capacity}), or re-export with "
-               f"--kv-cache static --context {need} or more")
+               f"{manifest.kv_flag(need)} or more")
     check_room(manifest, need, f"a prompt of {prompt_tokens} tokens with -n {max_new_tokens}", fix)
 
 

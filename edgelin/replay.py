@@ -266,7 +266,7 @@ def check_capacity(manifest: Manifest, vectors: ReferenceVectors, measured: bool
     from edgelin.runtime import check_room
 
     check_room(manifest, need, f"cannot validate: the replay (reference vectors and quality figures) feeds "
-               f"sequences of up to {need} tokens", f"re-export with --kv-cache static --context {need} or more")
+               f"sequences of up to {need} tokens", f"re-export with {manifest.kv_flag(need)} or more")
 
 
 def replay(folder: Path, rtol: float | None = None, threads: int | None = None,

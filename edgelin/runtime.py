@@ -102,7 +102,7 @@ def check_room(manifest: Manifest, tokens: int, what: str, fix: str | None = Non
     `fix`: what the caller can change (default: re-export with a --context that holds it)."""
     capacity = manifest.kv_capacity
     if capacity is not None and tokens > capacity:
-        flag = manifest.extra["kv_cache"].get("flag", f"--kv-cache static --context {capacity}")
+        flag = manifest.kv_flag(capacity)
         raise EdgelinError(what, f"the export's fixed-capacity KV cache holds {capacity} tokens (exported with "
                            f"{flag}) and this needs {tokens}",
                            fix or f"re-export with a larger --context (at least {tokens}), or start a new sequence")

@@ -81,6 +81,14 @@ class Manifest:
         entry = self.extra.get("kv_cache")
         return entry["capacity"] if entry else None
 
+    def kv_flag(self, tokens: int) -> str:
+        """The export flags that give a fixed-capacity KV cache `tokens` rows, as the export that wrote this folder
+        takes them: `--context N` where the cache is held as state (Apple's targets: extra.kv_cache.flag), else ONNX
+        Runtime's `--kv-cache static --context N`."""
+        entry = self.extra.get("kv_cache") or {}
+        return f"--context {tokens}" if str(entry.get("flag", "")).startswith("--context") else \
+            f"--kv-cache static --context {tokens}"
+
     @property
     def kv_dtype(self) -> str | None:
         """A static KV cache's element type ("float32", or "float16" with `--kv-dtype fp16`; entries written

@@ -140,6 +140,10 @@ def test_full_attention_cache_is_fixed_capacity_state(qwen):
     _, folder = qwen
     manifest = Manifest.load(folder)
     assert manifest.kv_capacity == 600 and manifest.extra["kv_cache"]["flag"] == "--context 600"
+    from edgelin.runtime import check_room
+
+    with pytest.raises(EdgelinError, match=r"exported with --context 600\) and this needs 700"):  # not ONNX's flags
+        check_room(manifest, 700, "a prompt of 700 tokens")
     contract = json.loads((folder / "coreai.json").read_text())
     kv = [s for s in contract["states"] if s["input"].endswith((".key", ".value"))]
     assert kv and all(s["dims"][2] == 600 for s in kv)
