@@ -81,7 +81,7 @@ class Manifest:
         entry = self.extra.get("kv_cache")
         return entry["capacity"] if entry else None
 
-    def kv_flag(self, tokens: int) -> str:
+    def kv_flag(self, tokens: int | str) -> str:
         """The export flags that give a fixed-capacity KV cache `tokens` rows, as the export that wrote this folder
         takes them: `--context N` where the cache is held as state (Apple's targets: extra.kv_cache.flag), else ONNX
         Runtime's `--kv-cache static --context N`."""

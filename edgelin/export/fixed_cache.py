@@ -46,7 +46,7 @@ def full_attention_layers(model) -> list[int]:  # noqa: ANN001 (a CausalLM; torc
             if name == SOFTMAX and model.config.attention.window is None]
 
 
-def resolve_context(model, context: int | None, target: str) -> int | None:  # noqa: ANN001
+def resolve_context(model, context: int | None) -> int | None:  # noqa: ANN001
     """The capacity an Apple export gives its full-attention layers: --context, DEFAULT_CONTEXT when none is given,
     None for a model without such layers (a --context there is refused: nothing would hold it). Refuses a capacity
     shorter than the export's own checks feed (validate's reference vectors and quality figures) or larger than
@@ -80,13 +80,14 @@ class FixedCache:
 
     capacity: int
     axes: tuple[int | None, ...]  # per manifest state input: the growing axis, None for a fixed-size tensor
+    flag: str = "--context {}"  # the export flags that set the capacity (Manifest.kv_flag), {} for the tokens
 
     @classmethod
     def of(cls, manifest: "Manifest") -> "FixedCache | None":
         if manifest.kv_capacity is None:
             return None
         return cls(manifest.kv_capacity, tuple(t.dims.index(GROWING) if GROWING in t.dims else None
-                                               for t in manifest.state_inputs))
+                                               for t in manifest.state_inputs), manifest.kv_flag("{}"))
 
     def shapes(self, manifest: "Manifest", batch: int) -> list[tuple[int, ...]]:
         """The runtime's state shapes for `batch` sequences (the growing axis at the capacity)."""
@@ -105,7 +106,8 @@ class FixedCache:
                 continue
             if value.shape[axis] > self.capacity:
                 raise EdgelinError(f"a state of {value.shape[axis]} tokens", f"the export's KV cache holds "
-                                   f"{self.capacity} tokens", f"re-export with --context {value.shape[axis]} or more")
+                                   f"{self.capacity} tokens", f"re-export with {self.flag.format(value.shape[axis])} "
+                                   "or more")
             pad = [(0, 0)] * value.ndim
             pad[axis] = (0, self.capacity - value.shape[axis])
             out.append(np.pad(value, pad))
@@ -116,12 +118,17 @@ class FixedCache:
         return [np.array(v if axis is None else v[(slice(None),) * axis + (slice(0, held),)], copy=True)
                 for v, axis in zip(values, self.axes)]
 
+    def check_room(self, kind: str, held: int, tokens: int) -> None:
+        """Refuse `tokens` more after `held` (0 more: a written state of `held` tokens) past the capacity."""
+        if held + tokens > self.capacity:
+            raise EdgelinError(f"{kind} of {tokens} token(s) after {held}" if tokens else f"{kind} of a {held}-token "
+                               "cache", f"the export's fixed-capacity KV cache holds {self.capacity} tokens (exported "
+                               f"with {self.flag.format(self.capacity)})",
+                               f"re-export with a larger --context (at least {held + tokens}), or start a new sequence")
+
     def check_call(self, kind: str, held: int, tokens: int, position: np.ndarray | None) -> None:
         """Refuse a call that does not continue the cache or does not fit it."""
-        if held + tokens > self.capacity:
-            raise EdgelinError(f"{kind} of {tokens} token(s) after {held}", f"the export's fixed-capacity KV cache "
-                               f"holds {self.capacity} tokens (exported with --context {self.capacity})",
-                               f"re-export with a larger --context (at least {held + tokens}), or start a new sequence")
+        self.check_room(kind, held, tokens)
         if position is None or not (np.asarray(position) == held).all():
             what = "position_ids" if kind == "step" else "start"
             raise EdgelinError(f"{kind} {what} {None if position is None else np.asarray(position).tolist()} on a KV "

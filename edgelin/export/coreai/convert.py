@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgelin.environment import module_version
 from edgelin.errors import EdgelinError
 from edgelin.export.coreai.contract import feature_name
 from edgelin.export.fixed_cache import capacity_dims
@@ -217,14 +218,8 @@ def _unsupported(exc: ValueError, program: Any, entry: EntryPoint, model: "Causa
                      and part.split(".")[1].isdigit()})
     where = ", ".join(f"layer {i} ({model.config.layer_types[i]})" for i in layers) or "outside the layers"
     return EdgelinError(f"Core AI cannot convert {where}: {', '.join(ops)} in the {entry.name} entry point",
-                        f"coreai-torch {_package_version('coreai-torch')} has no lowering for it",
+                        f"coreai-torch {module_version('coreai-torch')} has no lowering for it",
                         "export this model with another target (onnx, coreml), or report it as an edgelin bug")
-
-
-def _package_version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
 
 
 def _mark_composites(module: "torch.nn.Module") -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edgelin.environment import module_version
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
 from edgelin.export.coreai.contract import ASSET, load_contract, native_stderr_quiet, this_platform
@@ -130,7 +131,7 @@ class CoreaiRunner(Runner):
         from coreai.runtime import AIModel
 
         compiled = self.contract.get("compiled")
-        if compiled and compiled.get("platform") == this_platform() and compiled.get("coreai_core") == _core_version():
+        if compiled and compiled.get("platform") == this_platform() and compiled.get("coreai_core") == module_version("coreai-core"):
             return await AIModel.load(self.folder / compiled["file"]), (compiled["file"],)
         asset = AIModelAsset.load(self.folder / self.contract.get("asset", ASSET))
         return await self._exit.enter_async_context(asset.executable()), (self.contract.get("asset", ASSET),)
@@ -195,15 +196,6 @@ class CoreaiRunner(Runner):
             logits = self._loop.run_until_complete(function(inputs=feeds, state=group))["logits"]
             offset += size
         return np.array(logits.numpy(), dtype=np.float32, copy=True).reshape(len(ids), -1)
-
-
-def _core_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("coreai-core")
-    except PackageNotFoundError:
-        return None
 
 
 def _close(loop: _RuntimeLoop, exit_stack: contextlib.AsyncExitStack) -> None:

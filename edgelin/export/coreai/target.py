@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edgelin.environment import module_version
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, Phase, Target, TargetFlag, missing_module
 from edgelin.export.coreai.contract import (ASSET, COMPILED, CONTRACT, CONTRACT_FORMAT, CONTRACT_VERSION,
@@ -76,14 +77,11 @@ class CoreaiOptions:
 
 def package_refusal(needs: tuple[str, ...]) -> str | None:
     """Why the installed beta packages cannot serve (missing, or a version this target is not tested with)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from packaging.specifiers import SpecifierSet
 
     for name in needs:
-        try:
-            found = version(name)
-        except PackageNotFoundError:
+        found = module_version(name)
+        if found is None:
             return f"{name} is not installed ({INSTALL})"
         if found not in SpecifierSet(PACKAGES[name], prereleases=True):
             return f"{name} {found} is installed; this target is tested with {name}{PACKAGES[name]} ({INSTALL})"
@@ -162,7 +160,7 @@ class CoreaiTarget(Target):
             raise EdgelinError(f"--quantize {settings.quantize} with --precision {settings.precision}",
                                "the coreai target compresses the weights of a float32 program (compute stays fp32)",
                                "pass --precision bf16 or --quantize, not both")
-        resolve_context(model, options.context, self.name)
+        resolve_context(model, options.context)
         if settings.quantize in ("int8", "int4"):
             _check_block_size(model, settings.block_size)
 
@@ -173,7 +171,7 @@ class CoreaiTarget(Target):
         from edgelin.export.fixed_cache import resolve_context
 
         options = options.checked()
-        capacity = resolve_context(model, options.context, self.name)
+        capacity = resolve_context(model, options.context)
         entries = (EntryPoint("step", "step", 1),) + tuple(EntryPoint(f"prefill_{n}", "prefill", n)
                                                            for n in options.prefill_lengths)
         program = convert_program(model, ConvertRequest(entries, settings.state_dtype, capacity, options.dynamic_batch,
@@ -188,7 +186,7 @@ class CoreaiTarget(Target):
         compiled = None
         if sys.platform.startswith("linux"):  # macOS' runtime specialises the asset itself when it loads it
             compile_asset(folder, ASSET, COMPILED)
-            compiled = {"file": COMPILED, "platform": this_platform(), "coreai_core": _version("coreai-core")}
+            compiled = {"file": COMPILED, "platform": this_platform(), "coreai_core": module_version("coreai-core")}
         contract = contract_for(model, settings, entries, capacity, compiled)
         contract["batch"] = "dynamic" if options.dynamic_batch else 1
         contract["deployment_target"] = options.deployment_target
@@ -247,12 +245,6 @@ def _check_block_size(model: "CausalLM", block_size: int) -> None:
                            "pass a smaller --block-size (e.g. 32)")
 
 
-def _version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
-
-
 def contract_for(model: "CausalLM", settings: "ExportSettings", entries: tuple, capacity: int | None,
                  compiled: dict | None) -> dict:
     """coreai.json (edgelin.export.coreai.contract's docstring)."""
@@ -267,5 +259,5 @@ def contract_for(model: "CausalLM", settings: "ExportSettings", entries: tuple, 
         "functions": {e.name: {"kind": e.kind, "length": e.length} for e in entries},
         "prefill_lengths": [e.length for e in entries if e.kind == "prefill"], "states": states,
         "ids_dtype": "int32", "position_ids": model.needs_position, "kv_capacity": capacity,
-        "packages": {name: _version(name) for name in EXPORT_NEEDS},
+        "packages": {name: module_version(name) for name in EXPORT_NEEDS},
     }

@@ -181,7 +181,7 @@ class CoremlTarget(Target):
         from edgelin.export.fixed_cache import resolve_context
 
         if isinstance(options, CoremlOptions):
-            resolve_context(model, options.context, self.name)
+            resolve_context(model, options.context)
 
     def export(self, model: "CausalLM", device: "DeviceProfile | None", settings: "ExportSettings",
                options: CoremlOptions, folder: Path) -> dict[str, str]:
@@ -193,7 +193,7 @@ class CoremlTarget(Target):
                                "the coreml target takes CoremlOptions", "pass CoremlOptions(...) or nothing")
         options = options.checked()
         check_settings(model, settings, options)
-        capacity = resolve_context(model, options.context, self.name)  # None: no full-attention layers
+        capacity = resolve_context(model, options.context)  # None: no full-attention layers
         plans = [FunctionPlan("step", "step", 1)] + [FunctionPlan(f"prefill_{n}", "prefill", n)
                                                      for n in options.prefill_lengths]
         models = {p.name: convert_function(model, p, options.style, settings.precision, settings.state_dtype,

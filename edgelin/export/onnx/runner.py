@@ -31,6 +31,7 @@ import numpy as np
 
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, State, StateHandle
+from edgelin.export.fixed_cache import FixedCache
 from edgelin.artifact.manifest import NUMPY_DTYPES, GraphEntry, Manifest
 from edgelin.artifact.state import outputs_by_input
 
@@ -247,6 +248,7 @@ class OnnxRunner(Runner):
         feeds = outputs_by_input(manifest.graphs["step"].outputs)  # the manifest checked prefill's agree
         self.present_names = [feeds[name] for name in self.state_names]
         self.capacity = manifest.kv_capacity  # a static KV cache: its buffers' length (None: none)
+        self._cache = FixedCache.of(manifest)  # its checks (edgelin.export.fixed_cache)
         if manifest.constant_memory:
             self.prefill_piece = CONSTANT_MEMORY_PREFILL_PIECE
         if self.capacity is not None:
@@ -304,7 +306,7 @@ class OnnxRunner(Runner):
         if self.capacity is not None:  # check_state made the growing tensors' lengths agree
             lengths = {values[n].shape[axis] for n, axis in zip(self.state_names, self._kv_axis) if axis is not None}
             length = lengths.pop()
-            self._check_room("write_state", length, 0)
+            self._cache.check_room("write_state", length, 0)
             for name, array, axis in zip(self.state_names, buffers.arrays[0], self._kv_axis):
                 self._valid(array, axis, length)[...] = values[name]
             buffers.length = length
@@ -369,13 +371,7 @@ class OnnxRunner(Runner):
     def _static_run(self, kind: str, buffers: _Buffers, ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         """A call on a static cache: the new tokens go to rows length .. length + n - 1 of each KV buffer."""
         n = 1 if kind == "step" else ids.shape[1]
-        self._check_room(kind, buffers.length, n)
-        if position is None or not (position == buffers.length).all():
-            what = "position_ids" if kind == "step" else "start"
-            raise EdgelinError(f"{kind} {what} {position.tolist() if position is not None else None} on a KV cache "
-                               f"holding {buffers.length} tokens", "a fixed-capacity cache writes each token at its "
-                               "position, so the positions must continue the cache",
-                               f"pass {what} = {buffers.length} (the tokens fed so far) for every sequence")
+        self._cache.check_call(kind, buffers.length, n, position)
         if kind == "step":
             logits = self._fixed_step(buffers, ids, position)
         elif len(ids) > 1 and buffers.length > 0:  # GroupQueryAttention takes a prompt after a past at batch 1 only
@@ -384,13 +380,6 @@ class OnnxRunner(Runner):
             logits = self._bound_run(kind, buffers, ids, position)
         buffers.length += n
         return logits
-
-    def _check_room(self, kind: str, length: int, n: int) -> None:
-        if length + n > self.capacity:
-            raise EdgelinError(f"{kind} of {n} token(s) after {length}" if n else f"{kind} of a {length}-token cache",
-                               f"the export's fixed-capacity KV cache holds {self.capacity} tokens (exported with "
-                               f"--kv-cache static --context {self.capacity})",
-                               f"re-export with a larger --context (at least {length + n}), or start a new sequence")
 
     def _prefill_rows(self, buffers: _Buffers, ids: np.ndarray, position: np.ndarray) -> np.ndarray:
         """One prefill call per sequence, each on its rows of the buffers (views: still in place)."""
