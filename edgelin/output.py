@@ -97,7 +97,9 @@ class Output:
         self.as_json = as_json
         # emoji=False: a path containing `:smile:` must not become a glyph; markup is off per call.
         self.console = Console(highlight=False, emoji=False)
-        self.err = Console(stderr=True, highlight=False, emoji=False)
+        # Bound to the stream of now: a library that redirects sys.stderr for a while (the ONNX exporter's chatter)
+        # must not swallow the progress heartbeat.
+        self.err = Console(file=sys.stderr, highlight=False, emoji=False)
 
     # ---- people --------------------------------------------------------------------------------
     def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:

@@ -368,6 +368,16 @@ class Target(ABC):
     pads_state_dims: bool = False  # pads the state up to a profile's state_dim_multiple instead of refusing
     saturates_float16: bool = False  # stores float16 weights beyond its range saturated (with --force)
 
+    def export_memory_factor(self, settings: "ExportSettings") -> float:
+        """Peak memory of an export, in multiples of the model's float32 bytes, beyond the process's own
+        (edgelin.export.resources refuses an export the machine cannot hold). The default is a cautious guess
+        for a target not measured at real sizes; measured ones say where their figure comes from."""
+        return 4.0
+
+    def export_disk_factor(self, settings: "ExportSettings") -> float:
+        """Peak disk an export writes (its temp files included), in multiples of the model's float32 bytes."""
+        return 3.0
+
     @abstractmethod
     def can_export(self) -> Phase:
         """Can this machine write this target's files?"""

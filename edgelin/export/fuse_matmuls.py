@@ -138,8 +138,10 @@ def fuse_matmuls(path: Path) -> int:
     """Rewrite the ONNX graph at `path` in place with its sibling MatMuls fused; returns how many merged away."""
     import onnx_ir as ir
 
-    model = ir.load(str(path))
+    from edgelin.export.weights import save_ir_graph
+
+    model = ir.load(str(path))  # external tensors stay on disk until the fused ones are written
     merged = fuse_graph(model.graph)
     if merged:
-        ir.save(model, str(path))
+        save_ir_graph(model, path)
     return merged

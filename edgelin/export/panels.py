@@ -81,10 +81,12 @@ def pack_float_products(path: Any) -> int:
     float export's), saved only when something changed; returns how many nodes."""
     import onnx
 
+    from edgelin.export.weights import save_graph
+
     proto = onnx.load(str(path))
     count = pack_products(proto)
     if count:
-        onnx.save(proto, str(path))
+        save_graph(proto, path)
     return count
 
 

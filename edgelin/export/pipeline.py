@@ -18,7 +18,7 @@ from edgelin.errors import EdgelinError
 from edgelin.export.base import Artifact, phase_refusal
 from edgelin.export.graphs import GRAPHS, graph_io
 from edgelin.artifact.manifest import MANIFEST, GraphEntry, Manifest
-from edgelin.export.phases import export_phases
+from edgelin.export.phases import export_phases, reporting
 from edgelin.export.targets import get_target
 from edgelin.integrity import digest_folder
 from edgelin.model.lm import CausalLM, beyond_range
@@ -141,12 +141,18 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     phases = export_phases(baselines, serve)
     done = iter(range(len(phases)))
     saturated = float16_saturation(model, target, settings, options)
+    current = [0, ""]  # the phase being reported: its index and name (a step's line names both)
 
     def phase(what: str) -> None:
+        current[:] = [next(done), what]
         if on_progress is not None:
-            on_progress(next(done), len(phases), what)
+            on_progress(current[0], len(phases), what)
 
-    with claim_output(out, force, EXPORT, protected) as tmp:
+    def step(what: str) -> None:
+        if on_progress is not None:
+            on_progress(current[0], len(phases), f"{current[1]}: {what}")
+
+    with claim_output(out, force, EXPORT, protected) as tmp, reporting(step):
         phase("tracing the graphs")
         files = target.export(model, device, settings, options, tmp)
         if tokenizer is not None:
@@ -241,6 +247,8 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, fo
         from edgelin.data import read_text
 
         read_text(text)  # the file's own faults, before the checkpoint loads (its tokens are counted at record)
+    if on_progress is not None:  # minutes at real sizes
+        on_progress(0, len(export_phases(baselines, serve)), "loading the checkpoint")
     model, info = load_model(checkpoint)
     warnings: list[str] = []
     tokenizer = info.tokenizer if include_tokenizer else None

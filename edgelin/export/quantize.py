@@ -1,5 +1,7 @@
-"""Weight-only quantisation of exported ONNX graphs (--quantize int8|int4|fp16, --block-size N), through
-ONNX Runtime's own tool: `onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`.
+"""Weight-only quantisation of exported ONNX graphs (--quantize int8|int4|fp16, --block-size N): int8/int4 in the
+layout of ONNX Runtime's own tool (`onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer`), through
+its kernels, one weight at a time (edgelin.export.nbits: the tool holds the whole graph, which a 2 B-parameter model
+does not leave room for).
 
 --quantize fp16 (weight-only float16 storage, float32 arithmetic: what llama.cpp's f16 files hold) is edgelin's
 own pass: every constant-weight MatMul becomes `ai.edgelin::MatMulF16` on a float16 copy of its weight packed in
@@ -12,15 +14,12 @@ Every MatMul whose second input is a constant 2-D weight becomes a `com.microsof
 the weight stored block-wise (`block_size` weights along the input dim share a float scale and a
 zero point: asymmetric round-to-nearest), activations and the output stay float. By default the
 embedding table and the LM head are quantised too (off: --keep-embeddings-float): the head's Gemm
-(x W^T, tied to the table in the shipped models) becomes a MatMul on its own transposed initializer,
-which the tool quantises like the others, and the embedding lookup becomes ONNX Runtime's
-`com.microsoft.GatherBlockQuantized` (uint8 data with `bits` per weight, blocks along the row). The
-tool only emits that op for 4-bit, so the table is quantised by the tool as the head's MatMulNBits
-weight and reshaped: the same bytes (the two layouts agree, checked exactly against ORT's kernels),
-so a tied table is stored once in weights.bin however many ops read it. A table whose rows are not a
-whole number of blocks stays float. `--embeddings-bits 8` with --quantize int4 stores the table and the head at
-8 bits, the rest at 4 (what llama.cpp's Q4_0 files do with `token_embd`): the head's MatMulNBits is left out of
-the 4-bit pass and quantised by a second one at 8 bits, and marked (HEAD_KEY) so `describe` reports the split.
+(x W^T, tied to the table in the shipped models) becomes a MatMulNBits on the table's transpose, and the embedding
+lookup becomes ONNX Runtime's `com.microsoft.GatherBlockQuantized` (uint8 data with `bits` per weight, blocks along
+the row) on the same bytes reshaped (the two layouts agree, checked exactly against ORT's kernels), so a tied table
+is stored once in weights.bin however many ops read it. A table whose rows are not a whole number of blocks stays
+float. `--embeddings-bits 8` with --quantize int4 stores the table and the head at 8 bits, the rest at 4 (what
+llama.cpp's Q4_0 files do with `token_embd`); the head is marked (HEAD_KEY) so `describe` reports the split.
 What stays float always: the norms, the decay parameters, and the
 recurrence itself (state, decay, gates: its matmuls multiply activations, never constant weights).
 The step and prefill graphs are quantised alike, so identical weights quantise to identical bytes and
@@ -31,15 +30,12 @@ Export-side module: imports onnx and onnxruntime's quantisation tools inside its
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import re
 from pathlib import Path
 from typing import Any
 
 from edgelin.artifact.quantized import QUANTIZED_OPS, half_tables
-from edgelin.errors import EdgelinError, environment_fault, one_line
+from edgelin.errors import EdgelinError
 from edgelin.artifact.quantized import F16_OP
 from edgelin.export.panels import drop_unread, pack_products, to_float16
 
@@ -54,7 +50,8 @@ METHOD_F16 = ("edgelin weight-only float16: each constant-weight MatMul as ai.ed
 # default level (7.1 -> 0.38 ms; the default has no fast 8-bit kernel), int4 ~15% faster, perplexity
 # unchanged within 0.1%. Other providers treat the attribute as a minimum precision hint.
 ACCURACY_LEVEL = 4
-METHOD = ("onnxruntime MatMulNBitsQuantizer: block-wise asymmetric round-to-nearest weight-only quantisation "
+METHOD = ("onnxruntime's block quantisation kernels (MatMulNBitsQuantizer's layout, one weight at a time): block-wise "
+          "asymmetric round-to-nearest weight-only quantisation "
           f"(MatMulNBits nodes, accuracy_level {ACCURACY_LEVEL}: int8 activation blocks in the CPU kernel; "
           "embedding lookups as GatherBlockQuantized on the same packed bytes)")
 _SCOPES = "pkg.torch.onnx.name_scopes"  # the exporter's module path of a node (kept by strip_trace_metadata)
@@ -88,61 +85,10 @@ def _modules_of(node: Any) -> list[str]:
     return (_module_of(node) or node.name).split("+")
 
 
-def _run_tool(proto: Any, scheme: str, bits: int, block_size: int, name: str, exclude: tuple[str, ...] = ()) -> Any:
-    """`proto` with its constant-weight MatMuls (but the nodes named in `exclude`) quantised by ONNX Runtime's
-    MatMulNBitsQuantizer, quietly."""
-    root = logging.getLogger()
-    handlers, root_level = list(root.handlers), root.level
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    # Its import calls logging.basicConfig(level=INFO) on the root logger, after which every library's
-    # INFO records print in the caller's process: undo that.
-    for handler in [h for h in root.handlers if h not in handlers]:
-        root.removeHandler(handler)
-    root.setLevel(root_level)
-    quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=block_size, is_symmetric=False,
-                                     accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=list(exclude))
-    logs = [logging.getLogger(name) for name in ("onnxruntime.quantization", "onnxruntime.quantization.matmul_nbits_quantizer",
-                                                 "onnx_ir", "onnx_ir.passes.common.initializer_deduplication")]
-    levels = [log.level for log in logs]
-    for log in logs:
-        log.setLevel(logging.WARNING)  # they log every node and initializer they visit at INFO
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            quantizer.process()
-    except Exception as exc:  # the tool's own failure: not the user's input
-        fault = environment_fault(exc)
-        if fault is not None:  # out of memory, or a full disk under its temporary files: the machine's
-            raise fault from None
-        raise EdgelinError(f"{scheme} quantisation of {name} failed", f"{type(exc).__name__}: {one_line(str(exc))}",
-                           "export without --quantize, and report this model config as an edgelin bug") from exc
-    finally:
-        for log, level in zip(logs, levels):
-            log.setLevel(level)
-    return quantizer.model.model
-
-
 def _attrs(node: Any) -> dict[str, Any]:
     import onnx
 
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-
-
-def _tables(proto: Any, block_size: int) -> dict[str, Any]:
-    """The embedding tables this pass quantises: name -> float array [V, D], for every 2-D float
-    initializer a Gather reads on axis 0 whose row length is a whole number of blocks (others stay float)."""
-    import onnx
-    from onnx import numpy_helper
-
-    inits = {t.name: t for t in proto.graph.initializer}
-    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
-    found = {}
-    for node in proto.graph.node:
-        table = inits.get(node.input[0]) if node.op_type == "Gather" and node.input else None
-        if table is not None and len(table.dims) == 2 and table.data_type in floats \
-                and _attrs(node).get("axis", 0) == 0 and table.dims[1] % block_size == 0:
-            found[table.name] = numpy_helper.to_array(table)
-    return found
 
 
 def _untie_heads(proto: Any) -> list[str]:
@@ -171,53 +117,6 @@ def _untie_heads(proto: Any) -> list[str]:
         proto.graph.node.insert(index, matmul)
         heads.append(matmul.name)
     return heads
-
-
-def _quantize_table(table: Any, scheme: str, bits: int, block_size: int) -> tuple[Any, Any, Any]:
-    """(data [V, D*bits/8] uint8, scales [V, D/block], zero points [V, ...] uint8) of an embedding
-    table, made by the tool itself: the table's transpose quantised as a MatMulNBits weight (the packing
-    a tied LM head gets), reshaped to GatherBlockQuantized's layout (uint8 data, `bits`, quantize_axis
-    1: the same bytes, so the head and the lookup share them in weights.bin)."""
-    import numpy as np
-    from onnx import helper, numpy_helper
-
-    vocab, dim = table.shape
-    dtype = helper.np_dtype_to_tensor_dtype(table.dtype)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "table",
-                              [helper.make_tensor_value_info("x", dtype, [1, dim])],
-                              [helper.make_tensor_value_info("y", dtype, [1, vocab])],
-                              [numpy_helper.from_array(np.ascontiguousarray(table.T), "w")])
-    model = _run_tool(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), scheme, bits,
-                      block_size, "the embedding table")
-    (node,) = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    data, scales, zeros = (inits[node.input[i]] for i in (1, 2, 3))
-    if data.dtype != np.uint8 or zeros.dtype != np.uint8 or dim % block_size:
-        raise EdgelinError(f"{scheme} quantisation of the embedding table failed", f"the tool packed it as {data.dtype} "
-                           f"{data.shape}", "export with --keep-embeddings-float, and report this as an edgelin bug")
-    return data.reshape(vocab, -1), scales.reshape(vocab, dim // block_size), zeros.reshape(vocab, -1)
-
-
-def _quantize_gathers(proto: Any, tables: dict[str, Any], scheme: str, bits: int, block_size: int) -> None:
-    """Each Gather on a table of `tables` becomes a com.microsoft GatherBlockQuantized (ONNX Runtime's
-    contrib op: uint8 data with `bits` per weight, blocks along the row) keeping the Gather's scope."""
-    from onnx import helper, numpy_helper
-
-    for name, table in tables.items():
-        arrays = dict(zip(("Q", "scales", "zero_points"), _quantize_table(table, scheme, bits, block_size)))
-        proto.graph.initializer.extend(numpy_helper.from_array(a, f"{name}_{k}") for k, a in arrays.items())
-        for index, node in enumerate(list(proto.graph.node)):
-            if node.op_type != "Gather" or node.input[0] != name:
-                continue
-            lookup = helper.make_node("GatherBlockQuantized", [f"{name}_Q", node.input[1], f"{name}_scales",
-                                                               f"{name}_zero_points"], list(node.output),
-                                      name=f"{node.name}_Q{bits}", domain="com.microsoft", gather_axis=0,
-                                      quantize_axis=1, block_size=block_size, bits=bits)
-            lookup.metadata_props.extend(node.metadata_props)
-            proto.graph.node.remove(node)
-            proto.graph.node.insert(index, lookup)
-    if tables and not any(o.domain == "com.microsoft" for o in proto.opset_import):
-        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
 
 
 def _float16_weights(proto: Any, embeddings: bool) -> None:
@@ -267,7 +166,7 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
         raise EdgelinError(f"weight quantisation {scheme!r}", f"edgelin quantises to {', '.join((*BITS, HALF))}",
                            "pass --quantize int8, int4 or fp16")
     from edgelin.devices import BLOCK_SIZES
-    from edgelin.export.fuse_matmuls import FUSED_MODULES
+    from edgelin.export.weights import save_graph
 
     if scheme in BITS and block_size not in BLOCK_SIZES:  # export_settings refuses it first, from the command line
         raise EdgelinError(f"block size {block_size}", f"ONNX Runtime's block quantiser takes blocks of "
@@ -275,37 +174,40 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
     if scheme == HALF:
         proto = onnx.load(str(path))
         _float16_weights(proto, embeddings)
-        onnx.save(proto, str(path))
+        save_graph(proto, path)
         return [name for node in proto.graph.node if node.op_type == F16_OP for name in _modules_of(node)]
+
+    from edgelin.export.nbits import NbitsGraph
 
     bits = BITS[scheme]
     head_bits = embedding_bits or bits
-    proto = onnx.load(str(path))
-    tables, heads = {}, []
-    if embeddings:
-        tables = _tables(proto, block_size)
-        heads = _untie_heads(proto)
-        _quantize_gathers(proto, tables, scheme, head_bits, block_size)
-    scopes = {node.name: [p for p in node.metadata_props if p.key in (_SCOPES, FUSED_MODULES)]
-              for node in proto.graph.node if node.op_type == "MatMul"}
-    if head_bits != bits and heads:  # the body at `bits`, then the heads (the only float MatMuls left) apart
-        quantized = _run_tool(proto, scheme, bits, block_size, Path(path).name, exclude=tuple(heads))
-        quantized = _run_tool(quantized, scheme, head_bits, block_size, f"{Path(path).name} (LM head)")
-    else:
-        quantized = _run_tool(proto, scheme, bits, block_size, Path(path).name)
-    if embeddings:
-        drop_unread(quantized)
-    names = []
-    for node in quantized.graph.node:
-        if node.op_type == "MatMulNBits":
-            plain = node.name.removesuffix(f"_Q{bits}").removesuffix(f"_Q{head_bits}")
-            node.metadata_props.extend(scopes.get(plain, []))
-            if plain in heads:
-                node.metadata_props.add(key=HEAD_KEY, value="1")
-        if node.op_type in QUANTIZED_OPS:
-            names.extend(_modules_of(node))
-    onnx.save(quantized, str(path))
-    return names
+    proto = onnx.load(str(path), load_external_data=False)  # each weight is read from its data file in turn
+    graph = NbitsGraph(proto, Path(path).parent, block_size, ACCURACY_LEVEL)
+    nodes = []
+    for node in proto.graph.node:
+        weight = graph.float_matrix(node.input[1]) if len(node.input) == 2 and node.domain in ("", "ai.onnx") else None
+        if embeddings and node.op_type == "Gather" and graph.float_matrix(node.input[0]) is not None \
+                and _attrs(node).get("axis", 0) == 0 and graph.inits[node.input[0]].dims[1] % block_size == 0:
+            node = graph.gather(node, head_bits)
+        elif embeddings and node.op_type == "Gemm" and weight is not None and _is_head(node):
+            node = graph.matmul(node, weight, head_bits, head=True)
+            node.metadata_props.add(key=HEAD_KEY, value="1")
+        elif node.op_type == "MatMul" and weight is not None:
+            node = graph.matmul(node, weight, bits)
+        nodes.append(node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    graph.close()
+    drop_unread(proto)
+    save_graph(proto, path)
+    return [name for node in proto.graph.node if node.op_type in QUANTIZED_OPS for name in _modules_of(node)]
+
+
+def _is_head(node: Any) -> bool:
+    """A Gemm y = x W^T (the LM head's form, tied to the embedding table or not)."""
+    attrs = _attrs(node)
+    return not attrs.get("transA", 0) and bool(attrs.get("transB", 0)) and attrs.get("alpha", 1.0) == 1.0 \
+        and "C" not in attrs and len(node.input) == 2
 
 
 _WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "Conv")  # ops that read a weight matrix

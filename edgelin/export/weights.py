@@ -33,6 +33,7 @@ MIN_EXTERNAL = 1024  # bytes: smaller initializers stay in the graph files
 PAGE_ALIGN_FROM = 1 << 20  # bytes: tensors this large start on an ALLOCATION_GRANULARITY boundary (as ORT's own saver)
 ALLOCATION_GRANULARITY = 64 * 1024  # Windows' mmap granularity; a multiple of every page size
 SMALL_ALIGN = 64
+DATA_SUFFIX = ".data"  # a graph's own data file before share_weights: step.onnx.0.data, ...
 
 
 def _aligned(offset: int, size: int) -> int:
@@ -40,36 +41,114 @@ def _aligned(offset: int, size: int) -> int:
     return -(-offset // step) * step
 
 
+def graph_data_files(proto: Any) -> set[str]:
+    """The external-data files an ONNX graph's initializers live in (loaded without them)."""
+    import onnx
+
+    return {entry.value for tensor in proto.graph.initializer if tensor.data_location == onnx.TensorProto.EXTERNAL
+            for entry in tensor.external_data if entry.key == "location"}
+
+
+def save_graph(proto: Any, path: Path) -> None:
+    """Save an export's graph (loaded with its data: onnx.load) to `path`, its initializers of MIN_EXTERNAL bytes
+    or more in a new data file beside it: a protobuf holds at most 2 GiB, and a 0.75 B-parameter model's float32
+    weights are 3 GB. The data file the graph was read from is removed once the new one is written (both lie in
+    the export's temp folder: only files this export wrote)."""
+    import onnx
+
+    path = Path(path)
+    before = set(path.parent.glob(f"{path.name}*{DATA_SUFFIX}"))
+    target = _fresh_data_name(path)
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=target.name, size_threshold=MIN_EXTERNAL)
+    _drop_unreferenced(path, before - {target})
+
+
+def save_ir_graph(model: Any, path: Path) -> None:
+    """save_graph for an onnx_ir model (loaded with ir.load: its tensors are read from the old data file
+    while the new one is written)."""
+    import onnx_ir as ir
+
+    path = Path(path)
+    before = set(path.parent.glob(f"{path.name}*{DATA_SUFFIX}"))
+    target = _fresh_data_name(path)
+    ir.save(model, str(path), external_data=target.name, size_threshold_bytes=MIN_EXTERNAL)
+    _drop_unreferenced(path, before - {target})
+
+
+def _drop_unreferenced(path: Path, old: set[Path]) -> None:
+    """Remove the graph's earlier data files that it no longer reads (a graph loaded without its data, e.g. block
+    quantised, still reads its float tensors that stayed float from the file they were in)."""
+    import onnx
+
+    kept = graph_data_files(onnx.load(str(path), load_external_data=False))
+    for file in old:
+        if file.name not in kept:
+            file.unlink()
+
+
+def _fresh_data_name(path: Path) -> Path:
+    count = 0
+    while (path.parent / f"{path.name}.{count}{DATA_SUFFIX}").exists():
+        count += 1
+    return path.parent / f"{path.name}.{count}{DATA_SUFFIX}"
+
+
 def share_weights(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS) -> str:
     """Move the large initializers of `graph_files` (in `folder`, rewritten in place) into one
     deduplicated file `name` next to them; returns `name`. Call it on a folder being written (the
-    pipeline's temp folder)."""
+    pipeline's temp folder). Streams: each tensor is read from the graph's own data file (or its
+    protobuf) and written before the next is read, so a model of any size takes one tensor of memory;
+    small tensors come back inside the graph files, and the graphs' own data files are removed."""
+    import mmap
+
     import onnx
     from onnx import external_data_helper
 
     folder = Path(folder)
-    protos = {file: onnx.load(str(folder / file)) for file in graph_files}
+    protos = {file: onnx.load(str(folder / file), load_external_data=False) for file in graph_files}
+    sources = {location: folder / location for proto in protos.values() for location in graph_data_files(proto)}
+    maps = {}
+    for location, path in sources.items():
+        with open(path, "rb") as fh:
+            maps[location] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if path.stat().st_size else b""
     where: dict[str, tuple[int, int]] = {}  # content hash -> (offset, length)
     size = 0
     with open(folder / name, "wb") as out:
         for file, proto in protos.items():
             for tensor in proto.graph.initializer:
-                if not tensor.HasField("raw_data") or len(tensor.raw_data) < MIN_EXTERNAL:
+                if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    info = {entry.key: entry.value for entry in tensor.external_data}
+                    start = int(info.get("offset", 0))
+                    raw = maps[info["location"]][start:start + int(info["length"])]
+                    del tensor.external_data[:]
+                    tensor.data_location = onnx.TensorProto.DEFAULT
+                    tensor.raw_data = raw  # inside the graph again (small), or until set_external_data moves it
+                elif tensor.HasField("raw_data"):
+                    raw = tensor.raw_data
+                else:
                     continue  # typed-field tensors are small constants (the exporter writes raw_data)
-                raw = tensor.raw_data
+                if len(raw) < MIN_EXTERNAL:
+                    continue
                 key = hashlib.sha256(raw).hexdigest()
                 if key not in where:
                     start = _aligned(size, len(raw))
-                    padding = b"\0" * (start - size)
-                    out.write(padding)
+                    out.write(b"\0" * (start - size))
                     out.write(raw)
                     where[key] = (start, len(raw))
                     size = start + len(raw)
                 external_data_helper.set_external_data(tensor, name, *where[key])
                 tensor.data_location = onnx.TensorProto.EXTERNAL
                 tensor.ClearField("raw_data")
+                del raw
+    for view in maps.values():
+        if isinstance(view, mmap.mmap):
+            view.close()
     for file, proto in protos.items():
         onnx.save(proto, str(folder / file))
+    for path in sources.values():
+        if path.name != name:
+            path.unlink()
     return name
 
 
@@ -105,10 +184,18 @@ def describe(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS) -> d
     by_dtype: dict[str, int] = {}
     for region in everything:
         by_dtype[dtypes[region]] = by_dtype.get(dtypes[region], 0) + region[1]
-    digest = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    digest = file_sha256(folder / name)
     return {"file": name, "bytes": (folder / name).stat().st_size, "sha256": digest, "tensors": len(everything),
             "read_by": {file: len(r) for file, r in regions.items()},
             "shared_tensors": len(set.intersection(*regions.values())) if regions else 0,
             "bytes_by_dtype": dict(sorted(by_dtype.items())),
             "tensors_by_graph": tensors}
 
+
+def file_sha256(path: Path) -> str:
+    """A file's sha256, read in blocks (a weights file can be larger than the memory left)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -98,7 +98,7 @@ def name_dynamic_axes(path: Path, inputs: list[TensorIO], outputs: list[TensorIO
     """Give every dynamic axis its contract name and fail if the exporter fixed any of them."""
     import onnx
 
-    proto = onnx.load(str(path))
+    proto = onnx.load(str(path), load_external_data=False)  # the graph only: its weights stay where they are
     graph_values = {v.name: v for v in [*proto.graph.input, *proto.graph.output]}
     renames: dict[str, str] = {}
     for t in [*inputs, *outputs]:
@@ -127,8 +127,8 @@ def name_dynamic_axes(path: Path, inputs: list[TensorIO], outputs: list[TensorIO
             if dim.dim_param in renames:
                 dim.dim_param = renames[dim.dim_param]
     strip_trace_metadata(proto.graph)
-    onnx.checker.check_model(proto, full_check=True)
     onnx.save(proto, str(path))
+    onnx.checker.check_model(str(path), full_check=True)  # by path: a graph of more than 2 GiB is checked too
 
 
 # Node metadata the exporter writes that only debugs the trace: the Python stack, FX node and class
@@ -215,21 +215,27 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     kernels (edgelin.export.onnx.kernels). Returns the files it adds ({"weights": "weights.bin"} or
     nothing)."""
     from edgelin.export.fuse_matmuls import fuse_matmuls
-    from edgelin.export.weights import WEIGHTS_KEY, share_weights
+    from edgelin.export.phases import step
+    from edgelin.export.weights import WEIGHTS, WEIGHTS_KEY, share_weights
 
     graphs = [files[kind] for kind in ("step", "prefill")]
     for file in graphs:  # sibling projections as one MatMul + Split (before quantising: one wider MatMulNBits)
+        step(f"fusing the projections of {file}")
         fuse_matmuls(folder / file)
     if settings.quantize is not None:
         from edgelin.export.quantize import quantize_graph
 
         for file in graphs:
+            step(f"quantising {file} ({settings.quantize})")
             quantize_graph(folder / file, settings.quantize, settings.block_size, embeddings, embedding_bits)
     if edgelin_ops:  # the float32 products left (all of a float export's) on packed panels, in both graphs
         from edgelin.export.panels import pack_float_products
 
         for file in graphs:
+            step(f"packing the float products of {file}")
             pack_float_products(folder / file)
+    if share:
+        step(f"writing {WEIGHTS}")
     added = {WEIGHTS_KEY: share_weights(folder, graphs)} if share else {}
     if step_outputs is not None:
         mark_in_place_states(folder / files["step"], step_outputs)
@@ -371,8 +377,11 @@ class OnnxTarget(Target):
         attention = grouped_query_attention(traced) if static else contextlib.nullcontext(0)
         # --step-ops standard: the ONNX engine without its contrib ops (other targets tracing here keep their own)
         forms = lowering(self.name, **({"contrib_ops": False} if options.step_ops == "standard" else {}))
+        from edgelin.export.phases import step
+
         with forms, attention as layers:  # the ONNX forms of the recurrences (chunk loop -> one Scan)
             for kind, module in modules.items():
+                step(f"tracing {kind}.onnx")
                 inputs, outputs = graph_io(model, kind, settings.state_dtype, kv_dtype)
                 files[kind], written[kind] = f"{kind}.onnx", outputs
                 export_onnx_graph(module, model, inputs, outputs, Path(folder) / files[kind], options.opset)

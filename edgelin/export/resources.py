@@ -1,0 +1,98 @@
+"""What an export needs of the machine, estimated from the config before the checkpoint loads, and refused in one
+line when the machine lacks it: a 2 B-parameter model's export holds several float32 copies of its weights at
+peak and writes a few more to disk, and running out of either half-way costs the user many minutes (or the OOM
+killer ends the process with nothing said).
+
+The estimate is the model's float32 bytes times the target's measured factors (Target.export_memory_factor,
+Target.export_disk_factor; docs/benchmarks.md, "Export cost") plus the process's own footprint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edgelin.errors import EdgelinError
+
+if TYPE_CHECKING:
+    from edgelin.devices import ExportSettings
+    from edgelin.export.base import Target
+    from edgelin.model.config import ModelConfig
+
+PROCESS_BYTES = 3 << 29  # 1.5 GiB: Python, torch, onnx and ONNX Runtime loaded, the tracer's own tables
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ExportNeeds:
+    """Peak memory and disk an export is estimated to need, with what they were estimated from."""
+
+    parameters: int
+    float32_bytes: int
+    memory: int
+    disk: int
+
+
+def float32_bytes(config: "ModelConfig") -> tuple[int, int]:
+    """(parameters, bytes of parameters and buffers in float32) of `config`'s model, laid out on torch's meta
+    device (nothing allocated)."""
+    import torch
+
+    from edgelin.model.lm import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    return model.num_parameters(), sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
+
+
+def estimate(config: "ModelConfig", target: "Target", settings: "ExportSettings") -> ExportNeeds:
+    parameters, weights = float32_bytes(config)
+    memory = int(weights * target.export_memory_factor(settings)) + PROCESS_BYTES
+    disk = int(weights * target.export_disk_factor(settings))
+    return ExportNeeds(parameters, weights, memory, disk)
+
+
+def available_memory() -> int | None:
+    """Bytes the OS says a new allocation can get without swapping (Linux: MemAvailable), else None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # elsewhere: free physical pages (an underestimate of what can be had)
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def free_disk(out: Path) -> int | None:
+    """Free bytes on the file system `out` will be written to (its nearest existing parent)."""
+    where = Path(out).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        return shutil.disk_usage(where).free
+    except OSError:
+        return None
+
+
+def check_resources(needs: ExportNeeds, out: Path, target: str, force: bool = False) -> None:
+    """Refuse, in one line, an export this machine has not the memory or the disk for (with the estimate and
+    what is there). `force` lets the memory check pass (the estimate is conservative; swap may carry it); a full
+    disk is never forced."""
+    size = f"{needs.parameters / 1e9:.2f} B parameters, {needs.float32_bytes / GiB:.1f} GiB in float32"
+    memory = available_memory()
+    if memory is not None and needs.memory > memory and not force:
+        raise EdgelinError(f"a {target} export of this model ({size}) needs about {needs.memory / GiB:.1f} GiB of "
+                           f"memory at peak", f"this machine has {memory / GiB:.1f} GiB available",
+                           "close other programs or export on a machine with more memory (--force tries anyway)")
+    disk = free_disk(out)
+    if disk is not None and needs.disk > disk:
+        raise EdgelinError(f"a {target} export of this model ({size}) writes about {needs.disk / GiB:.1f} GiB",
+                           f"{Path(out).absolute().parent} has {disk / GiB:.1f} GiB free",
+                           "free disk space or pass an --out on a larger disk")
