@@ -124,15 +124,18 @@ def shape(name: str) -> Shape:
 
 
 # ---- the upstream classes, laid out on the meta device ----------------------------------------------
+CONFIG_CLASSES = {"qwen3_5_text": "Qwen3_5TextConfig", "mamba2": "Mamba2Config"}
+
+
 def upstream_config(s: Shape):
     if s.library == "fla":
         from fla.models import GLAConfig
 
         config = GLAConfig(**s.fields)
-    else:
-        from transformers import AutoConfig
+    else:  # by class, not AutoConfig: importing fla registers fla's own "mamba2" config under that name
+        import transformers
 
-        config = AutoConfig.for_model(s.model_type, **s.fields)
+        config = getattr(transformers, CONFIG_CLASSES[s.model_type])(**s.fields)
     config.architectures = [s.architecture]
     config.dtype = "bfloat16"
     return config
