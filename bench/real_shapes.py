@@ -79,23 +79,23 @@ class Shape:
     specials: dict[int, str]  # token id -> special token text
     shard_name: str | None = None  # upstream's shard file pattern (None: one model.safetensors)
     tiny_fields: dict[str, Any] = field(default_factory=dict)
+    tiny_specials: dict[int, str] | None = None  # where the special ids lie past the toy vocabulary
 
     def tiny(self) -> Shape:
         """The same layout at toy sizes (tests): every tensor kind, a few KB each."""
-        fields = {**self.fields, **self.tiny_fields}
-        specials = {i if i < 3 else fields.get("eos_token_id", i): t for i, t in self.specials.items()}
-        return replace(self, name=f"{self.name}-tiny", fields=fields, specials=specials)
+        return replace(self, name=f"{self.name}-tiny", fields={**self.fields, **self.tiny_fields},
+                       specials=self.tiny_specials or self.specials)
 
 
 SHAPES = [
     Shape("qwen3.5-0.8b", "https://huggingface.co/Qwen/Qwen3.5-0.8B/blob/main/config.json (text_config)",
           "transformers", "qwen3_5_text", "Qwen3_5ForCausalLM",
           {**_QWEN_TEXT, "hidden_size": 1024, "intermediate_size": 3584}, {248044: "<|endoftext|>"},
-          "model.safetensors-{index:05d}-of-{count:05d}.safetensors", _QWEN_TINY),
+          "model.safetensors-{index:05d}-of-{count:05d}.safetensors", _QWEN_TINY, {300: "<|endoftext|>"}),
     Shape("qwen3.5-2b", "https://huggingface.co/Qwen/Qwen3.5-2B/blob/main/config.json (text_config)",
           "transformers", "qwen3_5_text", "Qwen3_5ForCausalLM",
           {**_QWEN_TEXT, "hidden_size": 2048, "intermediate_size": 6144}, {248044: "<|endoftext|>"},
-          "model.safetensors-{index:05d}-of-{count:05d}.safetensors", _QWEN_TINY),
+          "model.safetensors-{index:05d}-of-{count:05d}.safetensors", _QWEN_TINY, {300: "<|endoftext|>"}),
     Shape("mamba2-1.3b", "https://huggingface.co/state-spaces/mamba2-1.3b/blob/main/config.json "
           "(transformers' Mamba2 names)", "transformers", "mamba2", "Mamba2ForCausalLM",
           {"vocab_size": 50288, "hidden_size": 2048, "num_hidden_layers": 48, "state_size": 128, "expand": 2,
