@@ -47,14 +47,17 @@ def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint, in index order for sharded ones."""
     index = path / INDEX
     if index.is_file():
-        files = [_inside(path, s, index) for s in _shard_names(index)]
+        weight_map = _weight_map(index)
+        files = [_inside(path, s, index) for s in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise EdgelinError(f"{path}: missing shards {', '.join(missing)}", f"{INDEX} lists them",
                                "copy every shard listed in the index")
+        _check_shards(path, files, index, weight_map)
         return files
     files = sorted(path.glob("*.safetensors"))
     if files:
+        _check_shards(path, files)
         return files
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -66,8 +69,8 @@ def weight_files(path: Path) -> list[Path]:
     raise EdgelinError(f"{path} has no weights", "no *.safetensors file found", "add model.safetensors")
 
 
-def _shard_names(index: Path) -> list[str]:
-    """The distinct shard file names of a sharded checkpoint's index ({"weight_map": {tensor: file}})."""
+def _weight_map(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's index: {"weight_map": {tensor: shard file}}, at least one tensor."""
     data = read_json(index, "re-save the checkpoint")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
@@ -77,7 +80,43 @@ def _shard_names(index: Path) -> list[str]:
     if bad is not None:
         raise EdgelinError(f"{index} is malformed", f"weight_map maps a tensor to {_short(bad)}, not a file name",
                            "re-save the checkpoint")
-    return sorted(set(weight_map.values()))
+    if not weight_map:
+        raise EdgelinError(f"{index} is malformed", "its weight_map lists no tensors", "re-save the checkpoint")
+    return weight_map
+
+
+def _check_shards(path: Path, files: list[Path], index: Path | None = None,
+                  weight_map: dict[str, str] | None = None) -> None:
+    """Read each safetensors header (a few KB: no tensor data) before anything is loaded or written: a
+    truncated file, a tensor held by two files, or an index that disagrees with its shards is one line.
+    Shards may differ in dtype (bf16 beside fp16): every value converts to float32 exactly."""
+    from safetensors import SafetensorError, safe_open
+
+    held: dict[str, str] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), "pt") as handle:
+                names = list(handle.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise EdgelinError(f"cannot read {file}", f"corrupt or truncated safetensors ({exc})",
+                               "re-download or re-save the checkpoint") from exc
+        for name in names:
+            if name in held:
+                raise EdgelinError(f"{path}: tensor {name} is in both {held[name]} and {file.name}",
+                                   "a checkpoint holds each tensor once, so one of the files is stale",
+                                   "re-download the checkpoint, or remove the file a re-save left behind")
+            held[name] = file.name
+    if weight_map is None:
+        return
+    wrong = sorted(t for t, f in weight_map.items() if held.get(t) != f)
+    unlisted = sorted(set(held) - set(weight_map))
+    if wrong or unlisted:
+        t = (wrong or unlisted)[0]
+        why = (f"it places {t} in {weight_map[t]}, " + (f"but {held[t]} holds it" if t in held else "which lacks it")
+               if wrong else f"{held[t]} holds {t}, which the index does not list")
+        more = len(wrong) + len(unlisted) - 1
+        raise EdgelinError(f"{index} does not match its shards", why + (f" (+{more} more)" if more else ""),
+                           "re-download the checkpoint: the index and the shards come from different saves")
 
 
 def _inside(root: Path, name: str, index: Path) -> Path:
