@@ -188,6 +188,18 @@ def checkpoint_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
+def model_config(path: Path) -> ModelConfig:
+    """The architecture of a checkpoint directory, from its config.json alone (no weights read): what an export
+    estimates its memory and disk from before the weights load."""
+    path = checkpoint_dir(path)
+    data = read_config(path)
+    if data.get("model_type") == MODEL_TYPE:
+        return ModelConfig.from_dict(data, source=str(path / CONFIG))
+    from edgelin.convert import convert
+
+    return convert(data, str(path / CONFIG)).config
+
+
 def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
     """Build edgelin's reference model from a checkpoint directory (fp32, eval mode): edgelin's own
     format, or an upstream one (fla, transformers) through its converter."""

@@ -225,6 +225,16 @@ def float16_saturation(model: CausalLM, target: Any, settings: ExportSettings, o
     return (f"{values}: the {what} export stores them saturated at ±65504 (--force)",)
 
 
+def check_export_resources(checkpoint: Path, out: Path, target_name: str, settings: ExportSettings) -> None:
+    """Refuse, before the weights load, an export this machine lacks the memory or the disk for (estimated from the
+    config by edgelin.export.resources with the target's measured factors)."""
+    from edgelin.checkpoint import model_config
+    from edgelin.export import resources
+
+    needs = resources.estimate(model_config(checkpoint), get_target(target_name), settings)
+    resources.check_resources(needs, out, target_name, settings.force)
+
+
 def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, force: bool = False,
                       device: DeviceProfile | None = None, options: Any = None,
                       include_tokenizer: bool = True, settings: ExportSettings | None = None,
@@ -247,6 +257,8 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, fo
         from edgelin.data import read_text
 
         read_text(text)  # the file's own faults, before the checkpoint loads (its tokens are counted at record)
+    name = target or default_target()
+    check_export_resources(checkpoint, out, name, settings or export_settings(device, name))
     if on_progress is not None:  # minutes at real sizes
         on_progress(0, len(export_phases(baselines, serve)), "loading the checkpoint")
     model, info = load_model(checkpoint)
@@ -257,6 +269,6 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, fo
     elif include_tokenizer:
         warnings.append(f"no {TOKENIZER} in {info.path}: the export has no tokenizer, so generate will need one")
     source = {"path": str(info.path), "sha256": info.sha256, "format": info.format, "model_type": info.model_type}
-    result = export_model(model, out, target or default_target(), source, tokenizer, force, device, options, settings=settings,
+    result = export_model(model, out, name, source, tokenizer, force, device, options, settings=settings,
                           baselines=baselines, text=text, serve=serve, on_progress=on_progress)
     return replace(result, inert_fields=tuple(info.inert_fields), warnings=(*warnings, *result.warnings))

@@ -74,7 +74,7 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
             torch.onnx.export(
                 module, args, str(path), dynamo=True, opset_version=opset, dynamic_shapes=dynamic,
                 input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-                external_data=False, optimize=True, verify=False,
+                external_data=True, optimize=True, verify=False,  # weights streamed to a data file
             )
     except Exception as exc:
         fault = environment_fault(exc)

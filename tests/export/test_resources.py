@@ -1,0 +1,75 @@
+"""An export the machine lacks the memory or disk for is refused in one line, before the weights load and before
+anything is written (edgelin.export.resources); the estimate counts every weight."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from edgelin.checkpoint import model_config
+from edgelin.errors import EdgelinError
+from edgelin.export import pipeline, resources
+from edgelin.export.targets import get_target
+from helpers import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt", "hybrid", tokenizer=False)
+
+
+def _stored_bytes(folder) -> int:
+    """The float32 bytes the checkpoint file itself holds (its safetensors header's offsets)."""
+    data = (folder / "model.safetensors").read_bytes()
+    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    return sum(end - start for name, entry in header.items() if name != "__metadata__"
+               for start, end in [entry["data_offsets"]])
+
+
+def test_the_estimate_counts_the_checkpoints_weights(ckpt):
+    parameters, weights = resources.float32_bytes(model_config(ckpt))
+    stored = _stored_bytes(ckpt)  # saved float32, the tied head once
+    assert stored <= weights <= stored * 1.01  # plus buffers (rotary frequencies), no more
+    needs = resources.estimate(model_config(ckpt), get_target("onnx"), _settings())
+    assert needs.memory > weights and needs.disk >= weights
+
+
+def _settings(force: bool = False):
+    from edgelin.devices import export_settings
+
+    return export_settings(None, "onnx", force=force)
+
+
+def _never_loaded(*args, **kwargs):
+    raise AssertionError("the checkpoint was loaded before the refusal")
+
+
+def test_too_little_memory_is_refused_before_the_weights_load(tmp_path, ckpt, monkeypatch):
+    monkeypatch.setattr(resources, "available_memory", lambda: 1 << 30)
+    monkeypatch.setattr(pipeline, "load_model", _never_loaded)
+    out = tmp_path / "out"
+    with pytest.raises(EdgelinError) as refused:
+        pipeline.export_checkpoint(ckpt, out, "onnx", include_tokenizer=False)
+    line = str(refused.value)
+    assert "needs about" in line and "1.0 GiB available" in line and "\n" not in line
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_too_little_disk_is_refused_even_with_force(tmp_path, ckpt, monkeypatch):
+    monkeypatch.setattr(resources, "free_disk", lambda out: 1000)
+    monkeypatch.setattr(pipeline, "load_model", _never_loaded)
+    for force in (False, True):
+        with pytest.raises(EdgelinError, match="writes about .* GiB.* has 0.0 GiB free"):
+            pipeline.export_checkpoint(ckpt, tmp_path / "out", "onnx", include_tokenizer=False,
+                                       settings=_settings(force))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_lets_a_memory_estimate_pass(ckpt, monkeypatch, tmp_path):
+    monkeypatch.setattr(resources, "available_memory", lambda: 1 << 30)
+    needs = resources.estimate(model_config(ckpt), get_target("onnx"), _settings(True))
+    resources.check_resources(needs, tmp_path / "out", "onnx", force=True)  # no refusal
+    with pytest.raises(EdgelinError):
+        resources.check_resources(needs, tmp_path / "out", "onnx", force=False)
