@@ -59,6 +59,10 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
                       path: Path, opset: int) -> None:
     import torch
 
+    from edgelin.export.fuse_matmuls import fuse_graph
+    from edgelin.export.phases import step
+    from edgelin.export.weights import save_ir_graph
+
     args = example_inputs(model, inputs, EXAMPLE_SIZES)
     # Parameters must not require grad: otherwise the exporter's type-promotion pass re-traces the
     # chunk scan through its autograd path, which fails on symbolic shapes (torch 2.13).
@@ -71,11 +75,18 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
     try:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(
-                module, args, str(path), dynamo=True, opset_version=opset, dynamic_shapes=dynamic,
+            program = torch.onnx.export(
+                module, args, None, dynamo=True, opset_version=opset, dynamic_shapes=dynamic,
                 input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-                external_data=True, optimize=True, verify=False,  # weights streamed to a data file
+                optimize=True, verify=False,
             )
+        # Sibling projections fused in memory, then one write of the weights (to a data file: no 2 GiB limit); the
+        # initializers are still the model's own tensors, so nothing is copied but what fusion concatenates.
+        step(f"fusing the projections of {path.name}")
+        fuse_graph(program.model.graph)
+        step(f"writing {path.name}")
+        save_ir_graph(program.model, path)
+        del program
     except Exception as exc:
         fault = environment_fault(exc)
         if fault is not None:  # a full disk, a quota, permissions: the caller's output claim names the fix
@@ -203,7 +214,7 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
                   step_outputs: list[TensorIO] | None = None,
                   edgelin_ops: bool = False, contrib_ops: bool = False,
                   rotary_positions: int | None = None) -> dict[str, str]:
-    """After tracing: sibling MatMuls fused (edgelin.export.fuse_matmuls), --quantize (both graphs alike, so
+    """After tracing (which fused the sibling MatMuls: edgelin.export.fuse_matmuls), --quantize (both graphs alike, so
     their quantised weights still match; with `embeddings`, the embedding table and LM head too, at
     `embedding_bits` when given), then (with
     `share`) one copy of the weights, a weights.bin both graphs reference (ONNX external data), given the step
@@ -214,14 +225,10 @@ def finish_graphs(folder: Path, files: dict[str, str], settings: "ExportSettings
     weight products of both graphs on packed panels (edgelin.export.panels) and the step's nodes for edgelin's
     kernels (edgelin.export.onnx.kernels). Returns the files it adds ({"weights": "weights.bin"} or
     nothing)."""
-    from edgelin.export.fuse_matmuls import fuse_matmuls
     from edgelin.export.phases import step
     from edgelin.export.weights import WEIGHTS, WEIGHTS_KEY, share_weights
 
     graphs = [files[kind] for kind in ("step", "prefill")]
-    for file in graphs:  # sibling projections as one MatMul + Split (before quantising: one wider MatMulNBits)
-        step(f"fusing the projections of {file}")
-        fuse_matmuls(folder / file)
     if settings.quantize is not None:
         from edgelin.export.quantize import quantize_graph
 

@@ -1,0 +1,176 @@
+"""Real sizes on the CPU (issue 46): export, validate, bench and generate the real-shaped checkpoints of
+bench/real_shapes.py as a user runs them, each step a child process whose wall time and peak RSS (wait4's
+ru_maxrss) are recorded; docs/benchmarks.md is rendered from the results. Random weights: speed and memory only
+(quality figures come from the trained peers: docs/performance.md).
+
+    python bench/real_shapes.py --out runs/real-shapes                      # the checkpoints (minutes)
+    python bench/real_sizes.py run runs/real-shapes/qwen3.5-0.8b --cells int4,int8 --out runs/real-sizes
+    python bench/real_sizes.py doc                                           # docs/benchmarks.md from the results
+
+A cell is an export's precision flags: fp32, fp16 (--quantize fp16), int8, int4, int4-e8 (--quantize int4
+--embeddings-bits 8). `run` merges its cells into bench/results/real-sizes.json (keyed by checkpoint and cell,
+with commit and machine), replacing only the cells it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "real-sizes.json"
+DOC = ROOT / "docs" / "benchmarks.md"
+CELLS = {"fp32": [], "fp16": ["--quantize", "fp16"], "int8": ["--quantize", "int8"], "int4": ["--quantize", "int4"],
+         "int4-e8": ["--quantize", "int4", "--embeddings-bits", "8"]}
+CLI = [sys.executable, "-m", "edgelin.cli"]
+
+
+def timed(args: list[str], log: Path) -> dict:
+    """Run a child to completion (stdout to `log`, stderr beside it): its exit status, wall seconds and peak RSS
+    (bytes, the child's own)."""
+    began = time.monotonic()
+    with open(log, "w") as out, open(log.with_name(log.name + ".err"), "w") as err:
+        child = subprocess.Popen(args, stdout=out, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    return {"rc": child.returncode, "seconds": round(time.monotonic() - began, 1),
+            "peak_rss_bytes": usage.ru_maxrss * 1024, "log": str(log)}
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"{os.cpu_count()}-core {cpu}, {memory / 2**30:.0f} GiB, {platform.system()}"
+
+
+def run_cell(checkpoint: Path, cell: str, out: Path, positions: str) -> dict:
+    folder = out / f"{checkpoint.name}-{cell}"
+    if folder.exists():
+        shutil.rmtree(folder)  # ours: this script's own output folder
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    stem = f"{checkpoint.name}-{cell}"
+    result: dict = {"checkpoint": checkpoint.name, "cell": cell,
+                    "command": f"edgelin export {checkpoint.name} --target onnx {' '.join(CELLS[cell])}".strip()}
+    result["export"] = timed(CLI + ["export", str(checkpoint), "--target", "onnx", *CELLS[cell], "--out", str(folder)],
+                             logs / f"{stem}-export.log")
+    if result["export"]["rc"] != 0:
+        return result
+    manifest = json.loads((folder / "manifest.json").read_text())
+    result["weights_bytes"] = manifest["extra"]["weights"]["bytes"]
+    result["num_parameters"] = manifest["num_parameters"]
+    result["folder_bytes"] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    result["validate"] = timed(CLI + ["validate", str(folder)], logs / f"{stem}-validate.log")
+    bench_json = logs / f"{stem}-bench.json"
+    for threads in (1, 2):
+        result[f"bench_t{threads}"] = timed(CLI + ["bench", str(folder), "--positions", positions, "--iters", "20",
+                                                   "--warmup", "3", "--threads", str(threads), "--json"], bench_json)
+        if result[f"bench_t{threads}"]["rc"] == 0:
+            result[f"bench_t{threads}"]["report"] = json.loads(bench_json.read_text())
+    result["generate"] = timed(CLI + ["generate", str(folder), "--prompt", "def main(", "-n", "32", "--greedy",
+                                      "--ignore-eos", "--json"], logs / f"{stem}-generate.json")
+    if result["generate"]["rc"] == 0:
+        result["generate"]["report"] = json.loads(Path(result["generate"]["log"]).read_text())
+    return result
+
+
+def command_run(args: argparse.Namespace) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"cells": {}}
+    for cell in args.cells.split(","):
+        if cell not in CELLS:
+            raise SystemExit(f"unknown cell {cell!r}: one of {', '.join(CELLS)}")
+        result = run_cell(args.checkpoint, cell, args.out, args.positions)
+        result.update(commit=commit, machine=machine(), when=time.strftime("%Y-%m-%d"))
+        data["cells"][f"{args.checkpoint.name}/{cell}"] = result
+        RESULTS.write_text(json.dumps(data, indent=1) + "\n")
+        export = result["export"]
+        print(f"{args.checkpoint.name} {cell}: export rc {export['rc']}, {export['seconds']:.0f} s, peak RSS "
+              f"{export['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def _step_ms(result: dict, threads: int, position: int) -> str:
+    report = result.get(f"bench_t{threads}", {}).get("report")
+    if not report:
+        return "-"
+    for entry in report.get("positions", []):
+        if entry.get("position") == position:
+            return f"{entry['p50_ms']:.1f}"
+    return "-"
+
+
+def command_doc(args: argparse.Namespace) -> None:
+    data = json.loads(RESULTS.read_text())
+    by_checkpoint: dict[str, list[dict]] = {}
+    for result in data["cells"].values():
+        by_checkpoint.setdefault(result["checkpoint"], []).append(result)
+    lines = ["# Real-size benchmarks", "",
+             "Generated by `python bench/real_sizes.py doc` from `bench/results/real-sizes.json`; each row by",
+             "`python bench/real_sizes.py run CHECKPOINT --cells CELL` (commit and machine in the row). The checkpoints",
+             "are bench/real_shapes.py's: the published shapes with **seeded random weights** (speed and memory only;",
+             "quality figures are measured on the trained peers, docs/performance.md). CPU figures come from a shared",
+             "2-core VM: export times are wall times of `edgelin export` with other work on the machine; step",
+             "latencies are `edgelin bench` medians (p50 of 20 steps after 3 warm-up, batch 1).", ""]
+    for name, results in sorted(by_checkpoint.items()):
+        order = list(CELLS)
+        results.sort(key=lambda r: order.index(r["cell"]))
+        lines += [f"## {name}", "",
+                  "| cell | export | export peak RSS (GiB) | weights (GiB) | validate | step p50 ms @1 (1 / 2 threads) "
+                  "| @1024 | generate tok/s | commit | machine |",
+                  "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | --- |"]
+        for r in results:
+            export, validate = r["export"], r.get("validate", {})
+            generated = r.get("generate", {}).get("report") or {}
+            rate = generated.get("tokens_per_second")
+            took = "failed" if export["rc"] else f"{export['seconds'] / 60:.1f} min"
+            lines.append(
+                f"| {r['cell']} | {took} "
+                f"| {_gib(export['peak_rss_bytes'])} | {_gib(r.get('weights_bytes'))} "
+                f"| {'-' if not validate else ('pass' if validate['rc'] == 0 else 'FAIL')} "
+                f"| {_step_ms(r, 1, 1)} / {_step_ms(r, 2, 1)} | {_step_ms(r, 1, 1024)} / {_step_ms(r, 2, 1024)} "
+                f"| {'-' if rate is None else f'{rate:.1f}'} | {r['commit']} | {r['machine']} |")
+        lines.append("")
+    lines += ["## Export cost", "",
+              "`edgelin export` refuses, before the weights load, an export the machine lacks the memory or disk for",
+              "(edgelin.export.resources): its estimate is the model's float32 bytes times the target's factor plus",
+              "1.5 GiB for the process. The measured peaks behind the ONNX target's factors:", "",
+              "| checkpoint | cell | parameters | float32 GiB | export peak RSS GiB | (peak - 1.5 GiB) / float32 |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in sorted(data["cells"].values(), key=lambda r: (r["checkpoint"], list(CELLS).index(r["cell"]))):
+        if r["export"]["rc"] == 0 and "num_parameters" in r:
+            weights, peak = 4 * r["num_parameters"], r["export"]["peak_rss_bytes"]
+            lines.append(f"| {r['checkpoint']} | {r['cell']} | {r['num_parameters']:,} | {weights / 2**30:.2f} "
+                         f"| {peak / 2**30:.2f} | {(peak - 1.5 * 2**30) / weights:.2f} |")
+    lines.append("")
+    DOC.write_text("\n".join(lines))
+    print(f"wrote {DOC}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="export, validate, bench and generate a checkpoint's cells")
+    run.add_argument("checkpoint", type=Path)
+    run.add_argument("--cells", default="int4")
+    run.add_argument("--out", type=Path, default=ROOT / "runs" / "real-sizes")
+    run.add_argument("--positions", default="1,1024")
+    sub.add_parser("doc", help="render docs/benchmarks.md from the results")
+    args = parser.parse_args()
+    {"run": command_run, "doc": command_doc}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
