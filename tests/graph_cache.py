@@ -55,7 +55,7 @@ TRACED_MODULES = (
     "edgelin.model.lm", "edgelin.model.layers", "edgelin.model.mixer", "edgelin.model.attention",
     "edgelin.model.config", "edgelin.reference.engine", "edgelin.reference.recurrence",
     "edgelin.families.spec", "edgelin.families.feature_maps", "edgelin.kernels.dispatch",
-    "edgelin.export.onnx.target", "edgelin.export.lowering", "edgelin.export.graphs",
+    "edgelin.export.onnx.target", "edgelin.export.lowering", "edgelin.export.graphs", "edgelin.export.fuse_matmuls",
     "edgelin.artifact.tensors", "edgelin.artifact.state", "edgelin.export.tensorrt.target",
     "edgelin.export.onnx.lowering", "edgelin.export.tensorrt.lowering", "edgelin.export.tensorrt.step_node",
 )
@@ -129,10 +129,11 @@ def install() -> None:
             return traced(module, model, inputs, outputs, path, opset)
         key = graph_key(module, model, inputs, outputs, path, opset)
         root.mkdir(parents=True, exist_ok=True)
-        cached = root / f"{key}.onnx"
+        cached = root / key  # the graph file and its data file (its weights: edgelin.export.weights.save_ir_graph)
         with FileLock(str(root / f"{key}.lock")):
-            if cached.is_file():
-                shutil.copyfile(cached, path)
+            if cached.is_dir():
+                for file in cached.iterdir():
+                    shutil.copyfile(file, path.parent / file.name)
                 return None
             began = time.perf_counter()
             result = traced(module, model, inputs, outputs, path, opset)
@@ -141,7 +142,9 @@ def install() -> None:
                     log.write(f"{time.perf_counter() - began:6.1f}s {path.name} {key[:10]} "
                               f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\n")
             partial = root / f"{key}.{os.getpid()}.partial"
-            shutil.copyfile(path, partial)
+            partial.mkdir()
+            for file in [path, *path.parent.glob(f"{path.name}*.data")]:
+                shutil.copyfile(file, partial / file.name)
             os.replace(partial, cached)
             return result
 

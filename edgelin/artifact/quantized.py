@@ -11,6 +11,7 @@ This is the artifact side of the reference a weight-quantised export is checked 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -47,30 +48,63 @@ def half_tables(graph: Any) -> set[str]:
 @dataclass(frozen=True)
 class Dequantized:
     """One quantised tensor unpacked: `rows` [N, K] float32 (a MatMulNBits weight's output columns, or a
-    table's rows) and `bound` [N, K], half the quantisation step each element was rounded on (slack included)."""
+    table's rows) and `bound` [N, K], half the quantisation step each element was rounded on (slack included;
+    an array, or BlockSteps for block-quantised weights)."""
 
     name: str
     rows: np.ndarray
-    bound: np.ndarray
+    bound: Any
 
 
 def unpack(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int, cols: int, bits: int,
-           block_size: int) -> tuple[np.ndarray, np.ndarray]:
+           block_size: int) -> tuple[np.ndarray, "BlockSteps"]:
     """(values [rows, cols], steps [rows, cols]) of ONNX Runtime's block-quantised layout: per row, blocks of
     `block_size` along the columns, `bits` per code packed low bits first, one scale and one zero point per
-    block (zero points packed the same way; without them, the midpoint 2^(bits-1))."""
+    block (zero points packed the same way; without them, the midpoint 2^(bits-1)). The steps are one per
+    block, expanded only where indexed (BlockSteps: a 2 B-parameter model's would be 8 GB)."""
     if bits not in (4, 8):
         raise ValueError(f"{bits}-bit codes")
     blocks = -(-cols // block_size)
-    codes = _codes(data, rows, bits)[:, :blocks * block_size].reshape(rows, blocks, block_size).astype(np.float32)
     if zero_points is None:
         zeros = np.full((rows, blocks), 2 ** (bits - 1), np.float32)
     else:
         zeros = _codes(zero_points, rows, bits)[:, :blocks].astype(np.float32)
     scale = np.asarray(scales, np.float32).reshape(rows, blocks)
-    values = (codes - zeros[..., None]) * scale[..., None]
-    steps = np.broadcast_to(np.abs(scale)[..., None], values.shape)
-    return (values.reshape(rows, -1)[:, :cols], steps.reshape(rows, -1)[:, :cols])
+    packed = np.asarray(data, np.uint8).reshape(rows, -1)
+    values = np.empty((rows, blocks * block_size), np.float32)
+    for start in range(0, rows, 4096):  # a slice of rows at a time: the codes as float32 are 4-8x the packed bytes
+        part = slice(start, start + 4096)
+        codes = _codes(packed[part], packed[part].shape[0], bits)
+        codes = codes[:, :blocks * block_size].reshape(-1, blocks, block_size).astype(np.float32)
+        values[part] = ((codes - zeros[part, :, None]) * scale[part, :, None]).reshape(-1, blocks * block_size)
+    return values[:, :cols], BlockSteps(np.abs(scale), block_size, cols)
+
+
+class BlockSteps:
+    """A [rows, cols] array of per-element steps stored once per block ([rows, blocks]): indexing by rows (an int,
+    a slice, an index array) expands just those rows; [rows, column] reads the column's block."""
+
+    def __init__(self, per_block: np.ndarray, block_size: int, cols: int, scale: float = 1.0, offset: float = 0.0):
+        self.per_block, self.block_size, self.cols = per_block, block_size, cols
+        self.scale, self.offset = scale, offset
+        self.shape = (per_block.shape[0], cols)
+
+    def __mul__(self, factor: float) -> "BlockSteps":
+        return BlockSteps(self.per_block, self.block_size, self.cols, self.scale * factor, self.offset * factor)
+
+    __rmul__ = __mul__
+
+    def __add__(self, term: float) -> "BlockSteps":
+        return BlockSteps(self.per_block, self.block_size, self.cols, self.scale, self.offset + term)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if isinstance(key, tuple):
+            rows, column = key
+            if isinstance(column, (int, np.integer)):
+                return self.per_block[rows, column // self.block_size] * self.scale + self.offset
+            return self[rows][..., column]
+        expanded = np.repeat(self.per_block[key], self.block_size, axis=-1)[..., :self.cols]
+        return expanded * self.scale + self.offset
 
 
 def _codes(packed: np.ndarray, rows: int, bits: int) -> np.ndarray:
@@ -123,6 +157,7 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
     import onnx
 
     found: dict[str, Dequantized] = {}
+    contents: set[str] = set()  # a tied table's lookup and head hold the same bytes: unpacked once
     for file in graph_files:
         graph, inits, array = _graph(folder, file)
         tables = half_tables(graph)
@@ -146,6 +181,10 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
             if weight in found or weight not in inits:
                 continue
             data = array(weight)
+            content = hashlib.sha256(np.ascontiguousarray(data).data).hexdigest()
+            if content in contents:
+                continue
+            contents.add(content)
             if node.op_type == "MatMulNBits":
                 rows, cols = attrs["N"], attrs["K"]
             else:  # the table [V, D] along its rows (quantize_axis 1)

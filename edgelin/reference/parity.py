@@ -151,6 +151,20 @@ def _untie_products(model: "CausalLM", weight: Any, dequantized: Any) -> list[st
     return untied
 
 
+def _replace(model: "CausalLM", held: Any, value: Any) -> None:
+    """Every module of `model` holding tensor `held` (tied ones too) gets `value` instead (never written in place:
+    the tensor is the original model's)."""
+    import torch
+
+    for module in model.modules():
+        for attr, tensor in list(module.named_parameters(recurse=False)):
+            if tensor is held:
+                setattr(module, attr, torch.nn.Parameter(value, requires_grad=tensor.requires_grad))
+        for attr, tensor in list(module.named_buffers(recurse=False)):
+            if tensor is held:
+                module.register_buffer(attr, value, persistent=attr not in module._non_persistent_buffers_set)
+
+
 def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str]) -> tuple["CausalLM", Account]:
     """A copy of `model` whose weights are the export's dequantised ones (the model is left as it is)."""
     return with_dequantized(model, read_quantized(folder, graph_files), float_lookups(folder, graph_files))
@@ -162,7 +176,9 @@ def with_dequantized(model: "CausalLM", tensors: list[Dequantized],
     `lookups`: float tables the artifact looks rows up in while multiplying by their quantised copy."""
     import torch
 
-    twin = copy.deepcopy(model)
+    # The twin shares every tensor with `model` (deepcopy's memo maps them to themselves): only the replaced
+    # weights are new, so the reference costs the dequantised weights' memory, not a second model.
+    twin = copy.deepcopy(model, {id(t): t for t in [*model.parameters(), *model.buffers()]})
     covered = [np.zeros(t.rows.shape[0], bool) for t in tensors]
     replaced = []
     named = list(twin.named_parameters()) + list(twin.named_buffers())
@@ -183,7 +199,7 @@ def with_dequantized(model: "CausalLM", tensors: list[Dequantized],
             if any(_same_table(param, table) for table in lookups):  # looked up float, multiplied quantised
                 replaced.extend(_untie_products(twin, value, dequantized))
             else:
-                value.copy_(dequantized)
+                _replace(twin, value, dequantized)
                 replaced.append(name)
     total = sum(len(c) for c in covered)
     return twin.eval(), Account(tuple(replaced), total - int(sum(c.sum() for c in covered)), total)

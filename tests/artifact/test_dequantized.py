@@ -47,7 +47,7 @@ def test_unpacking_equals_onnxruntimes_kernel(tmp_path, scheme, block, k):
     np.testing.assert_allclose(tensor.rows.T, by_kernel, rtol=0, atol=1e-6 * np.abs(by_kernel).max())
     # within half a step of the float weight (round-to-nearest), and not equal to it
     error = np.abs(tensor.rows.T - weight)
-    assert (error <= tensor.bound.T).all() and error.max() > 1e-4
+    assert (error <= tensor.bound[:].T).all() and error.max() > 1e-4  # (bound: per block, expanded by rows)
 
 
 def test_parameters_are_found_by_value_at_their_offset_and_not_elsewhere():
