@@ -85,12 +85,12 @@ def run_cell(checkpoint: Path, cell: str, out: Path, positions: str) -> dict:
 def command_run(args: argparse.Namespace) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"cells": {}}
     for cell in args.cells.split(","):
         if cell not in CELLS:
             raise SystemExit(f"unknown cell {cell!r}: one of {', '.join(CELLS)}")
         result = run_cell(args.checkpoint, cell, args.out, args.positions)
         result.update(commit=commit, machine=machine(), when=time.strftime("%Y-%m-%d"))
+        data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"cells": {}}  # read now: other runs write it
         data["cells"][f"{args.checkpoint.name}/{cell}"] = result
         RESULTS.write_text(json.dumps(data, indent=1) + "\n")
         export = result["export"]

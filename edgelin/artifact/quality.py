@@ -30,6 +30,16 @@ if TYPE_CHECKING:
 
 GREEDY_PROMPT = 16  # tokens of prompt before the greedy rollout
 GREEDY_STEPS = 512  # the issue's bound is stated over 512 greedy steps
+# The export decodes those steps one token at a time through the float32 PyTorch model, each reading every weight:
+# a 2 B-parameter model's 512 would take ~15 min of a 2-core CPU. Past GREEDY_BUDGET parameter-steps the rollout is
+# shorter (at least MIN_GREEDY_STEPS); reference.npz records how many, and validate measures over as many.
+GREEDY_BUDGET = 100_000_000_000
+MIN_GREEDY_STEPS = 64
+
+
+def greedy_steps_for(parameters: int) -> int:
+    """The greedy rollout's length for a model of `parameters`: GREEDY_STEPS up to 195 M parameters, then fewer."""
+    return max(MIN_GREEDY_STEPS, min(GREEDY_STEPS, GREEDY_BUDGET // max(parameters, 1)))
 TEXT_TOKENS = 512  # held-out tokens kept by default (reference.npz stays a few KiB larger)
 RANDOM_SOURCE = "random tokens"
 

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgelin.artifact.quality import GREEDY_PROMPT, GREEDY_STEPS, RANDOM_SOURCE, QualityReference, quantization_of
+from edgelin.artifact.quality import (GREEDY_PROMPT, GREEDY_STEPS, RANDOM_SOURCE, QualityReference, greedy_steps_for,
+                                      quantization_of)
 from edgelin.artifact.quantized import Dequantized, float_lookups, read_quantized
 from edgelin.artifact.state import state_input_name
 
@@ -53,7 +54,7 @@ def flat_state(state: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 
 def reference_quality(model: "CausalLM", vocab: int, text_ids: np.ndarray | None = None,
                       source: str = RANDOM_SOURCE, seed: int = 0, greedy_steps: int | None = None,
-                      window_bytes: int = 8 << 20) -> QualityReference:
+                      window_bytes: int = 64 << 20) -> QualityReference:
     """The fp32 reference's side of the quality figures (edgelin/artifact/quality.py): its greedy rollout from
     the text's first GREEDY_PROMPT tokens (seeded random ones without text), through the recurrent
     form, token by token as a decoder runs; and its log p(next) and argmax over the text (chunked
@@ -61,7 +62,8 @@ def reference_quality(model: "CausalLM", vocab: int, text_ids: np.ndarray | None
     stays flat for any vocabulary and text length)."""
     import torch
 
-    greedy_steps = GREEDY_STEPS if greedy_steps is None else greedy_steps  # read here: tests shorten it
+    if greedy_steps is None:  # fewer for a large model (greedy_steps_for; recorded); GREEDY_STEPS read here: tests shorten it
+        greedy_steps = min(GREEDY_STEPS, greedy_steps_for(model.num_parameters()))
     rng = np.random.default_rng(seed)
     prompt = (text_ids[:GREEDY_PROMPT] if text_ids is not None and len(text_ids) > GREEDY_PROMPT
               else rng.integers(0, vocab, GREEDY_PROMPT, dtype=np.int64))

@@ -331,6 +331,17 @@ class OnnxTarget(Target):
         return (self.options_type(**fields) if fields else None), settings
     quantize_modes = QUANTIZE  # int8/int4 block-wise (MatMulNBits, GatherBlockQuantized), fp16 weights
 
+    def export_memory_factor(self, settings: "ExportSettings") -> float:
+        """The loaded float32 model, the tracer's folded and fused copies of the matrices at peak, and for a quantised
+        export the reference's dequantised weights (docs/benchmarks.md#export-cost: Qwen3.5-0.8B's shapes measured
+        2.0 at fp32, the tool-free quantiser and lean reference bring int4 near it)."""
+        return 2.5
+
+    def export_disk_factor(self, settings: "ExportSettings") -> float:
+        """Both graphs' data files at float32 and weights.bin being written from them (a quantised weights.bin is
+        smaller)."""
+        return 3.0 if settings.quantize is None else 2.5
+
     def lowering(self) -> "Lowering":
         from edgelin.export.onnx.lowering import LOWERING
 
