@@ -16,10 +16,12 @@ import pytest
 from typer.testing import CliRunner
 
 import graph_cache
+from cached_cli import GREEDY_ENV
 
 from edgelin import __version__
 from edgelin.cli import app
 from edgelin.output import LogProgress
+from edgelin.reference import parity
 from helpers import TOKENIZER_VOCAB, make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,7 @@ def edgelin(*args, columns: int = 80) -> subprocess.Popen:
     env.pop("EDGELIN_DEBUG", None)
     if graph_cache.cache_dir() is not None:
         env[graph_cache.DIR_ENV] = str(graph_cache.cache_dir())
+    env[GREEDY_ENV] = str(parity.GREEDY_STEPS)  # as this file's in-process exports record (tests/conftest.py)
     return subprocess.Popen([sys.executable, str(ROOT / "tests" / "cached_cli.py"), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
 

@@ -22,6 +22,7 @@ import torch
 
 from edgelin.export.onnx import target as onnx_target
 from edgelin.outputs import EXPORT, claim_output
+from edgelin.reference import parity
 from helpers import make_checkpoint
 from test_cli import run
 from helpers import TINY
@@ -385,6 +386,7 @@ RACER = textwrap.dedent("""
     from pathlib import Path
     from edgelin import cli
     from edgelin.export.onnx import target as onnx_target
+    from edgelin.reference import parity
 
     def slow_graph(*args):  # both racers are inside their export at the same time
         time.sleep(1.0)
@@ -392,6 +394,7 @@ RACER = textwrap.dedent("""
 
     onnx_target.export_onnx_graph = slow_graph
     onnx_target.finish_graphs = lambda *args, **kwargs: {}  # no weights to share out of fake graphs
+    parity.GREEDY_STEPS = int(sys.argv[5])  # the greedy rollout this file's in-process exports record
     Path(sys.argv[1] + ".ready").touch()
     while not Path(sys.argv[2]).exists():
         time.sleep(0.01)
@@ -403,7 +406,8 @@ RACER = textwrap.dedent("""
 def test_two_concurrent_exports_exactly_one_wins(ckpt, tmp_path):
     out, go = tmp_path / "out", tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path / f"racer{i}"), str(go), str(ckpt), str(out)],
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path / f"racer{i}"), str(go), str(ckpt), str(out),
+                               str(parity.GREEDY_STEPS)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"racer{i}.ready").exists() for i in range(2)):  # both imported and waiting

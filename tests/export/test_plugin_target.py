@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from cached_cli import GREEDY_ENV
+from edgelin.reference import parity
 from helpers import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,9 +122,11 @@ def test_the_registry_finds_the_toy_through_its_entry_point(plugin, monkeypatch)
 
 
 def edgelin(plugin: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugin)])}
-    return subprocess.run([sys.executable, "-m", "edgelin.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=900)
+    """`edgelin ARGS` in a process of its own (tests/cached_cli.py: edgelin.cli.main), its export recording the
+    greedy rollout this file's in-process exports record (tests/conftest.py: SHORT_GREEDY_STEPS)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugin)]), GREEDY_ENV: str(parity.GREEDY_STEPS)}
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "cached_cli.py"), *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=900)
 
 
 def test_the_toy_target_exports_and_validates_through_the_cli(plugin, tmp_path):
