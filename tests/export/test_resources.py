@@ -73,3 +73,12 @@ def test_force_lets_a_memory_estimate_pass(ckpt, monkeypatch, tmp_path):
     resources.check_resources(needs, tmp_path / "out", "onnx", force=True)  # no refusal
     with pytest.raises(EdgelinError):
         resources.check_resources(needs, tmp_path / "out", "onnx", force=False)
+
+
+def test_a_large_models_greedy_rollout_is_shorter_and_recorded():
+    from edgelin.artifact.quality import GREEDY_STEPS, MIN_GREEDY_STEPS, greedy_steps_for
+
+    assert greedy_steps_for(3_300_000) == GREEDY_STEPS == 512  # the shipped model: the full rollout
+    assert greedy_steps_for(150_000_000) == 512
+    assert greedy_steps_for(752_393_024) == 132  # Qwen3.5-0.8B's shapes: 100e9 / 752e6
+    assert greedy_steps_for(1_881_825_088) == MIN_GREEDY_STEPS == 64  # 2B: the floor

@@ -126,3 +126,21 @@ def test_export_shares_fused_weights_once(exported):
         assert any(any(p.key == FUSED_MODULES for p in n.metadata_props) for n in graph.node), file
     params = (exported.parent / "ckpt" / "model.safetensors").stat().st_size  # float32 parameters (+ a header)
     assert weights["bytes"] <= 1.1 * params, (weights["bytes"], params)
+
+
+def test_the_graphs_keep_no_weights_and_no_data_files_of_their_own(exported):
+    """The export writes each graph's weights to a data file first (no 2 GiB protobuf limit at real sizes) and
+    streams them into weights.bin: what is left is the graphs with only their small constants inside, every
+    large tensor in weights.bin, and no other data file."""
+    import onnx
+
+    from edgelin.export.weights import MIN_EXTERNAL, WEIGHTS
+
+    assert sorted(p.name for p in exported.glob("*.data")) == []
+    for file in ("step.onnx", "prefill.onnx"):
+        graph = onnx.load(str(exported / file), load_external_data=False).graph
+        inside = [t for t in graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+        assert all(len(t.raw_data) < MIN_EXTERNAL for t in inside), file
+        outside = {e.value for t in graph.initializer for e in t.external_data if e.key == "location"}
+        assert outside == {WEIGHTS}, (file, outside)
+        assert (exported / file).stat().st_size < 2 << 20, file  # structure only
