@@ -51,22 +51,29 @@ def machine() -> str:
     return f"{os.cpu_count()}-core {cpu}, {memory / 2**30:.0f} GiB, {platform.system()}"
 
 
-def run_cell(checkpoint: Path, cell: str, out: Path, positions: str) -> dict:
+def run_cell(checkpoint: Path, cell: str, out: Path, positions: str, reuse: bool = False) -> dict:
+    """Export (unless `reuse` and the folder holds a finished export and its recorded stats), then validate, bench
+    at 1 and 2 threads and generate."""
     folder = out / f"{checkpoint.name}-{cell}"
-    if folder.exists():
-        shutil.rmtree(folder)  # ours: this script's own output folder
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     stem = f"{checkpoint.name}-{cell}"
+    stats = logs / f"{stem}-export.json"
     result: dict = {"checkpoint": checkpoint.name, "cell": cell,
                     "command": f"edgelin export {checkpoint.name} --target onnx {' '.join(CELLS[cell])}".strip()}
-    result["export"] = timed(CLI + ["export", str(checkpoint), "--target", "onnx", *CELLS[cell], "--out", str(folder)],
-                             logs / f"{stem}-export.log")
+    if reuse and (folder / "manifest.json").is_file() and stats.is_file():
+        result["export"] = json.loads(stats.read_text())
+    else:
+        if folder.exists():
+            shutil.rmtree(folder)  # ours: this script's own output folder
+        result["export"] = timed(CLI + ["export", str(checkpoint), "--target", "onnx", *CELLS[cell], "--out",
+                                        str(folder)], logs / f"{stem}-export.log")
+        stats.write_text(json.dumps(result["export"]))
     if result["export"]["rc"] != 0:
         return result
     manifest = json.loads((folder / "manifest.json").read_text())
     result["weights_bytes"] = manifest["extra"]["weights"]["bytes"]
-    result["num_parameters"] = manifest["num_parameters"]
+    result["num_parameters"] = manifest["model"]["num_parameters"]
     result["folder_bytes"] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     result["validate"] = timed(CLI + ["validate", str(folder)], logs / f"{stem}-validate.log")
     bench_json = logs / f"{stem}-bench.json"
@@ -88,7 +95,7 @@ def command_run(args: argparse.Namespace) -> None:
     for cell in args.cells.split(","):
         if cell not in CELLS:
             raise SystemExit(f"unknown cell {cell!r}: one of {', '.join(CELLS)}")
-        result = run_cell(args.checkpoint, cell, args.out, args.positions)
+        result = run_cell(args.checkpoint, cell, args.out, args.positions, args.reuse)
         result.update(commit=commit, machine=machine(), when=time.strftime("%Y-%m-%d"))
         data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"cells": {}}  # read now: other runs write it
         data["cells"][f"{args.checkpoint.name}/{cell}"] = result
@@ -99,7 +106,7 @@ def command_run(args: argparse.Namespace) -> None:
 
 
 def _gib(value: float | None) -> str:
-    return "-" if value is None else f"{value / 2**30:.2f}"
+    return "-" if value is None else f"{value / 2**30:.2f}"  # None: not recorded
 
 
 def _step_ms(result: dict, threads: int, position: int) -> str:
@@ -150,7 +157,7 @@ def command_doc(args: argparse.Namespace) -> None:
               "| checkpoint | cell | parameters | float32 GiB | export peak RSS GiB | (peak - 1.5 GiB) / float32 |",
               "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in sorted(data["cells"].values(), key=lambda r: (r["checkpoint"], list(CELLS).index(r["cell"]))):
-        if r["export"]["rc"] == 0 and "num_parameters" in r:
+        if r["export"]["rc"] == 0 and "num_parameters" in r and r["export"].get("peak_rss_bytes"):
             weights, peak = 4 * r["num_parameters"], r["export"]["peak_rss_bytes"]
             lines.append(f"| {r['checkpoint']} | {r['cell']} | {r['num_parameters']:,} | {weights / 2**30:.2f} "
                          f"| {peak / 2**30:.2f} | {(peak - 1.5 * 2**30) / weights:.2f} |")
@@ -167,6 +174,8 @@ def main() -> None:
     run.add_argument("--cells", default="int4")
     run.add_argument("--out", type=Path, default=ROOT / "runs" / "real-sizes")
     run.add_argument("--positions", default="1,1024")
+    run.add_argument("--reuse", action="store_true", help="keep a finished export of an earlier run (its recorded "
+                     "time and peak RSS) and measure the rest")
     sub.add_parser("doc", help="render docs/benchmarks.md from the results")
     args = parser.parse_args()
     {"run": command_run, "doc": command_doc}[args.command](args)

@@ -17,7 +17,6 @@ piece by piece, so no [batch, position] array is ever allocated.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from edgelin.devices import DeviceProfile
-from edgelin.environment import environment
+from edgelin.environment import available_memory, environment
 from edgelin.errors import EdgelinError
 from edgelin.export.base import Runner, StateHandle
 from edgelin.artifact.manifest import Manifest
@@ -230,21 +229,6 @@ def prefill_throughput(runner: Runner, tokens: int, batch: int, prefill_chunk: i
 
 
 # ---- what this machine can reach -----------------------------------------------------------------
-def available_memory() -> int | None:
-    """Bytes the kernel could give us now (MemAvailable), else free physical pages; None if unknown."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def memory_needed(manifest: Manifest, position: int, batch: int, chunk: int) -> int:
     """Bytes a prefill piece ending at `position` needs, estimated from the manifest: the state fed in
     and the state returned (a growing KV cache at its length), the ids piece and the last logits,

@@ -171,3 +171,18 @@ def invocation() -> str | None:
         else:
             words += [max(param.opts, key=len), str(value)]
     return shlex.join(words)
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel could give us now (MemAvailable), else free physical pages; None if unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -9,12 +9,12 @@ Target.export_disk_factor; docs/benchmarks.md, "Export cost") plus the process's
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from edgelin.environment import available_memory
 from edgelin.errors import EdgelinError
 
 if TYPE_CHECKING:
@@ -53,21 +53,6 @@ def estimate(config: "ModelConfig", target: "Target", settings: "ExportSettings"
     memory = int(weights * target.export_memory_factor(settings)) + PROCESS_BYTES
     disk = int(weights * target.export_disk_factor(settings))
     return ExportNeeds(parameters, weights, memory, disk)
-
-
-def available_memory() -> int | None:
-    """Bytes the OS says a new allocation can get without swapping (Linux: MemAvailable), else None."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:  # elsewhere: free physical pages (an underestimate of what can be had)
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def free_disk(out: Path) -> int | None:
