@@ -95,6 +95,7 @@ def reference_quality(model: "CausalLM", vocab: int, text_ids: np.ndarray | None
 
 
 # ---- the reference with the export's dequantised weights -------------------------------------------
+MATCH_ROWS = 4096  # rows compared at a time: a 248k-token table's temporaries would be 1 GB each
 def _match(param: np.ndarray, tensor: Dequantized) -> int | None:
     """The first row offset at which `param` [A, K] lies within half a step of `tensor`'s rows, or None."""
     rows, cols = param.shape
@@ -106,8 +107,9 @@ def _match(param: np.ndarray, tensor: Dequantized) -> int | None:
     first = first[first + rows <= tensor.rows.shape[0]]
     first = first[(np.abs(tensor.rows[first] - param[0]) <= bound[first]).all(1)]
     for offset in first:
-        window = slice(offset, offset + rows)
-        if (np.abs(tensor.rows[window] - param) <= bound[window]).all():
+        pieces = [(lo, min(lo + MATCH_ROWS, rows)) for lo in range(0, rows, MATCH_ROWS)]
+        if all((np.abs(tensor.rows[offset + lo:offset + hi] - param[lo:hi]) <= bound[offset + lo:offset + hi]).all()
+               for lo, hi in pieces):
             return int(offset)
     return None
 
