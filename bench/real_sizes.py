@@ -27,8 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "real-sizes.json"
 DOC = ROOT / "docs" / "benchmarks.md"
-CELLS = {"fp32": [], "fp16": ["--quantize", "fp16"], "int8": ["--quantize", "int8"], "int4": ["--quantize", "int4"],
-         "int4-e8": ["--quantize", "int4", "--embeddings-bits", "8"]}
+# The quantised cells pass --force: on random weights the logits are nearly flat, so the export's quality gate (top-1
+# agreement with the fp32 reference) measures noise and refuses; parity with the dequantised reference is still
+# checked by validate. Quality figures belong to the trained peers (docs/performance.md#quantisation-quality).
+CELLS = {"fp32": [], "fp16": ["--quantize", "fp16", "--force"], "int8": ["--quantize", "int8", "--force"],
+         "int4": ["--quantize", "int4", "--force"],
+         "int4-e8": ["--quantize", "int4", "--embeddings-bits", "8", "--force"]}
 CLI = [sys.executable, "-m", "edgelin.cli"]
 
 
