@@ -4,6 +4,8 @@ the card's weight-read floor.
     python bench/gpu_real_sizes.py --out DIR [--models qwen3.5-0.8b,qwen3.5-2b] [--batches 1,8,64]
                                    [--position 1024] [--steps 24] [--rounds 3] [--commit SHA] [--json]
     python bench/gpu_real_sizes.py --tiny --out DIR        # the same run at toy sizes (CPU: no graph, no events)
+    python bench/gpu_real_sizes.py --render RUN.json [--date YYYY-MM-DD]   # -> bench/results/gpu-real-sizes.json
+                                                           # (then python bench/performance_doc.py)
 
 Model: edgelin's CausalLM built from the published config (bench/real_shapes.py's SHAPES, through edgelin's
 Qwen3.5 converter) with RANDOM weights (seed 0, edgelin's init: matrices N(0, 0.02), norms at identity), exported
@@ -314,9 +316,57 @@ def print_table(out: dict) -> None:
                 f"eager / graph = {rows[(batch, 'eager')]['gpu_ms'] / rows[(batch, 'graph')]['gpu_ms']:.1f}x")
 
 
+RESULT = ROOT / "bench" / "results" / "gpu-real-sizes.json"
+COMMAND = "python bench/gpu_real_sizes.py --out DIR --rounds 5 --steps 32 --json"
+FORM_NAMES = {"runner": "torch target runner (eager, logits to host)", "eager": "eager step, no host copy",
+              "graph": "CUDA graph, fixed-capacity KV cache"}
+
+
+def render(raw: dict, date: str, notes: str = "") -> dict:
+    """The run's JSON as a bench/results table (bench/performance_doc.py's format)."""
+    env = raw["env"]
+    bandwidths = [m["copy_bandwidth_Bps"] for m in raw["models"]] + [m["copy_bandwidth_end_Bps"] for m in raw["models"]]
+    machine = (f"one {env['gpu']} ({env['sms']} SMs, driver {env['driver']}), torch {env['torch']}, Triton "
+               f"{env['triton']}, Python {env['python']}; copy bandwidth {min(bandwidths) / 1e12:.2f}-"
+               f"{max(bandwidths) / 1e12:.2f} TB/s in the run")
+    rows = []
+    for model in raw["models"]:
+        for r in model["rows"]:
+            rows.append([f"{model['name']} ({model['parameters'] / 1e6:.0f} M, {model['weight_bytes'] / 1e9:.2f} GB)",
+                         str(r["batch"]), FORM_NAMES[r["form"]], f"{r['gpu_ms']:.3f}", f"{r['wall_ms']:.3f}",
+                         f"{r['tokens_per_s']:,.0f}", f"{r['weight_floor_ms']:.3f}", f"{r['pct_weight_floor']:.1f}%",
+                         f"{r['pct_floor_with_state']:.1f}%", env["gpu"]])
+    position = int(raw["args"]["position"])
+    return {"id": RESULT.stem, "topic": "gpu-decode-at-real-size",
+            "title": f"Qwen3.5-0.8B and -2B (published shapes, RANDOM weights), torch target fp16, decode at position "
+                     f"~{position:,} on one {env['gpu']}",
+            "command": COMMAND, "commit": env["commit"], "date": date, "machine": machine,
+            "method": (f"edgelin's model of each published config (bench/real_shapes.py SHAPES) with random weights "
+                       f"(seed 0), exported with the torch target at fp16 (library API; quality gate forced: random "
+                       f"weights) and opened with its runner; each batch prefilled to {position:,} random tokens, "
+                       f"then {raw['args']['steps']} back-to-back steps per sample, {raw['args']['rounds']} samples "
+                       "interleaved over (B, form), medians; GPU time by CUDA events around the steps, wall by "
+                       "perf_counter; tokens/s = B / GPU time. Forms: the runner's step as `edgelin bench` calls it "
+                       "(a hybrid keeps a growing KV cache, so it steps eagerly and copies float32 logits to the "
+                       "host); the same forward without the host copy; the same step with the KV cache at a fixed "
+                       "capacity captured in one CUDA graph (checked against the runner's logits). Weight floor = "
+                       "every weight read once per step (fp16, tied head once) / the copy bandwidth of a 1 GiB "
+                       "device-to-device copy measured in the same run; '+ state' adds the recurrent state read + "
+                       "written and the KV cache read; % of floor = floor / GPU time"),
+            "source": f"bench/gpu_real_sizes.py --json at {env['commit']} (issue 46, item 5)",
+            "columns": ["model (parameters, fp16 bytes read per step)", "B", "decode", "GPU ms / step",
+                        "wall ms / step", "tokens/s", "weight floor ms", "% of weight floor",
+                        "% of (weights + state) floor", "card"],
+            "rows": rows,
+            "notes": ("Random weights: speed only, no quality figure. " + notes).strip()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="a folder for the exports and the JSON")
+    parser.add_argument("--render", type=Path, metavar="RUN_JSON", help="write bench/results/gpu-real-sizes.json")
+    parser.add_argument("--date", default=time.strftime("%Y-%m-%d", time.gmtime()))
+    parser.add_argument("--notes", default="", help="with --render: what the table shows, in a few sentences")
+    parser.add_argument("--out", type=Path, help="a folder for the exports and the JSON")
     parser.add_argument("--models", default="qwen3.5-0.8b,qwen3.5-2b")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--position", type=int, default=1024, help="prefilled tokens before the timed steps")
@@ -326,6 +376,11 @@ def main() -> None:
     parser.add_argument("--commit", default="working tree")
     parser.add_argument("--json", action="store_true", help="write OUT/gpu-real-sizes.json")
     args = parser.parse_args()
+    if args.render:
+        RESULT.write_text(json.dumps(render(json.loads(args.render.read_text()), args.date, args.notes), indent=1) + "\n")
+        return say(f"wrote {RESULT}")
+    if args.out is None:
+        parser.error("--out is required")
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
