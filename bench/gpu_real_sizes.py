@@ -317,7 +317,6 @@ def print_table(out: dict) -> None:
 
 
 RESULT = ROOT / "bench" / "results" / "gpu-real-sizes.json"
-COMMAND = "python bench/gpu_real_sizes.py --out DIR --rounds 5 --steps 32 --json"
 FORM_NAMES = {"runner": "torch target runner (eager, logits to host)", "eager": "eager step, no host copy",
               "graph": "CUDA graph, fixed-capacity KV cache"}
 
@@ -340,7 +339,9 @@ def render(raw: dict, date: str, notes: str = "") -> dict:
     return {"id": RESULT.stem, "topic": "gpu-decode-at-real-size",
             "title": f"Qwen3.5-0.8B and -2B (published shapes, RANDOM weights), torch target fp16, decode at position "
                      f"~{position:,} on one {env['gpu']}",
-            "command": COMMAND, "commit": env["commit"], "date": date, "machine": machine,
+            "command": (f"python bench/gpu_real_sizes.py --out DIR --position {position} --rounds {raw['args']['rounds']} "
+                        f"--steps {raw['args']['steps']} --json; python bench/gpu_real_sizes.py --render "
+                        "DIR/gpu-real-sizes.json"), "commit": env["commit"], "date": date, "machine": machine,
             "method": (f"edgelin's model of each published config (bench/real_shapes.py SHAPES) with random weights "
                        f"(seed 0), exported with the torch target at fp16 (library API; quality gate forced: random "
                        f"weights) and opened with its runner; each batch prefilled to {position:,} random tokens, "
@@ -353,7 +354,7 @@ def render(raw: dict, date: str, notes: str = "") -> dict:
                        "every weight read once per step (fp16, tied head once) / the copy bandwidth of a 1 GiB "
                        "device-to-device copy measured in the same run; '+ state' adds the recurrent state read + "
                        "written and the KV cache read; % of floor = floor / GPU time"),
-            "source": f"bench/gpu_real_sizes.py --json at {env['commit']} (issue 46, item 5)",
+            "source": f"the run's JSON, bench/results/raw/gpu-real-sizes-run.json (bench/gpu_real_sizes.py at {env['commit']}; issue 46, item 5)",
             "columns": ["model (parameters, fp16 bytes read per step)", "B", "decode", "GPU ms / step",
                         "wall ms / step", "tokens/s", "weight floor ms", "% of weight floor",
                         "% of (weights + state) floor", "card"],
