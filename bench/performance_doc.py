@@ -50,6 +50,8 @@ SECTIONS = (
             "(see [kernels.md](kernels.md))."),
     Section("GPU decode", "The whole-model decode step, the torch target through `edgelin bench`, and the CUDA "
             "step kernel the TensorRT plugin calls."),
+    Section("GPU decode at real size", "The models people ship (0.8-2 B parameters) through the torch target on one "
+            "GPU: tokens/s at batch 1, 8 and 64 against the card's weight-read floor (bench/gpu_real_sizes.py)."),
     Section("Gated DeltaNet variants", "Training quality of the Gated DeltaNet variants edgelin exports (recipes "
             "in `recipes/`)."),
     Section("TensorRT", "See [targets/tensorrt.md](targets/tensorrt.md)."),
