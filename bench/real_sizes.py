@@ -82,8 +82,11 @@ def run_cell(checkpoint: Path, cell: str, out: Path, positions: str, reuse: bool
     result["validate"] = timed(CLI + ["validate", str(folder)], logs / f"{stem}-validate.log")
     bench_json = logs / f"{stem}-bench.json"
     for threads in (1, 2):
+        # --prefill-tokens 0: bench's prefill-vs-steps figure steps the whole prompt one token at a time as well
+        # (2,048 steps of a 0.75 B model: ~15 min at one thread); prefill throughput is timed on its own below
         result[f"bench_t{threads}"] = timed(CLI + ["bench", str(folder), "--positions", positions, "--iters", "20",
-                                                   "--warmup", "3", "--threads", str(threads), "--json"], bench_json)
+                                                   "--warmup", "3", "--threads", str(threads), "--prefill-tokens",
+                                                   "0", "--json"], bench_json)
         if result[f"bench_t{threads}"]["rc"] == 0:
             result[f"bench_t{threads}"]["report"] = json.loads(bench_json.read_text())
     result["generate"] = timed(CLI + ["generate", str(folder), "--prompt", "def main(", "-n", "32", "--greedy",
