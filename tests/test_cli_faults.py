@@ -101,34 +101,39 @@ def test_a_genuine_export_failure_is_one_line_without_the_progress_log(checkpoin
     assert "✅" not in line and "❌" not in line and "[torch.onnx]" not in line
 
 
-def test_quantizer_faults(monkeypatch):
+def test_quantizer_faults(monkeypatch, tmp_path):
     """The quantiser's own failure is one line; an environment fault under it passes through as itself."""
-    from onnx import TensorProto, helper
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.capi import _pybind_state
 
-    from edgelin.export.quantize import _run_tool
+    from edgelin.export.quantize import quantize_graph
+    from edgelin.export.weights import save_graph
 
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    weight = numpy_helper.from_array(np.ones((64, 64), np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="m")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [weight])
+    path = tmp_path / "g.onnx"
+    save_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
 
     def fail(exc):
-        def process(self):
+        def kernel(*args):
             raise exc
-        monkeypatch.setattr(MatMulNBitsQuantizer, "process", process)
+        monkeypatch.setattr(_pybind_state, "quantize_matmul_4bits", kernel)
 
     fail(ValueError("bad\nblock"))
     with pytest.raises(EdgelinError) as refused:
-        _run_tool(proto, "int4", 4, 32, "step.onnx")
+        quantize_graph(path, "int4", 32)
     assert refused.value.why == "ValueError: bad block" and "\n" not in refused.value.line()
+    assert "int4 quantisation of w failed" in refused.value.line()
     fail(OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(OSError) as raised:
-        _run_tool(proto, "int4", 4, 32, "step.onnx")
+        quantize_graph(path, "int4", 32)
     assert raised.value.errno == errno.ENOSPC
     fail(MemoryError())
     with pytest.raises(MemoryError):
-        _run_tool(proto, "int4", 4, 32, "step.onnx")
+        quantize_graph(path, "int4", 32)
 
 
 # ---- 2. control characters in user text ---------------------------------------------------------

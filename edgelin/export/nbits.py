@@ -95,10 +95,7 @@ class NbitsGraph:
         if key not in self.names:
             table = layout != "matmul"
             if (name, bits) not in self.arrays or not table:
-                values = weight_array(self.inits[name], self.folder)
-                quantize = table_quantize if table else block_quantize
-                self.arrays[(name, bits)] = quantize(values, bits, self.block_size)
-                del values
+                self.arrays[(name, bits)] = self._quantize(name, bits, table)
             packed, scales, zeros = self.arrays[(name, bits)]
             if layout == "gather":
                 vocab = packed.shape[0]
@@ -113,6 +110,20 @@ class NbitsGraph:
             if not table:
                 del self.arrays[(name, bits)]  # a matmul weight is read by one node (fused siblings: one weight)
         return self.names[key]
+
+    def _quantize(self, name: str, bits: int, table: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ONNX Runtime's kernel on one weight; its own failure is one line, a machine's fault (memory, disk) itself."""
+        from edgelin.errors import EdgelinError, environment_fault, one_line
+
+        try:
+            values = weight_array(self.inits[name], self.folder)
+            return (table_quantize if table else block_quantize)(values, bits, self.block_size)
+        except Exception as exc:
+            fault = environment_fault(exc)
+            if fault is not None:
+                raise fault from None
+            raise EdgelinError(f"int{bits} quantisation of {name} failed", f"{type(exc).__name__}: {one_line(str(exc))}",
+                               "export without --quantize, and report this model config as an edgelin bug") from exc
 
     def matmul(self, node: Any, weight: Any, bits: int, head: bool = False) -> Any:
         """The MatMulNBits that replaces `node`: a MatMul on `weight`, or with `head` a Gemm x W^T."""
