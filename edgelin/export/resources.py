@@ -73,11 +73,11 @@ def check_resources(needs: ExportNeeds, out: Path, target: str, force: bool = Fa
     size = f"{needs.parameters / 1e9:.2f} B parameters, {needs.float32_bytes / GiB:.1f} GiB in float32"
     memory = available_memory()
     if memory is not None and needs.memory > memory and not force:
-        raise EdgelinError(f"a {target} export of this model ({size}) needs about {needs.memory / GiB:.1f} GiB of "
+        raise EdgelinError(f"exporting this model ({size}) to {target} needs about {needs.memory / GiB:.1f} GiB of "
                            f"memory at peak", f"this machine has {memory / GiB:.1f} GiB available",
                            "close other programs or export on a machine with more memory (--force tries anyway)")
     disk = free_disk(out)
     if disk is not None and needs.disk > disk:
-        raise EdgelinError(f"a {target} export of this model ({size}) writes about {needs.disk / GiB:.1f} GiB",
+        raise EdgelinError(f"exporting this model ({size}) to {target} writes about {needs.disk / GiB:.1f} GiB",
                            f"{Path(out).absolute().parent} has {disk / GiB:.1f} GiB free",
                            "free disk space or pass an --out on a larger disk")
