@@ -80,6 +80,9 @@ def run_cell(checkpoint: Path, cell: str, out: Path, positions: str, reuse: bool
     result["num_parameters"] = manifest["model"]["num_parameters"]
     result["folder_bytes"] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     result["validate"] = timed(CLI + ["validate", str(folder)], logs / f"{stem}-validate.log")
+    said = [line for path in (logs / f"{stem}-validate.log", logs / f"{stem}-validate.log.err")
+            for line in path.read_text().splitlines() if "checks passed" in line or "checks failed" in line]
+    result["validate"]["summary"] = said[-1].split(" (")[0].removeprefix("error: ") if said else None
     bench_json = logs / f"{stem}-bench.json"
     for threads in (1, 2):
         # --prefill-tokens 0: bench's prefill-vs-steps figure steps the whole prompt one token at a time as well
@@ -137,7 +140,10 @@ def command_doc(args: argparse.Namespace) -> None:
              "are bench/real_shapes.py's: the published shapes with **seeded random weights** (speed and memory only;",
              "quality figures are measured on the trained peers, docs/performance.md). CPU figures come from a shared",
              "2-core VM: export times are wall times of `edgelin export` with other work on the machine; step",
-             "latencies are `edgelin bench` medians (p50 of 20 steps after 3 warm-up, batch 1).", ""]
+             "latencies are `edgelin bench` medians (p50 of 20 steps after 3 warm-up, batch 1). Quantised cells are",
+             "exported with --force: on random weights the logits are nearly flat, so top-1 agreement with the fp32",
+             "reference is noise (0% at int4) and the quality gate refuses; validate's parity with the dequantised",
+             "reference is the check that counts there.", ""]
     for name, results in sorted(by_checkpoint.items()):
         order = list(CELLS)
         results.sort(key=lambda r: order.index(r["cell"]))
@@ -153,7 +159,7 @@ def command_doc(args: argparse.Namespace) -> None:
             lines.append(
                 f"| {r['cell']} | {took} "
                 f"| {_gib(export['peak_rss_bytes'])} | {_gib(r.get('weights_bytes'))} "
-                f"| {'-' if not validate else ('pass' if validate['rc'] == 0 else 'FAIL')} "
+                f"| {'-' if not validate else validate.get('summary') or ('pass' if validate['rc'] == 0 else 'FAIL')} "
                 f"| {_step_ms(r, 1, 1)} / {_step_ms(r, 2, 1)} | {_step_ms(r, 1, 1024)} / {_step_ms(r, 2, 1024)} "
                 f"| {'-' if rate is None else f'{rate:.1f}'} | {r['commit']} | {r['machine']} |")
         lines.append("")
