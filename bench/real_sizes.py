@@ -162,7 +162,11 @@ def command_doc(args: argparse.Namespace) -> None:
                 f"| {'-' if not validate else validate.get('summary') or ('pass' if validate['rc'] == 0 else 'FAIL')} "
                 f"| {_step_ms(r, 1, 1)} / {_step_ms(r, 2, 1)} | {_step_ms(r, 1, 1024)} / {_step_ms(r, 2, 1024)} "
                 f"| {'-' if rate is None else f'{rate:.1f}'} | {r['commit']} | {r['machine']} |")
-        lines.append("")
+        lines += [""] + [f"- {r['cell']}: {r['note']}" for r in results if r.get("note")] + [""]
+    lines += ["Not yet measured here: the other checkpoints of bench/real_shapes.py (Qwen3.5-2B, Mamba2-1.3b, GLA-1.3B),",
+              "the fp16 / int8 / int4-e8 cells, positions 8,192 and 32,768, and llama.cpp beside each cell",
+              "(bench/peers.py). The GPU figures at these shapes are in",
+              "[performance.md](performance.md#gpu-decode-at-real-size).", ""]
     lines += ["## Export cost", "",
               "`edgelin export` refuses, before the weights load, an export the machine lacks the memory or disk for",
               "(edgelin.export.resources): its estimate is the model's float32 bytes times the target's factor plus",
