@@ -112,7 +112,7 @@ def command_run(args: argparse.Namespace) -> None:
         RESULTS.write_text(json.dumps(data, indent=1) + "\n")
         export = result["export"]
         print(f"{args.checkpoint.name} {cell}: export rc {export['rc']}, {export['seconds']:.0f} s, peak RSS "
-              f"{export['peak_rss_bytes'] / 2**30:.2f} GiB", flush=True)
+              f"{_gib(export.get('peak_rss_bytes'))} GiB", flush=True)
 
 
 def _gib(value: float | None) -> str:
