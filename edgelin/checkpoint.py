@@ -227,16 +227,21 @@ def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
     return model.eval(), info
 
 
+def float32_footprint(config: ModelConfig) -> tuple[int, int]:
+    """(parameters, bytes of parameters and buffers in float32) of `config`'s model, laid out on torch's meta
+    device (nothing allocated)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    return model.num_parameters(), sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
+
+
 def check_fits_in_memory(config: ModelConfig, source: str) -> None:
     """Refuse a config whose float32 weights alone exceed this machine's memory (a typo like hidden_size =
     10**12), before building it: the model is laid out on torch's meta device, which allocates nothing."""
     memory = _physical_memory()
     if memory is None:
         return
-    with torch.device("meta"):
-        model = CausalLM(config)
-    count = model.num_parameters()
-    needed = sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
+    count, needed = float32_footprint(config)
     if needed > memory:
         raise EdgelinError(f"{source} asks for {count:,} parameters ({needed / 2**30:,.1f} GiB in float32)",
                            f"that is more than this machine's {memory / 2**30:,.1f} GiB of memory, so the sizes "

@@ -36,20 +36,10 @@ class ExportNeeds:
     disk: int
 
 
-def float32_bytes(config: "ModelConfig") -> tuple[int, int]:
-    """(parameters, bytes of parameters and buffers in float32) of `config`'s model, laid out on torch's meta
-    device (nothing allocated)."""
-    import torch
-
-    from edgelin.model.lm import CausalLM
-
-    with torch.device("meta"):
-        model = CausalLM(config)
-    return model.num_parameters(), sum(t.numel() * 4 for t in [*model.parameters(), *model.buffers()])
-
-
 def estimate(config: "ModelConfig", target: "Target", settings: "ExportSettings") -> ExportNeeds:
-    parameters, weights = float32_bytes(config)
+    from edgelin.checkpoint import float32_footprint
+
+    parameters, weights = float32_footprint(config)
     memory = int(weights * target.export_memory_factor(settings)) + PROCESS_BYTES
     disk = int(weights * target.export_disk_factor(settings))
     return ExportNeeds(parameters, weights, memory, disk)

@@ -52,27 +52,34 @@ def graph_data_files(proto: Any) -> set[str]:
 def save_graph(proto: Any, path: Path) -> None:
     """Save an export's graph (loaded with its data: onnx.load) to `path`, its initializers of MIN_EXTERNAL bytes
     or more in a new data file beside it: a protobuf holds at most 2 GiB, and a 0.75 B-parameter model's float32
-    weights are 3 GB. The data file the graph was read from is removed once the new one is written (both lie in
+    weights are 3 GB. The data files the graph no longer reads are removed once the new one is written (they lie in
     the export's temp folder: only files this export wrote)."""
     import onnx
 
-    path = Path(path)
-    before = set(path.parent.glob(f"{path.name}*{DATA_SUFFIX}"))
-    target = _fresh_data_name(path)
-    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=target.name, size_threshold=MIN_EXTERNAL)
-    _drop_unreferenced(path, before - {target})
+    _save_with_data(path, lambda data: onnx.save_model(proto, str(path), save_as_external_data=True,
+                                                       all_tensors_to_one_file=True, location=data,
+                                                       size_threshold=MIN_EXTERNAL))
 
 
 def save_ir_graph(model: Any, path: Path) -> None:
-    """save_graph for an onnx_ir model (loaded with ir.load: its tensors are read from the old data file
-    while the new one is written)."""
+    """save_graph for an onnx_ir model (loaded with ir.load, or the exporter's: its tensors are read from where
+    they are while the new data file is written)."""
     import onnx_ir as ir
 
+    _save_with_data(path, lambda data: ir.save(model, str(path), external_data=data,
+                                               size_threshold_bytes=MIN_EXTERNAL))
+
+
+def _save_with_data(path: Path, write: Any) -> None:
+    """`write(data_file_name)` saves the graph at `path` with its weights in that new file; then the graph's older
+    data files that it no longer reads go."""
     path = Path(path)
     before = set(path.parent.glob(f"{path.name}*{DATA_SUFFIX}"))
-    target = _fresh_data_name(path)
-    ir.save(model, str(path), external_data=target.name, size_threshold_bytes=MIN_EXTERNAL)
+    count = 0
+    while (path.parent / f"{path.name}.{count}{DATA_SUFFIX}").exists():
+        count += 1
+    target = path.parent / f"{path.name}.{count}{DATA_SUFFIX}"
+    write(target.name)
     _drop_unreferenced(path, before - {target})
 
 
@@ -85,13 +92,6 @@ def _drop_unreferenced(path: Path, old: set[Path]) -> None:
     for file in old:
         if file.name not in kept:
             file.unlink()
-
-
-def _fresh_data_name(path: Path) -> Path:
-    count = 0
-    while (path.parent / f"{path.name}.{count}{DATA_SUFFIX}").exists():
-        count += 1
-    return path.parent / f"{path.name}.{count}{DATA_SUFFIX}"
 
 
 def share_weights(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS) -> str:
@@ -159,6 +159,7 @@ def describe(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS) -> d
     import onnx
 
     from edgelin.errors import EdgelinError
+    from edgelin.integrity import sha256_of
 
     folder = Path(folder)
     regions: dict[str, set[tuple[int, int]]] = {}
@@ -184,18 +185,9 @@ def describe(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS) -> d
     by_dtype: dict[str, int] = {}
     for region in everything:
         by_dtype[dtypes[region]] = by_dtype.get(dtypes[region], 0) + region[1]
-    digest = file_sha256(folder / name)
+    digest = sha256_of(folder / name)
     return {"file": name, "bytes": (folder / name).stat().st_size, "sha256": digest, "tensors": len(everything),
             "read_by": {file: len(r) for file, r in regions.items()},
             "shared_tensors": len(set.intersection(*regions.values())) if regions else 0,
             "bytes_by_dtype": dict(sorted(by_dtype.items())),
             "tensors_by_graph": tensors}
-
-
-def file_sha256(path: Path) -> str:
-    """A file's sha256, read in blocks (a weights file can be larger than the memory left)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from edgelin.checkpoint import model_config
+from edgelin.checkpoint import float32_footprint, model_config
 from edgelin.errors import EdgelinError
 from edgelin.export import pipeline, resources
 from edgelin.export.targets import get_target
@@ -29,7 +29,7 @@ def _stored_bytes(folder) -> int:
 
 
 def test_the_estimate_counts_the_checkpoints_weights(ckpt):
-    parameters, weights = resources.float32_bytes(model_config(ckpt))
+    parameters, weights = float32_footprint(model_config(ckpt))
     stored = _stored_bytes(ckpt)  # saved float32, the tied head once
     assert stored <= weights <= stored * 1.01  # plus buffers (rotary frequencies), no more
     needs = resources.estimate(model_config(ckpt), get_target("onnx"), _settings())
