@@ -55,7 +55,8 @@ TRACED_MODULES = (
     "edgelin.model.lm", "edgelin.model.layers", "edgelin.model.mixer", "edgelin.model.attention",
     "edgelin.model.config", "edgelin.reference.engine", "edgelin.reference.recurrence",
     "edgelin.families.spec", "edgelin.families.feature_maps", "edgelin.kernels.dispatch",
-    "edgelin.export.onnx.target", "edgelin.export.lowering", "edgelin.export.graphs", "edgelin.export.fuse_matmuls",
+    "edgelin.export.onnx.target", "edgelin.export.onnx.deferred", "edgelin.export.lowering", "edgelin.export.graphs",
+    "edgelin.export.fuse_matmuls",
     "edgelin.artifact.tensors", "edgelin.artifact.state", "edgelin.export.tensorrt.target",
     "edgelin.export.onnx.lowering", "edgelin.export.tensorrt.lowering", "edgelin.export.tensorrt.step_node",
 )

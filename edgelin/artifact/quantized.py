@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import numpy as np
@@ -154,9 +155,15 @@ def float_lookups(folder: Path, graph_files: list[str]) -> list[np.ndarray]:
 
 def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
     """Every quantised tensor the graphs read, unpacked (each distinct initializer once)."""
+    return list(iter_quantized(folder, graph_files))
+
+
+def iter_quantized(folder: Path, graph_files: list[str]) -> Iterator[Dequantized]:
+    """read_quantized's tensors one at a time, each unpacked only when asked for (a 0.75 B model's are 3 GB
+    unpacked: the reference takes them in turn, edgelin.reference.parity.with_dequantized)."""
     import onnx
 
-    found: dict[str, Dequantized] = {}
+    found: set[str] = set()
     contents: set[str] = set()  # a tied table's lookup and head hold the same bytes: unpacked once
     for file in graph_files:
         graph, inits, array = _graph(folder, file)
@@ -172,7 +179,8 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
                 # largest finite value's step up is inf: it rounds with the step of its binade, 65472's
                 top = np.nextafter(np.finfo(np.float16).max, np.float16(0))
                 steps = np.spacing(np.minimum(np.abs(values).astype(np.float16), top)).astype(np.float32)
-                found[half] = Dequantized(half, np.ascontiguousarray(values), 0.5 * SLACK * steps + 1e-12)
+                found.add(half)
+                yield Dequantized(half, np.ascontiguousarray(values), 0.5 * SLACK * steps + 1e-12)
                 continue
             if node.op_type not in QUANTIZED_OPS:
                 continue
@@ -194,5 +202,5 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
             zeros = array(node.input[3]) if len(node.input) > 3 and node.input[3] in inits else None
             values, steps = unpack(data, array(node.input[2]), zeros, rows, cols, attrs.get("bits", 4),
                                    attrs["block_size"])
-            found[weight] = Dequantized(weight, values, 0.5 * SLACK * steps + 1e-7)
-    return list(found.values())
+            found.add(weight)
+            yield Dequantized(weight, values, 0.5 * SLACK * steps + 1e-7)

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from edgelin.errors import EdgelinError
 from edgelin.model.config import ModelConfig
 from edgelin.rules import Rule, invalid
+
+if TYPE_CHECKING:
+    from edgelin.checkpoint import TensorFiles
 
 Tensor = torch.Tensor
 
@@ -144,8 +147,9 @@ class Converter:
 class Weights:
     """Pops upstream tensors by name so that leftovers can be reported."""
 
-    def __init__(self, tensors: dict[str, Tensor], source: str):
-        self.tensors, self.source, self.out = dict(tensors), source, {}
+    def __init__(self, tensors: "dict[str, Tensor] | TensorFiles", source: str):
+        # a copy of the names (the caller's dict is left whole); TensorFiles reads each tensor when it is popped
+        self.tensors, self.source, self.out = tensors.copy(), source, {}
 
     def pop(self, name: str) -> Tensor:
         if name not in self.tensors:

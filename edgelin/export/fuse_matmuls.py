@@ -105,9 +105,13 @@ def fuse_graph(graph: Any) -> int:
                 pieces.append(([member], None))
                 placed.add(id(member))
         order = [m for run, _ in pieces for m in run]
-        fused = np.concatenate([m.inputs[1].const_value.numpy() for m in order], axis=1)
-        weight = ir.Value(name=f"{order[0].inputs[1].name}.fused{len(order)}", const_value=ir.tensor(fused))
-        weight.const_value.name = weight.name
+        # concatenated when written (edgelin.export.onnx.deferred): one fused weight's copy alive at a time
+        parts = tuple(m.inputs[1].const_value for m in order)
+        name = f"{order[0].inputs[1].name}.fused{len(order)}"
+        fused = ir.LazyTensor(lambda parts=parts: ir.tensor(np.concatenate([p.numpy() for p in parts], axis=1)),
+                              dtype=parts[0].dtype, shape=ir.Shape([parts[0].shape[0], sum(p.shape[1] for p in parts)]),
+                              name=name)
+        weight = ir.Value(name=name, shape=fused.shape, type=ir.TensorType(fused.dtype), const_value=fused)
         graph.register_initializer(weight)
         sizes = [sum(m.inputs[1].const_value.shape[1] for m in run) for run, _ in pieces]
         split_sizes = ir.Value(name=f"{weight.name}.sizes", const_value=ir.tensor(np.array(sizes, np.int64)))

@@ -38,6 +38,35 @@ def weight_array(tensor: Any, folder: Path) -> np.ndarray:
                      shape=tuple(tensor.dims))
 
 
+class FileRows:
+    """A 2-D external initializer read a slice of rows at a time with plain file reads (`rows[start:stop]`): a
+    248k-token table quantised through a map would leave its 1 GB resident in the process by the last slice."""
+
+    def __init__(self, path: Path, offset: int, dtype: np.dtype, shape: tuple[int, int]):
+        self.path, self.offset, self.dtype, self.shape = Path(path), offset, np.dtype(dtype), shape
+
+    @classmethod
+    def of(cls, tensor: Any, folder: Path) -> "FileRows | np.ndarray":
+        """The rows of `tensor` (an in-graph tensor: its array)."""
+        import onnx
+        from onnx import helper
+
+        if tensor.data_location != onnx.TensorProto.EXTERNAL or len(tensor.dims) != 2:
+            return weight_array(tensor, folder)
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        return cls(Path(folder) / info["location"], int(info.get("offset", 0)),
+                   helper.tensor_dtype_to_np_dtype(tensor.data_type), tuple(tensor.dims))
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise IndexError("FileRows reads contiguous rows")
+        width = self.shape[1]
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset + start * width * self.dtype.itemsize)
+            return np.fromfile(fh, self.dtype, count=max(stop - start, 0) * width).reshape(-1, width)
+
+
 def block_quantize(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(packed [N, blocks, blob] uint8, scales [N, blocks], zero points [N, ceil(blocks * bits / 8)] uint8) of a
     MatMul weight [K, N]: ONNX Runtime's kernel, as its quantiser calls it (QOperator format, asymmetric)."""
@@ -57,7 +86,7 @@ def block_quantize(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.n
     return packed, scales, zero_points
 
 
-def table_quantize(table: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def table_quantize(table: "np.ndarray | FileRows", bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """block_quantize of a table's transpose ([V, D] -> the weight [D, V] of its tied head), a slice of rows at a
     time: each output column is quantised on its own, so the slices are exact pieces of the whole."""
     pieces = [block_quantize(np.ascontiguousarray(table[start:start + ROWS_PER_SLICE].T), bits, block_size)
@@ -116,8 +145,9 @@ class NbitsGraph:
         from edgelin.errors import EdgelinError, environment_fault, one_line
 
         try:
-            values = weight_array(self.inits[name], self.folder)
-            return (table_quantize if table else block_quantize)(values, bits, self.block_size)
+            if table:
+                return table_quantize(FileRows.of(self.inits[name], self.folder), bits, self.block_size)
+            return block_quantize(weight_array(self.inits[name], self.folder), bits, self.block_size)
         except Exception as exc:
             fault = environment_fault(exc)
             if fault is not None:

@@ -14,6 +14,7 @@ Export-side module: imports onnx and numpy inside its functions.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -83,8 +84,8 @@ def pack_float_products(path: Any) -> int:
 
     from edgelin.export.weights import save_graph
 
-    proto = onnx.load(str(path))
-    count = pack_products(proto)
+    proto = onnx.load(str(path), load_external_data=False)  # each weight read from its data file in turn
+    count = pack_products(proto, folder=Path(path).parent)
     if count:
         save_graph(proto, path)
     return count
@@ -99,12 +100,15 @@ def to_float16(values: "np.ndarray") -> "np.ndarray":
     return np.clip(values, -limit, limit).astype(np.float16)
 
 
-def pack_products(proto: Any, half: bool = False) -> int:
+def pack_products(proto: Any, half: bool = False, folder: Path | None = None) -> int:
     """In place: each ONNX MatMul on a constant 2-D float32 weight becomes ai.edgelin::MatMulF32 on the weight
     packed in panels (`half`: ai.edgelin::MatMulF16 on a float16 copy, --quantize fp16), each weight packed once
-    however many nodes read it; the unpacked weights nothing else reads are dropped. Returns how many nodes."""
+    however many nodes read it; the unpacked weights nothing else reads are dropped. Returns how many nodes.
+    `folder`: where the data files of a graph loaded without its data are (each weight is read when packed)."""
     import onnx
     from onnx import numpy_helper
+
+    from edgelin.export.nbits import weight_array
 
     inits = {t.name: t for t in proto.graph.initializer}
     packed: dict[str, str] = {}
@@ -116,7 +120,7 @@ def pack_products(proto: Any, half: bool = False) -> int:
             continue
         if weight not in packed:
             packed[weight] = f"{weight}_f16p" if half else f"{weight}_p{PANEL}"
-            value = numpy_helper.to_array(tensor)
+            value = weight_array(tensor, folder) if folder is not None else numpy_helper.to_array(tensor)
             value = pack_panels(to_float16(value) if half else value)
             proto.graph.initializer.append(numpy_helper.from_array(value, packed[weight]))
         to_panel_op(proto, node, F16_OP if half else F32_OP, packed[weight], tensor.dims[1])

@@ -84,7 +84,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
                  force: bool = False, device: DeviceProfile | None = None, options: Any = None,
                  protected: Sequence[Path] = (), settings: ExportSettings | None = None,
                  baselines: Sequence[str] = (), text: Path | None = None, serve: str | None = None,
-                 on_progress: Progress | None = None) -> ExportResult:
+                 on_progress: Progress | None = None, consume_model: bool = False) -> ExportResult:
     """The export phase: `target.export(model, device, settings, options, tmp)` into a temp folder, then
     the manifest, renamed into place. `options`: the target's own options (its `options_type`, e.g.
     OnnxOptions); None: its defaults. `settings` (precision, state dtype) come from
@@ -95,7 +95,10 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     extra["quality"], and a check failed under --force is also a warning of the result. `serve`: "triton" (--serve
     triton) also writes DIR/triton/, a Triton Inference Server repository (edgelin.serve.triton); a model whose
     state cannot be Triton's implicit state is refused before anything is written. `on_progress(done, total,
-    what)` hears each phase as it starts (a progress bar's count)."""
+    what)` hears each phase as it starts (a progress bar's count). `consume_model`: `model` is the export's own
+    (export_checkpoint loaded it): once its fp32 figures are recorded, a quantised export's parity reference may
+    take the place of its float weights (memory: edgelin.export.reference_vectors.record); the model is then no
+    longer the checkpoint's."""
     from edgelin.artifact.baselines import BASELINE_SOURCE, MANIFEST_KEY as BASELINES_KEY, check_names
     from edgelin.artifact.reference_vectors import MANIFEST_KEY as REFERENCE_KEY, manifest_entry
     from edgelin.export import baselines as baseline_exports, reference_vectors
@@ -167,7 +170,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         manifest = dataclasses.replace(manifest, extra={**manifest.extra, **weights_recorded})
         # What `validate DIR` and `bench DIR --baseline kv` run on a device, without torch or the checkpoint.
         phase("recording reference vectors")
-        reference = reference_vectors.record(model, tmp, manifest, text=text)
+        reference = reference_vectors.record(model, tmp, manifest, text=text, consume=consume_model)
         # fp16/quantised exports: the artifact's top-1 and perplexity vs fp32, refused unless --force
         phase("checking quality")
         gate = check_export_quality(model, tmp, manifest, settings)
@@ -270,5 +273,6 @@ def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, fo
         warnings.append(f"no {TOKENIZER} in {info.path}: the export has no tokenizer, so generate will need one")
     source = {"path": str(info.path), "sha256": info.sha256, "format": info.format, "model_type": info.model_type}
     result = export_model(model, out, name, source, tokenizer, force, device, options, settings=settings,
-                          baselines=baselines, text=text, serve=serve, on_progress=on_progress)
+                          baselines=baselines, text=text, serve=serve, on_progress=on_progress,
+                          consume_model=True)
     return replace(result, inert_fields=tuple(info.inert_fields), warnings=(*warnings, *result.warnings))

@@ -37,6 +37,7 @@ from typing import Any
 from edgelin.artifact.quantized import QUANTIZED_OPS, half_tables
 from edgelin.errors import EdgelinError
 from edgelin.artifact.quantized import F16_OP
+from edgelin.export.nbits import weight_array
 from edgelin.export.panels import drop_unread, pack_products, to_float16
 
 BITS = {"int8": 8, "int4": 4}
@@ -91,7 +92,7 @@ def _attrs(node: Any) -> dict[str, Any]:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _untie_heads(proto: Any) -> list[str]:
+def _untie_heads(proto: Any, folder: Path | None = None) -> list[str]:
     """Every Gemm y = x W^T on a constant 2-D weight (the LM head, tied to the embedding table or not)
     becomes MatMul(x, W^T) on its own transposed initializer, which the tool then quantises; the Gemm's
     module scope carries over. The table itself is left to the Gathers (or dropped when unread). Returns the
@@ -107,7 +108,8 @@ def _untie_heads(proto: Any) -> list[str]:
         if weight is None or len(weight.dims) != 2 or attrs.get("transA", 0) or not attrs.get("transB", 0) \
                 or attrs.get("alpha", 1.0) != 1.0:
             continue
-        transposed = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), f"{weight.name}_T")
+        values = weight_array(weight, folder) if folder is not None else numpy_helper.to_array(weight)
+        transposed = numpy_helper.from_array(np.ascontiguousarray(values.T), f"{weight.name}_T")
         if transposed.name not in inits:
             proto.graph.initializer.append(transposed)
             inits[transposed.name] = transposed
@@ -119,7 +121,7 @@ def _untie_heads(proto: Any) -> list[str]:
     return heads
 
 
-def _float16_weights(proto: Any, embeddings: bool) -> None:
+def _float16_weights(proto: Any, embeddings: bool, folder: Path | None = None) -> None:
     """--quantize fp16, in place: each MatMul of ONNX's on a constant 2-D float32 weight becomes ai.edgelin::MatMulF16
     on a float16 copy of it packed in column panels (edgelin.export.panels.pack_products); with `embeddings` also the
     LM head (untied to its own transposed weight first, as for int4) and each Gather on a 2-D float32 table, which
@@ -128,8 +130,8 @@ def _float16_weights(proto: Any, embeddings: bool) -> None:
     from onnx import helper, numpy_helper
 
     if embeddings:
-        _untie_heads(proto)
-    pack_products(proto, half=True)
+        _untie_heads(proto, folder)
+    pack_products(proto, half=True, folder=folder)
     inits = {t.name: t for t in proto.graph.initializer}
     halves: dict[str, str] = {}
     nodes = []
@@ -139,7 +141,7 @@ def _float16_weights(proto: Any, embeddings: bool) -> None:
                 and _attrs(node).get("axis", 0) == 0:
             if table.name not in halves:  # each table converted once however many lookups read it
                 halves[table.name] = f"{table.name}_f16"
-                value = to_float16(numpy_helper.to_array(table))
+                value = to_float16(weight_array(table, folder) if folder is not None else numpy_helper.to_array(table))
                 proto.graph.initializer.append(numpy_helper.from_array(value, halves[table.name]))
             node.input[0], out = halves[table.name], node.output[0]
             node.output[0] = f"{out}_f16"
@@ -172,8 +174,8 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
         raise EdgelinError(f"block size {block_size}", f"ONNX Runtime's block quantiser takes blocks of "
                            f"{', '.join(map(str, BLOCK_SIZES))} weights", "pass --block-size 32")
     if scheme == HALF:
-        proto = onnx.load(str(path))
-        _float16_weights(proto, embeddings)
+        proto = onnx.load(str(path), load_external_data=False)  # each weight read from its data file in turn
+        _float16_weights(proto, embeddings, Path(path).parent)
         save_graph(proto, path)
         return [name for node in proto.graph.node if node.op_type == F16_OP for name in _modules_of(node)]
 

@@ -27,20 +27,30 @@ if TYPE_CHECKING:
 
 
 def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0, text: Path | None = None,
-           text_tokens: int = TEXT_TOKENS) -> str:
+           text_tokens: int = TEXT_TOKENS, consume: bool = False) -> str:
     """Run the reference and write `folder/reference.npz`; returns its file name. `text`: held-out
     text for the quality figures (--text FILE; default: see held_out_text), at most `text_tokens`.
     `manifest` must already hold the weights' account (extra["quantization"]): meta's precision and
-    threshold are chosen by it."""
+    threshold are chosen by it. `consume`: the model is the export's own and nothing needs its float weights
+    after this: a quantised export's parity reference takes their place in it (parity.with_dequantized)."""
     import torch
+
+    from edgelin.export.phases import step
 
     vocab = manifest.vocab_size
     rng = np.random.default_rng(seed)
     arrays: dict[str, np.ndarray] = {}
-    quality_model = model  # the quality figures measure against fp32; the parity against the artifact's weights
-    model, weights = parity_reference(model, folder, manifest, weights_reader(manifest))
+    # The quality figures measure against fp32 (first: the parity reference may take the float weights' place);
+    # the parity against the artifact's weights.
+    text_ids, source = held_out_text(manifest, folder, text, text_tokens)
+    step("the fp32 reference's quality figures")
+    quality, quality_meta = reference_quality(model, vocab, text_ids, source, seed).to_arrays(QUALITY)
+    arrays.update(quality)
+    step("the reference with the export's weights")
+    model, weights = parity_reference(model, folder, manifest, weights_reader(manifest), in_place=consume)
     with torch.no_grad():
         for batch in BATCHES:
+            step(f"prefill and {STEPS} steps at batch {batch}")
             ids = rng.integers(0, vocab, (batch, PROMPT_LEN + STEPS), dtype=np.int64)
             start = np.zeros(batch, np.int64)
             ids_t = torch.from_numpy(ids)
@@ -59,9 +69,6 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
                 if f"step{t + 1}" in keep:
                     arrays.update({state_key(batch, f"step{t + 1}", n): v for n, v in flat_state(state).items()})
             arrays[batch_key(batch, "step_logits")] = steps
-    text_ids, source = held_out_text(manifest, folder, text, text_tokens)
-    quality, quality_meta = reference_quality(quality_model, vocab, text_ids, source, seed).to_arrays(QUALITY)
-    arrays.update(quality)
     key = precision_key(manifest)  # int8/int4 when the manifest records a quantisation, else its precision
     meta = {
         "format": FORMAT, "version": FORMAT_VERSION, "seed": seed, "prompt_len": PROMPT_LEN, "steps": STEPS,

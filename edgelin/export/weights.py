@@ -4,7 +4,7 @@ The exporter writes each graph with its weights inside. `share_weights` moves ev
 at least MIN_EXTERNAL bytes out to `weights.bin`, deduplicated by content (the exporter names the same
 matrix differently in each graph, e.g. the constant-folded transposes `val_18` / `val_21`, so names
 cannot be matched): both graphs then reference the same bytes at the same offset, through onnx's own
-external-data fields (`onnx.external_data_helper.set_external_data`). Small tensors (shapes, scalars,
+external-data fields (location, offset, length). Small tensors (shapes, scalars,
 norm vectors) stay inside the graph files.
 
 In memory: one copy, backed by the file, that the OS can drop and reload. The runner maps the file once
@@ -103,7 +103,6 @@ def share_weights(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS)
     import mmap
 
     import onnx
-    from onnx import external_data_helper
 
     folder = Path(folder)
     protos = {file: onnx.load(str(folder / file), load_external_data=False) for file in graph_files}
@@ -119,17 +118,21 @@ def share_weights(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS)
             for tensor in proto.graph.initializer:
                 if tensor.data_location == onnx.TensorProto.EXTERNAL:
                     info = {entry.key: entry.value for entry in tensor.external_data}
-                    start = int(info.get("offset", 0))
-                    raw = maps[info["location"]][start:start + int(info["length"])]
+                    mapped = (maps[info["location"]], int(info.get("offset", 0)), int(info["length"]))
+                    # a view of the mapped bytes: a large tensor is hashed and written without a copy
+                    raw = memoryview(mapped[0])[mapped[1]:mapped[1] + mapped[2]]
                     del tensor.external_data[:]
                     tensor.data_location = onnx.TensorProto.DEFAULT
-                    tensor.raw_data = raw  # inside the graph again (small), or until set_external_data moves it
+                    if len(raw) < MIN_EXTERNAL:
+                        tensor.raw_data = bytes(raw)  # inside the graph again (small)
+                        raw.release()
+                        continue
                 elif tensor.HasField("raw_data"):
-                    raw = tensor.raw_data
+                    mapped, raw = None, memoryview(tensor.raw_data)
+                    if len(raw) < MIN_EXTERNAL:
+                        continue
                 else:
                     continue  # typed-field tensors are small constants (the exporter writes raw_data)
-                if len(raw) < MIN_EXTERNAL:
-                    continue
                 key = hashlib.sha256(raw).hexdigest()
                 if key not in where:
                     start = _aligned(size, len(raw))
@@ -137,10 +140,10 @@ def share_weights(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS)
                     out.write(raw)
                     where[key] = (start, len(raw))
                     size = start + len(raw)
-                external_data_helper.set_external_data(tensor, name, *where[key])
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                tensor.ClearField("raw_data")
-                del raw
+                raw.release()
+                if mapped is not None:
+                    _forget(*mapped)
+                _point(tensor, name, *where[key])
     for view in maps.values():
         if isinstance(view, mmap.mmap):
             view.close()
@@ -150,6 +153,30 @@ def share_weights(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS)
         if path.name != name:
             path.unlink()
     return name
+
+
+def _point(tensor: Any, location: str, offset: int, length: int) -> None:
+    """`tensor` reads its bytes from `location` (onnx's external-data fields; its helper wants the bytes in the
+    tensor first, which a mapped large tensor never is)."""
+    import onnx
+
+    tensor.ClearField("raw_data")
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _forget(view: Any, start: int, length: int) -> None:
+    """Drop a read range of a file map from the process's resident pages (the page cache keeps them): streaming
+    both graphs' float32 data files (6 GB at 0.75 B parameters) would otherwise leave all of them resident."""
+    import mmap
+
+    if not isinstance(view, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    first = start - start % mmap.PAGESIZE
+    view.madvise(mmap.MADV_DONTNEED, first, start + length - first)
 
 
 def describe(folder: Path, graph_files: Sequence[str], name: str = WEIGHTS) -> dict[str, Any]:

@@ -27,7 +27,7 @@ recorded reference vectors hold.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import copy
 from dataclasses import dataclass
@@ -38,7 +38,7 @@ import numpy as np
 
 from edgelin.artifact.quality import (GREEDY_PROMPT, GREEDY_STEPS, RANDOM_SOURCE, QualityReference, greedy_steps_for,
                                       quantization_of)
-from edgelin.artifact.quantized import Dequantized, float_lookups, read_quantized
+from edgelin.artifact.quantized import Dequantized, float_lookups, iter_quantized
 from edgelin.artifact.state import state_input_name
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ def reference_quality(model: "CausalLM", vocab: int, text_ids: np.ndarray | None
 
 # ---- the reference with the export's dequantised weights -------------------------------------------
 MATCH_ROWS = 4096  # rows compared at a time: a 248k-token table's temporaries would be 1 GB each
+SCREEN_COLUMNS = 8  # elements of a weight's first row checked one by one before candidate rows are compared whole
 def _match(param: np.ndarray, tensor: Dequantized) -> int | None:
     """The first row offset at which `param` [A, K] lies within half a step of `tensor`'s rows, or None."""
     rows, cols = param.shape
@@ -105,6 +106,12 @@ def _match(param: np.ndarray, tensor: Dequantized) -> int | None:
     # Candidates by the first element (cheap), then the whole block.
     first = np.flatnonzero(np.abs(tensor.rows[:, 0] - param[0, 0]) <= bound[:, 0])
     first = first[first + rows <= tensor.rows.shape[0]]
+    # A few more single elements before whole rows: at int4 a random weight's first element lies within half a step
+    # of ~12% of a 248k-token table's rows, whose whole rows would be compared for every weight of its width.
+    for column in range(1, min(cols, SCREEN_COLUMNS)):
+        if len(first) <= 1:
+            break
+        first = first[np.abs(tensor.rows[first, column] - param[0, column]) <= bound[first, column]]
     first = first[(np.abs(tensor.rows[first] - param[0]) <= bound[first]).all(1)]
     for offset in first:
         pieces = [(lo, min(lo + MATCH_ROWS, rows)) for lo in range(0, rows, MATCH_ROWS)]
@@ -169,48 +176,63 @@ def _replace(model: "CausalLM", held: Any, value: Any) -> None:
                 module.register_buffer(attr, value, persistent=attr not in module._non_persistent_buffers_set)
 
 
-def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str]) -> tuple["CausalLM", Account]:
-    """A copy of `model` whose weights are the export's dequantised ones (the model is left as it is)."""
-    return with_dequantized(model, read_quantized(folder, graph_files), float_lookups(folder, graph_files))
+def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str],
+                        in_place: bool = False) -> tuple["CausalLM", Account]:
+    """A copy of `model` whose weights are the export's dequantised ones (the model is left as it is; `in_place`:
+    the model itself becomes it, see with_dequantized)."""
+    return with_dequantized(model, iter_quantized(folder, graph_files), float_lookups(folder, graph_files), in_place)
 
 
-def with_dequantized(model: "CausalLM", tensors: list[Dequantized],
-                     lookups: list[np.ndarray]) -> tuple["CausalLM", Account]:
+def with_dequantized(model: "CausalLM", tensors: Iterable[Dequantized], lookups: list[np.ndarray],
+                     in_place: bool = False) -> tuple["CausalLM", Account]:
     """A copy of `model` whose weights are `tensors` where they match one (within each element's half step);
-    `lookups`: float tables the artifact looks rows up in while multiplying by their quantised copy."""
+    `lookups`: float tables the artifact looks rows up in while multiplying by their quantised copy.
+
+    The tensors are taken one at a time, each matched against the float weights not yet replaced. `in_place`
+    (the export's own model, whose float weights nothing needs once its figures are recorded): `model` itself
+    becomes the reference, each float weight let go as its dequantised one replaces it, so the reference costs
+    one unpacked tensor's memory beyond the model's, not a second model's worth (3 GB at 0.75 B parameters)."""
     import torch
 
     # The twin shares every tensor with `model` (deepcopy's memo maps them to themselves): only the replaced
-    # weights are new, so the reference costs the dequantised weights' memory, not a second model.
-    twin = copy.deepcopy(model, {id(t): t for t in [*model.parameters(), *model.buffers()]})
-    covered = [np.zeros(t.rows.shape[0], bool) for t in tensors]
-    replaced = []
-    named = list(twin.named_parameters()) + list(twin.named_buffers())
+    # weights are new.
+    twin = model if in_place else copy.deepcopy(model, {id(t): t for t in [*model.parameters(), *model.buffers()]})
+    pending = {name: value for name, value in [*twin.named_parameters(), *twin.named_buffers()]
+               if value.ndim == 2 and value.is_floating_point()}
+    matched: dict[str, np.ndarray] = {}  # the weights already replaced, as compared (a graph may hold one twice)
+    replaced, unmatched, total = [], 0, 0
     with torch.no_grad():
-        for name, value in named:
-            if value.ndim != 2 or not value.is_floating_point():
-                continue
-            param, found = value.detach().float().numpy(), None
-            for index, tensor in enumerate(tensors):  # every match: a graph may hold the weight twice
+        for tensor in tensors:
+            covered = np.zeros(tensor.rows.shape[0], bool)
+            for name in list(pending):
+                value = pending[name]
+                param = value.detach().float().numpy()
+                offset = _match(param, tensor)
+                if offset is None:
+                    continue
+                rows = slice(offset, offset + param.shape[0])
+                covered[rows] = True
+                dequantized = torch.from_numpy(np.ascontiguousarray(tensor.rows[rows])).to(value.dtype)
+                if any(_same_table(param, table) for table in lookups):  # looked up float, multiplied quantised
+                    replaced.extend(_untie_products(twin, value, dequantized))
+                else:
+                    _replace(twin, value, dequantized)
+                    replaced.append(name)
+                # in place, the float weight goes with its last reference here: compared from now on by the values
+                # that replaced it
+                matched[name] = param if not in_place else tensor.rows[rows]
+                del pending[name], value, param
+            for name, param in matched.items():  # every match counts: the same weight in a second tensor
                 offset = _match(param, tensor)
                 if offset is not None:
-                    rows = slice(offset, offset + param.shape[0])
-                    covered[index][rows] = True
-                    found = tensor.rows[rows] if found is None else found
-            if found is None:
-                continue
-            dequantized = torch.from_numpy(np.ascontiguousarray(found)).to(value.dtype)
-            if any(_same_table(param, table) for table in lookups):  # looked up float, multiplied quantised
-                replaced.extend(_untie_products(twin, value, dequantized))
-            else:
-                _replace(twin, value, dequantized)
-                replaced.append(name)
-    total = sum(len(c) for c in covered)
-    return twin.eval(), Account(tuple(replaced), total - int(sum(c.sum() for c in covered)), total)
+                    covered[offset:offset + param.shape[0]] = True
+            unmatched, total = unmatched + int((~covered).sum()), total + len(covered)
+    return twin.eval(), Account(tuple(replaced), unmatched, total)
 
 
 def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest",
-                     read: "Callable[[Path, Manifest], list[Dequantized]] | None" = None) -> tuple["CausalLM", Account | None]:
+                     read: "Callable[[Path, Manifest], list[Dequantized]] | None" = None,
+                     in_place: bool = False) -> tuple["CausalLM", Account | None]:
     """(what the artifact's parity is checked against, the account): for a weight-quantised export the
     model with the export's dequantised weights, else `model` itself (and None). `read`: where the export's target
     keeps its weights its own way, how it reads them back (its Target.dequantized_weights; the caller looks it up,
@@ -218,5 +240,5 @@ def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest",
     if quantization_of(manifest.extra) is None:
         return model, None
     if read is not None:
-        return with_dequantized(model, read(folder, manifest), [])
-    return with_export_weights(model, folder, [graph.file for graph in manifest.graphs.values()])
+        return with_dequantized(model, read(folder, manifest), [], in_place)
+    return with_export_weights(model, folder, [graph.file for graph in manifest.graphs.values()], in_place)

@@ -81,3 +81,17 @@ def test_the_tables_slices_are_exact_pieces(monkeypatch):
     monkeypatch.setattr(nbits, "ROWS_PER_SLICE", 7)
     for got, want in zip(nbits.table_quantize(table, 4, 32), whole):
         np.testing.assert_array_equal(got, want)
+
+
+def test_file_rows_read_the_slices_a_map_would(tmp_path):
+    """The table's rows read from its data file a slice at a time equal the mapped rows (partial last slice too)."""
+    from edgelin.export.nbits import FileRows, table_quantize, weight_array
+
+    table = np.random.default_rng(5).normal(size=(1000, 64)).astype(np.float32)
+    proto = numpy_helper.from_array(table, "table")
+    onnx.external_data_helper.set_external_data(proto, "t.data", offset=4096, length=table.nbytes)
+    (tmp_path / "t.data").write_bytes(b"\0" * 4096 + table.tobytes())
+    rows = FileRows.of(proto, tmp_path)
+    assert isinstance(rows, FileRows) and rows.shape == (1000, 64)
+    assert np.array_equal(rows[990:2000], table[990:]) and np.array_equal(rows[3:7], weight_array(proto, tmp_path)[3:7])
+    assert all(np.array_equal(a, b) for a, b in zip(table_quantize(rows, 4, 32), table_quantize(table, 4, 32)))

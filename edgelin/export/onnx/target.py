@@ -60,6 +60,7 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
     import torch
 
     from edgelin.export.fuse_matmuls import fuse_graph
+    from edgelin.export.onnx.deferred import optimize_traced
     from edgelin.export.phases import step
     from edgelin.export.weights import save_ir_graph
 
@@ -78,15 +79,18 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
             program = torch.onnx.export(
                 module, args, None, dynamo=True, opset_version=opset, dynamic_shapes=dynamic,
                 input_names=[t.name for t in inputs], output_names=[t.name for t in outputs],
-                optimize=True, verify=False,
+                optimize=False, verify=False,
             )
-        # Sibling projections fused in memory, then one write of the weights (to a data file: no 2 GiB limit); the
-        # initializers are still the model's own tensors, so nothing is copied but what fusion concatenates.
+        step(f"optimising {path.name}")
+        optimize_traced(program.model)  # the exporter's optimisation, weights transposed only when written
+        # Sibling projections fused, then one write of the weights (to a data file: no 2 GiB limit); the initializers
+        # are still the model's own tensors, transposed and concatenated as each is written.
         step(f"fusing the projections of {path.name}")
         fuse_graph(program.model.graph)
         step(f"writing {path.name}")
         save_ir_graph(program.model, path)
         del program
+        release_rewriter_graphs()
     except Exception as exc:
         fault = environment_fault(exc)
         if fault is not None:  # a full disk, a quota, permissions: the caller's output claim names the fix
@@ -94,6 +98,30 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
         raise EdgelinError(f"ONNX export of {path.name} failed", exporter_reason(exc, log.getvalue()),
                            "report this model config as an edgelin bug (run with --debug for the trace)") from exc
     name_dynamic_axes(path, inputs, outputs)
+
+
+# What onnxscript's pattern matchers keep of the last graph they matched (onnxscript 0.7: a module-level rule set's
+# matcher holds it in these attributes until its next match).
+_MATCHER_STATE = ("_graph", "_current_node", "_tracer", "_match")
+
+
+def release_rewriter_graphs() -> None:
+    """Let the traced graph go: the exporter's rewrite rules live at module level, and each pattern matcher keeps
+    the last graph it matched, with every initializer the tracer folded or we fused (Qwen3.5-0.8B's step graph:
+    1.5 GB held through the prefill's tracing and the rest of the export). Finds the matchers by class, so a newer
+    onnxscript without them (or with other names) is left as it is."""
+    import gc
+
+    from onnxscript.rewriter import _matcher
+
+    matchers = tuple(getattr(_matcher, name) for name in ("SimplePatternMatcher", "PatternMatcher")
+                     if isinstance(getattr(_matcher, name, None), type))
+    for found in gc.get_objects() if matchers else ():
+        if issubclass(type(found), matchers):  # (not isinstance: a dead weak proxy raises on it)
+            for attr in _MATCHER_STATE:
+                if attr in vars(found):
+                    setattr(found, attr, None)
+    gc.collect()  # the graph is a web of cycles (nodes, values, their graph): only the collector frees it
 
 
 def exporter_reason(exc: BaseException, log: str, limit: int = 400) -> str:

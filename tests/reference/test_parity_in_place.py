@@ -1,0 +1,46 @@
+"""The parity reference built in the export's own model (edgelin.reference.parity.with_dequantized, in_place; issue
+46): the same reference as the copy, the model itself becomes it, and each float weight it replaces is let go (a
+0.75 B model's reference otherwise holds a second 3 GB of weights)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from edgelin.artifact.manifest import Manifest
+from edgelin.checkpoint import load_model
+from edgelin.reference.parity import parity_reference
+
+
+@pytest.fixture(scope="module")
+def int4_export(tmp_path_factory):
+    from edgelin.devices import export_settings
+    from edgelin.export.pipeline import export_checkpoint
+    from helpers import make_checkpoint
+
+    root = tmp_path_factory.mktemp("in-place")
+    ckpt = make_checkpoint(root / "ckpt", tokenizer=False, layers=("gated_deltanet", "softmax"), hidden_size=64)
+    folder = export_checkpoint(ckpt, root / "int4", settings=export_settings(None, "onnx", None, "int4")).folder
+    return ckpt, folder
+
+
+def test_in_place_reference_equals_the_copy_and_lets_the_float_weights_go(int4_export):
+    ckpt, folder = int4_export
+    manifest = Manifest.load(folder)
+    copy_twin, copy_account = parity_reference(load_model(ckpt)[0], folder, manifest)
+
+    model = load_model(ckpt)[0]
+    floats = {name: weakref.ref(p) for name, p in model.named_parameters() if p.ndim == 2}
+    twin, account = parity_reference(model, folder, manifest, in_place=True)
+    assert twin is model and account == copy_account and account.complete
+    assert set(account.replaced) <= set(floats) and len(account.replaced) >= 4
+    want, got = copy_twin.state_dict(), twin.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    gc.collect()
+    alive = [name for name in account.replaced if floats[name]() is not None]
+    assert not alive, alive  # each replaced float weight is gone, not held beside its dequantised one
+    kept = [name for name in floats if name not in account.replaced]
+    assert all(floats[name]() is not None for name in kept)  # what stayed float is still the model's
