@@ -525,7 +525,8 @@ def main() -> None:
         if args.rounds == 1:
             row.pop("rounds", None)
     meta["uptime_after"] = os.getloadavg()
-    report = {"checkpoint": str(ckpt), "meta": meta, "prompt": prompt, "rows": rows}
+    report = {"checkpoint": str(ckpt), "meta": meta, "prompt": prompt, "rows": rows,
+              "command": "python bench/peers.py " + " ".join(sys.argv[1:])}
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     if args.plot:

@@ -163,9 +163,33 @@ def command_doc(args: argparse.Namespace) -> None:
                 f"| {_step_ms(r, 1, 1)} / {_step_ms(r, 2, 1)} | {_step_ms(r, 1, 1024)} / {_step_ms(r, 2, 1024)} "
                 f"| {'-' if rate is None else f'{rate:.1f}'} | {r['commit']} | {r['machine']} |")
         lines += [""] + [f"- {r['cell']}: {r['note']}" for r in results if r.get("note")] + [""]
+    for peers in sorted(RESULTS.parent.glob("peers-*.json")):  # bench/peers.py --json, rendered by it
+        report = json.loads(peers.read_text())
+        meta = report["meta"]
+        shown = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--from-json", str(peers)],
+                               capture_output=True, text=True, check=True).stdout
+        lines += [f"## Beside llama.cpp: {Path(report['checkpoint']).name}", "",
+                  f"`{report.get('command', 'python bench/peers.py')}` at {meta['commit']} on {meta['cpu']}; "
+                  f"llama-cpp-python {meta['llama-cpp-python']}, onnxruntime {meta['onnxruntime']}. "
+                  "Each runtime and thread count in a fresh process; llama.cpp converts the same random weights "
+                  "(convert_hf_to_gguf.py, then Q8_0 / Q4_0 by llama_model_quantize); edgelin runs the exports of the "
+                  "cells above (growing KV cache). Decode: p50 / p99 ms per token over the timed steps at each "
+                  "position; prefill: a 2,048-token prompt. Greedy agreement is not shown: random weights.", shown,
+                  ""]
+    for found in sorted(RESULTS.parent.glob("export-memory-*.json")):  # bench/export_memory.py --json
+        run = json.loads(found.read_text())
+        lines += [f"## Export memory by step: {run['checkpoint']} {run['quantize'] or 'fp32'}", "",
+                  f"`python bench/export_memory.py {run['checkpoint']} OUT --quantize {run['quantize']} --force` at "
+                  f"{run['commit']} on {run['machine']}: {run['seconds'] / 60:.1f} min, peak RSS (VmHWM) "
+                  f"{run['peak_rss_bytes'] / 2**30:.2f} GiB{' (' + run['note'] + ')' if run.get('note') else ''}. "
+                  "Resident memory sampled every 10 ms; each row is the largest anonymous + file-backed total seen "
+                  "during that step.", "",
+                  "| step | peak GiB | anonymous | file-backed |", "| --- | ---: | ---: | ---: |"]
+        lines += [f"| {row['step']} | {(row['anon_bytes'] + row['file_bytes']) / 2**30:.2f} "
+                  f"| {row['anon_bytes'] / 2**30:.2f} | {row['file_bytes'] / 2**30:.2f} |" for row in run["steps"]]
+        lines.append("")
     lines += ["Not yet measured here: the other checkpoints of bench/real_shapes.py (Qwen3.5-2B, Mamba2-1.3b, GLA-1.3B),",
-              "the fp16 / int8 / int4-e8 cells, positions 8,192 and 32,768, and llama.cpp beside each cell",
-              "(bench/peers.py). The GPU figures at these shapes are in",
+              "the int4-e8 cell, positions 8,192 and 32,768. The GPU figures at these shapes are in",
               "[performance.md](performance.md#gpu-decode-at-real-size).", ""]
     lines += ["## Export cost", "",
               "`edgelin export` refuses, before the weights load, an export the machine lacks the memory or disk for",

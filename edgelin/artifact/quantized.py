@@ -108,6 +108,24 @@ class BlockSteps:
         return expanded * self.scale + self.offset
 
 
+class HalfSteps:
+    """The [rows, cols] float16 steps of `values` (np.spacing: each element's step; subnormals included), times
+    `scale` plus `offset`, computed only for the rows indexed (as BlockSteps; a whole model's would be 3 GB). The
+    largest finite float16's step up is inf: it rounds with the step of its binade, 65472's."""
+
+    def __init__(self, values: np.ndarray, scale: float = 1.0, offset: float = 0.0):
+        self.values, self.scale, self.offset, self.shape = values, scale, offset, values.shape
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        top = np.nextafter(np.finfo(np.float16).max, np.float16(0))
+        steps = np.spacing(np.minimum(np.abs(self.values[key]).astype(np.float16), top)).astype(np.float32)
+        return steps * self.scale + self.offset
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+
 def _codes(packed: np.ndarray, rows: int, bits: int) -> np.ndarray:
     """[rows, codes]: the bytes of each row as codes, two 4-bit codes per byte low nibble first."""
     packed = np.asarray(packed, np.uint8).reshape(rows, -1)
@@ -126,8 +144,11 @@ def _graph(folder: Path, file: str) -> tuple[Any, dict[str, Any], Callable[[str]
 
     def array(name: str) -> np.ndarray:
         tensor = inits[name]
-        if uses_external_data(tensor):
-            load_external_data_for_tensor(tensor, str(folder))
+        if uses_external_data(tensor):  # into a copy of the tensor's entry: the graph keeps none of the bytes read
+            loaded = onnx.TensorProto()
+            loaded.CopyFrom(tensor)
+            load_external_data_for_tensor(loaded, str(folder))
+            return numpy_helper.to_array(loaded)
         return numpy_helper.to_array(tensor)
 
     return graph, inits, array
@@ -175,12 +196,9 @@ def iter_quantized(folder: Path, graph_files: list[str]) -> Iterator[Dequantized
                 values = array(half).astype(np.float32)
                 if node.op_type == F16_OP:  # MatMul's [K, N] (packed in panels: [P, K, 16]) -> the module's [N, K]
                     values = (unpack_panels(values, panel_columns(node, values)) if values.ndim == 3 else values).T
-                # half a float16 step of each element (np.spacing: that element's step; subnormals included). The
-                # largest finite value's step up is inf: it rounds with the step of its binade, 65472's
-                top = np.nextafter(np.finfo(np.float16).max, np.float16(0))
-                steps = np.spacing(np.minimum(np.abs(values).astype(np.float16), top)).astype(np.float32)
+                values = np.ascontiguousarray(values)
                 found.add(half)
-                yield Dequantized(half, np.ascontiguousarray(values), 0.5 * SLACK * steps + 1e-12)
+                yield Dequantized(half, values, HalfSteps(values, 0.5 * SLACK, 1e-12))
                 continue
             if node.op_type not in QUANTIZED_OPS:
                 continue

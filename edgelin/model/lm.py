@@ -154,6 +154,9 @@ def with_compute_dtype(model: CausalLM, dtype: torch.dtype) -> CausalLM:
     return low
 
 
+RANGE_PIECE = 1 << 24  # elements beyond_range reads at a time
+
+
 def beyond_range(model: CausalLM, dtype: torch.dtype, matmul_weights: bool = False,
                  embeddings: bool = True) -> tuple[int, str, float] | None:
     """Values a `dtype` copy stores saturated at its largest finite value: (how many, the tensor holding the
@@ -172,11 +175,13 @@ def beyond_range(model: CausalLM, dtype: torch.dtype, matmul_weights: bool = Fal
             if id(tensor) in seen:  # a tied LM head is the embedding table
                 continue
             seen.add(id(tensor))
-            magnitude = tensor.detach().abs()
-            over = int((magnitude > limit).sum())
-            if over:
-                count += over
-                peak = float(tensor.detach().flatten()[int(magnitude.argmax())])
-                if abs(peak) > abs(worst_value):
-                    worst_name, worst_value = name, peak
+            flat = tensor.detach().reshape(-1)
+            for lo in range(0, flat.numel(), RANGE_PIECE):  # a slice at a time: a 248k-token table's |x| is 1 GB
+                magnitude = flat[lo:lo + RANGE_PIECE].abs()
+                over = int((magnitude > limit).sum())
+                if over:
+                    count += over
+                    peak = float(flat[lo + int(magnitude.argmax())])
+                    if abs(peak) > abs(worst_value):
+                        worst_name, worst_value = name, peak
     return (count, worst_name, worst_value) if count else None
