@@ -202,6 +202,14 @@ def command_doc(args: argparse.Namespace) -> None:
             weights, peak = 4 * r["num_parameters"], r["export"]["peak_rss_bytes"]
             lines.append(f"| {r['checkpoint']} | {r['cell']} | {r['num_parameters']:,} | {weights / 2**30:.2f} "
                          f"| {peak / 2**30:.2f} | {(peak - 1.5 * 2**30) / weights:.2f} |")
+    cells = {r["checkpoint"]: r.get("num_parameters") for r in data["cells"].values()}
+    for found in sorted(RESULTS.parent.glob("export-memory-*.json")):  # the same code's latest peak, by step
+        run = json.loads(found.read_text())
+        if cells.get(run["checkpoint"]):
+            weights, peak = 4 * cells[run["checkpoint"]], run["peak_rss_bytes"]
+            lines.append(f"| {run['checkpoint']} | {run['quantize'] or 'fp32'} (export_memory.py, {run['commit']}) "
+                         f"| {cells[run['checkpoint']]:,} | {weights / 2**30:.2f} | {peak / 2**30:.2f} "
+                         f"| {(peak - 1.5 * 2**30) / weights:.2f} |")
     lines.append("")
     DOC.write_text("\n".join(lines))
     print(f"wrote {DOC}")
