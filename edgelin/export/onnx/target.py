@@ -89,8 +89,9 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
         fuse_graph(program.model.graph)
         step(f"writing {path.name}")
         save_ir_graph(program.model, path)
+        held = sum(getattr(v.const_value, "nbytes", 0) for v in program.model.graph.initializers.values())
         del program
-        release_rewriter_graphs()
+        release_rewriter_graphs(collect=held > COLLECT_BYTES)
     except Exception as exc:
         fault = environment_fault(exc)
         if fault is not None:  # a full disk, a quota, permissions: the caller's output claim names the fix
@@ -103,25 +104,33 @@ def export_onnx_graph(module: "torch.nn.Module", model: "CausalLM", inputs: list
 # What onnxscript's pattern matchers keep of the last graph they matched (onnxscript 0.7: a module-level rule set's
 # matcher holds it in these attributes until its next match).
 _MATCHER_STATE = ("_graph", "_current_node", "_tracer", "_match")
+COLLECT_BYTES = 256 << 20  # a traced graph's weights past which its release runs the cycle collector at once
 
 
-def release_rewriter_graphs() -> None:
+def release_rewriter_graphs(collect: bool = True) -> None:
     """Let the traced graph go: the exporter's rewrite rules live at module level, and each pattern matcher keeps
     the last graph it matched, with every initializer the tracer folded or we fused (Qwen3.5-0.8B's step graph:
-    1.5 GB held through the prefill's tracing and the rest of the export). Finds the matchers by class, so a newer
-    onnxscript without them (or with other names) is left as it is."""
+    1.5 GB held through the prefill's tracing and the rest of the export). The matchers are the default rules'
+    (or, in an onnxscript without that tuple, found by class); one of another layout is left as it is. `collect`:
+    run the cycle collector now (the graph is a web of cycles: nodes, values, their graph), worth it for a large
+    graph only (a full collection of a test session's heap takes a while)."""
     import gc
 
+    from onnxscript import rewriter
     from onnxscript.rewriter import _matcher
 
     matchers = tuple(getattr(_matcher, name) for name in ("SimplePatternMatcher", "PatternMatcher")
                      if isinstance(getattr(_matcher, name, None), type))
-    for found in gc.get_objects() if matchers else ():
-        if issubclass(type(found), matchers):  # (not isinstance: a dead weak proxy raises on it)
+    rules = getattr(rewriter, "_DEFAULT_REWRITE_RULES", None)
+    held = ([vars(rule).get("_matcher") for rule in rules] if isinstance(rules, (tuple, list))
+            else gc.get_objects() if matchers else [])
+    for found in held:
+        if matchers and issubclass(type(found), matchers):  # (not isinstance: a dead weak proxy raises on it)
             for attr in _MATCHER_STATE:
                 if attr in vars(found):
                     setattr(found, attr, None)
-    gc.collect()  # the graph is a web of cycles (nodes, values, their graph): only the collector frees it
+    if collect:
+        gc.collect()
 
 
 def exporter_reason(exc: BaseException, log: str, limit: int = 400) -> str:
