@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -90,16 +92,12 @@ def _check_shards(path: Path, files: list[Path], index: Path | None = None,
     """Read each safetensors header (a few KB: no tensor data) before anything is loaded or written: a
     truncated file, a tensor held by two files, or an index that disagrees with its shards is one line.
     Shards may differ in dtype (bf16 beside fp16): every value converts to float32 exactly."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import safe_open
 
     held: dict[str, str] = {}
     for file in files:
-        try:
-            with safe_open(str(file), "pt") as handle:
-                names = list(handle.keys())
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise EdgelinError(f"cannot read {file}", f"corrupt or truncated safetensors ({exc})",
-                               "re-download or re-save the checkpoint") from exc
+        with _reading(file), safe_open(str(file), "pt") as handle:
+            names = list(handle.keys())
         for name in names:
             if name in held:
                 raise EdgelinError(f"{path}: tensor {name} is in both {held[name]} and {file.name}",
@@ -117,6 +115,18 @@ def _check_shards(path: Path, files: list[Path], index: Path | None = None,
         more = len(wrong) + len(unlisted) - 1
         raise EdgelinError(f"{index} does not match its shards", why + (f" (+{more} more)" if more else ""),
                            "re-download the checkpoint: the index and the shards come from different saves")
+
+
+@contextmanager
+def _reading(file: Path, what: str | None = None) -> Iterator[None]:
+    """A safetensors file read inside: its read error becomes one line naming `what` (default: the file)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise EdgelinError(f"cannot read {what or file}", f"corrupt or truncated safetensors ({exc})",
+                           "re-download or re-save the checkpoint") from exc
 
 
 def _inside(root: Path, name: str, index: Path) -> Path:
@@ -156,16 +166,12 @@ class TensorFiles:
 
     @classmethod
     def of(cls, path: Path) -> "TensorFiles":
-        from safetensors import SafetensorError, safe_open
+        from safetensors import safe_open
 
         where: dict[str, Path] = {}
         for file in weight_files(path):  # (their headers were checked there: a truncated file is refused)
-            try:
-                with safe_open(str(file), "pt") as handle:
-                    where.update(dict.fromkeys(handle.keys(), file))
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise EdgelinError(f"cannot read {file}", f"corrupt or truncated safetensors ({exc})",
-                                   "re-download or re-save the checkpoint") from exc
+            with _reading(file), safe_open(str(file), "pt") as handle:
+                where.update(dict.fromkeys(handle.keys(), file))
         return cls(where)
 
     def __contains__(self, name: object) -> bool:
@@ -184,28 +190,20 @@ class TensorFiles:
         return TensorFiles(dict(self._where))
 
     def pop(self, name: str) -> torch.Tensor:
-        from safetensors import SafetensorError, safe_open
+        from safetensors import safe_open
 
         file = self._where.pop(name)
-        try:
-            with safe_open(str(file), "pt") as handle:
-                return handle.get_tensor(name)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise EdgelinError(f"cannot read {name} from {file}", f"corrupt or truncated safetensors ({exc})",
-                               "re-download or re-save the checkpoint") from exc
+        with _reading(file, f"{name} from {file}"), safe_open(str(file), "pt") as handle:
+            return handle.get_tensor(name)
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
-        try:
+        with _reading(file):
             tensors.update(load_file(str(file)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise EdgelinError(f"cannot read {file}", f"corrupt or truncated safetensors ({exc})",
-                               "re-download or re-save the checkpoint") from exc
     return tensors
 
 

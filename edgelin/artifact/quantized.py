@@ -19,10 +19,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from edgelin.errors import EdgelinError
+
 SLACK = 1.0 + 1e-3  # on the half-step bound: the dequantised product's own float rounding
 PANEL = 16  # columns per panel (TILE_N in edgelin/ortops/tiles_kernel.h)
 F16_OP = "MatMulF16"  # float32 activations by a float16 weight in panels (--quantize fp16)
 QUANTIZED_OPS = ("MatMulNBits", "GatherBlockQuantized")  # the ops that carry a quantised weight
+# MatMulNBits' accuracy_level whose CPU kernels (ONNX Runtime's, and edgelin's bit for bit) multiply int8 activation
+# blocks: each block of block_size inputs rounded to the nearest of 255 steps of its largest magnitude / 127.
+ACTIVATIONS_ROUNDED = 4
 
 
 def unpack_panels(panels: Any, cols: int) -> Any:
@@ -50,11 +55,13 @@ def half_tables(graph: Any) -> set[str]:
 class Dequantized:
     """One quantised tensor unpacked: `rows` [N, K] float32 (a MatMulNBits weight's output columns, or a
     table's rows) and `bound` [N, K], half the quantisation step each element was rounded on (slack included;
-    an array, or BlockSteps for block-quantised weights)."""
+    an array, or BlockSteps for block-quantised weights). `input_block`: the artifact multiplies it by activations
+    rounded to int8 per block of that many (MatMulNBits at ACTIVATIONS_ROUNDED; a table tied to such a head too)."""
 
     name: str
     rows: np.ndarray
     bound: Any
+    input_block: int = 0  # the product rounds its float32 activations to int8 in blocks of this many (0: it does not)
 
 
 def unpack(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int, cols: int, bits: int,
@@ -137,21 +144,37 @@ def _graph(folder: Path, file: str) -> tuple[Any, dict[str, Any], Callable[[str]
     are read only when asked for."""
     import onnx
     from onnx import numpy_helper
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
     graph = onnx.load(str(Path(folder) / file), load_external_data=False).graph
     inits = {t.name: t for t in graph.initializer}
 
     def array(name: str) -> np.ndarray:
         tensor = inits[name]
-        if uses_external_data(tensor):  # into a copy of the tensor's entry: the graph keeps none of the bytes read
-            loaded = onnx.TensorProto()
-            loaded.CopyFrom(tensor)
-            load_external_data_for_tensor(loaded, str(folder))
-            return numpy_helper.to_array(loaded)
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:  # the graph keeps none of the bytes read
+            return _external(tensor, Path(folder), file)
         return numpy_helper.to_array(tensor)
 
     return graph, inits, array
+
+
+def _external(tensor: Any, folder: Path, graph_file: str) -> np.ndarray:
+    """An initializer's bytes read from the export's data file. Read here, not by onnx's loader, which refuses a
+    file with more than one hard link (an export copied with `cp -al`, or deduplicated by the file system)."""
+    from onnx import helper
+
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    location = info.get("location", "")
+    if not location or Path(location).name != location or location in (".", ".."):
+        raise EdgelinError(f"{folder / graph_file}: tensor {tensor.name} names data file {location!r}",
+                           "an export's graphs read their weights from a file in the export folder",
+                           "re-export: the folder was edited")
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    count = int(np.prod(tensor.dims, dtype=np.int64))
+    values = np.fromfile(folder / location, dtype, count, offset=int(info.get("offset", 0)))
+    if values.size != count:
+        raise EdgelinError(f"{folder / location} is truncated", f"tensor {tensor.name} lies past its end",
+                           "re-export, or copy the folder again")
+    return values.reshape(tuple(tensor.dims))
 
 
 def float_lookups(folder: Path, graph_files: list[str]) -> list[np.ndarray]:
@@ -174,6 +197,19 @@ def float_lookups(folder: Path, graph_files: list[str]) -> list[np.ndarray]:
     return list(found.values())
 
 
+def _rounding_block(graph: Any) -> int:
+    """The block the graph's MatMulNBits products round their activations in (0: they take them as float32). The
+    exporter gives every product of a graph one accuracy level (edgelin.export.quantize.ACCURACY_LEVEL)."""
+    import onnx
+
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            if attrs.get("accuracy_level", 0) == ACTIVATIONS_ROUNDED:
+                return int(attrs["block_size"])
+    return 0
+
+
 def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
     """Every quantised tensor the graphs read, unpacked (each distinct initializer once)."""
     return list(iter_quantized(folder, graph_files))
@@ -189,6 +225,7 @@ def iter_quantized(folder: Path, graph_files: list[str]) -> Iterator[Dequantized
     for file in graph_files:
         graph, inits, array = _graph(folder, file)
         tables = half_tables(graph)
+        rounding = _rounding_block(graph)
         for node in graph.node:
             half = node.input[1] if node.op_type == F16_OP else node.input[0] if node.op_type == "Gather" \
                 and node.input and node.input[0] in tables else None
@@ -221,4 +258,5 @@ def iter_quantized(folder: Path, graph_files: list[str]) -> Iterator[Dequantized
             values, steps = unpack(data, array(node.input[2]), zeros, rows, cols, attrs.get("bits", 4),
                                    attrs["block_size"])
             found.add(weight)
-            yield Dequantized(weight, values, 0.5 * SLACK * steps + 1e-7)
+            # (a table, looked up by GatherBlockQuantized, is multiplied only as the tied head: a MatMulNBits)
+            yield Dequantized(weight, values, 0.5 * SLACK * steps + 1e-7, rounding)

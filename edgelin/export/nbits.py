@@ -24,9 +24,9 @@ DOMAIN = "com.microsoft"
 ROWS_PER_SLICE = 16384  # embedding rows quantised at a time (a transposed slice: 64 MiB at D = 1024)
 
 
-def weight_array(tensor: Any, folder: Path) -> np.ndarray:
+def weight_array(tensor: Any, folder: Path | None = None) -> np.ndarray:
     """An initializer's values without loading the graph's data: a read-only map of its bytes in the data file
-    (external data), else its own raw bytes."""
+    (external data, which needs the graph's `folder`), else its own raw bytes."""
     import onnx
     from onnx import helper, numpy_helper
 

@@ -120,7 +120,7 @@ def pack_products(proto: Any, half: bool = False, folder: Path | None = None) ->
             continue
         if weight not in packed:
             packed[weight] = f"{weight}_f16p" if half else f"{weight}_p{PANEL}"
-            value = weight_array(tensor, folder) if folder is not None else numpy_helper.to_array(tensor)
+            value = weight_array(tensor, folder)
             value = pack_panels(to_float16(value) if half else value)
             proto.graph.initializer.append(numpy_helper.from_array(value, packed[weight]))
         to_panel_op(proto, node, F16_OP if half else F32_OP, packed[weight], tensor.dims[1])

@@ -108,7 +108,7 @@ def _untie_heads(proto: Any, folder: Path | None = None) -> list[str]:
         if weight is None or len(weight.dims) != 2 or attrs.get("transA", 0) or not attrs.get("transB", 0) \
                 or attrs.get("alpha", 1.0) != 1.0:
             continue
-        values = weight_array(weight, folder) if folder is not None else numpy_helper.to_array(weight)
+        values = weight_array(weight, folder)
         transposed = numpy_helper.from_array(np.ascontiguousarray(values.T), f"{weight.name}_T")
         if transposed.name not in inits:
             proto.graph.initializer.append(transposed)
@@ -141,7 +141,7 @@ def _float16_weights(proto: Any, embeddings: bool, folder: Path | None = None) -
                 and _attrs(node).get("axis", 0) == 0:
             if table.name not in halves:  # each table converted once however many lookups read it
                 halves[table.name] = f"{table.name}_f16"
-                value = to_float16(weight_array(table, folder) if folder is not None else numpy_helper.to_array(table))
+                value = to_float16(weight_array(table, folder))
                 proto.graph.initializer.append(numpy_helper.from_array(value, halves[table.name]))
             node.input[0], out = halves[table.name], node.output[0]
             node.output[0] = f"{out}_f16"

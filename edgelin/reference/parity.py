@@ -17,9 +17,10 @@ within half a quantisation step (round-to-nearest's bound), found by value, so f
 modules' weights side by side), transposed heads and tied tables need no name bookkeeping. One tie is split:
 a table whose rows are not a whole number of blocks stays float in the graphs while the LM head tied to it is
 quantised, so the reference's head takes the dequantised rows and its embedding keeps the float ones
-(_untie_products). What stays between this reference and the artifact is the runtime's own arithmetic
-(MatMulNBits at accuracy_level 4 also rounds activations to int8 blocks: measured on that Mamba2, 0.013 of
-the logits' scale and 0.045 of the states').
+(_untie_products). The reference's products take their activations as the artifact's do: MatMulNBits at
+accuracy_level 4 rounds each block of inputs to int8 steps, so each nn.Linear whose weight came from such a product
+rounds its input the same way (round_activation_blocks). What stays between the two is the float arithmetic's order
+and the roundings it flips (docs/checks.md "Quantised exports: two references").
 
 Torch is imported inside the functions (they take a CausalLM); the replay on a device reads only what the
 recorded reference vectors hold.
@@ -30,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import copy
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +44,8 @@ from edgelin.artifact.quantized import Dequantized, float_lookups, iter_quantize
 from edgelin.artifact.state import state_input_name
 
 if TYPE_CHECKING:
+    import torch
+
     from edgelin.artifact.manifest import Manifest
     from edgelin.model.lm import CausalLM
 
@@ -151,13 +155,13 @@ def _untie_products(model: "CausalLM", weight: Any, dequantized: Any) -> list[st
     float one. Returns the parameters given the dequantised values."""
     import torch
 
-    untied = []
+    untied, own = [], dequantized.clone()
     for module_name, module in list(model.named_modules()):
         if isinstance(module, torch.nn.Embedding):
             continue
         for attr, held in list(module.named_parameters(recurse=False)):
             if held is weight:
-                setattr(module, attr, torch.nn.Parameter(dequantized.clone(), requires_grad=held.requires_grad))
+                setattr(module, attr, torch.nn.Parameter(own, requires_grad=held.requires_grad))
                 untied.append(f"{module_name}.{attr}" if module_name else attr)
     return untied
 
@@ -200,6 +204,7 @@ def with_dequantized(model: "CausalLM", tensors: Iterable[Dequantized], lookups:
     pending = {name: value for name, value in [*twin.named_parameters(), *twin.named_buffers()]
                if value.ndim == 2 and value.is_floating_point()}
     matched: dict[str, np.ndarray] = {}  # the weights already replaced, as compared (a graph may hold one twice)
+    rounded: dict[int, int] = {}  # storage of a replacement multiplied by rounded activations -> their block
     replaced, unmatched, total = [], 0, 0
     with torch.no_grad():
         for tensor in tensors:
@@ -214,10 +219,15 @@ def with_dequantized(model: "CausalLM", tensors: Iterable[Dequantized], lookups:
                 covered[rows] = True
                 dequantized = torch.from_numpy(np.ascontiguousarray(tensor.rows[rows])).to(value.dtype)
                 if any(_same_table(param, table) for table in lookups):  # looked up float, multiplied quantised
-                    replaced.extend(_untie_products(twin, value, dequantized))
+                    untied = _untie_products(twin, value, dequantized)
+                    replaced.extend(untied)
+                    given = twin.get_parameter(untied[0]) if untied else dequantized
                 else:
                     _replace(twin, value, dequantized)
                     replaced.append(name)
+                    given = dequantized
+                if tensor.input_block:
+                    rounded[given.data_ptr()] = tensor.input_block
                 # in place, the float weight goes with its last reference here: compared from now on by the values
                 # that replaced it
                 matched[name] = param if not in_place else tensor.rows[rows]
@@ -227,7 +237,33 @@ def with_dequantized(model: "CausalLM", tensors: Iterable[Dequantized], lookups:
                 if offset is not None:
                     covered[offset:offset + param.shape[0]] = True
             unmatched, total = unmatched + int((~covered).sum()), total + len(covered)
+    for module in twin.modules():
+        block = rounded.get(module.weight.data_ptr()) if isinstance(module, torch.nn.Linear) else None
+        if block:
+            module.register_forward_pre_hook(functools.partial(_round_input, block=block))
     return twin.eval(), Account(tuple(replaced), unmatched, total)
+
+
+def round_activation_blocks(x: "torch.Tensor", block: int) -> "torch.Tensor":
+    """`x` as the artifact's product takes it (edgelin.artifact.quantized.ACTIVATIONS_ROUNDED): along the last axis,
+    each block of `block` values (a last partial one zero-padded) rounded half to even to an integer number of steps
+    of its largest magnitude / 127, in float32 as the kernels compute it."""
+    import torch
+
+    width = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, -width % block)) if width % block else x
+    blocks = padded.reshape(*padded.shape[:-1], -1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # (true divisions, as the kernels': torch divides by a scalar as a product with its reciprocal, an ulp away, and
+    # the activations of a quantised table's rows land on exact ties)
+    levels = torch.full_like(amax, 127.0)
+    inverse = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    steps = torch.round(blocks * inverse)
+    return (steps * (amax / levels)).reshape(padded.shape)[..., :width]
+
+
+def _round_input(module: Any, args: tuple, block: int) -> tuple:
+    return (round_activation_blocks(args[0], block), *args[1:])
 
 
 def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest",
