@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from edgelin.errors import EdgelinError
+from edgelin.outputs import inside_path
 
 SLACK = 1.0 + 1e-3  # on the half-step bound: the dequantised product's own float rounding
 PANEL = 16  # columns per panel (TILE_N in edgelin/ortops/tiles_kernel.h)
@@ -164,7 +165,7 @@ def _external(tensor: Any, folder: Path, graph_file: str) -> np.ndarray:
 
     info = {entry.key: entry.value for entry in tensor.external_data}
     location = info.get("location", "")
-    if not location or Path(location).name != location or location in (".", ".."):
+    if not inside_path(location):
         raise EdgelinError(f"{folder / graph_file}: tensor {tensor.name} names data file {location!r}",
                            "an export's graphs read their weights from a file in the export folder",
                            "re-export: the folder was edited")
