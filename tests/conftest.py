@@ -82,22 +82,21 @@ def _graph_cache(tmp_path_factory):
     graph_cache.set_cache_dir((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "graph-cache")
 
 
-# Seconds per file of the CI tier (`--junitxml`, 2026-12-06, the whole tier under `-n 2` on the 2-core AMD EPYC VM
-# while other jobs loaded it: about the units of the earlier slow-phase figures), heaviest first.
-# `make test` runs `--dist loadfile --no-loadscope-reorder`: each worker takes the next file in collection
-# order, so starting with the long files (longest processing time first) keeps one worker from running a
-# long file alone at the end. A file not listed goes last; a stale figure only costs balance, never a test.
+# Seconds per file of the CI tier (`--durations=0`, 2026-12-07, the whole tier under `-n 2` on the 2-core Intel Xeon
+# VM; test_lowering.py as it reads test_onnx.py's graphs), heaviest first. `make test` runs `--dist loadfile
+# --no-loadscope-reorder`: each worker takes the next file in collection order, so starting with the long files
+# (longest processing time first) keeps one worker from running a long file alone at the end. A file not listed goes
+# last; a stale figure only costs balance, never a test.
 FILE_SECONDS = {
-    "test_onnx.py": 277, "test_ortops.py": 160, "test_kernels.py": 147, "test_precision_export.py": 146,
-    "test_coreml.py": 130, "test_coreai.py": 117, "test_ortops_attention.py": 107, "test_lowering.py": 85,
-    "test_tensorrt_target.py": 85, "test_artifact.py": 82, "test_outputs.py": 72, "test_ortops_ssd.py": 54,
-    "test_convert_fla.py": 53, "test_plugin_target.py": 48, "test_coreai_composite.py": 42,
-    "test_coreml_hybrid.py": 41, "test_fused_decode.py": 38, "test_cli_polish.py": 37, "test_cli_faults.py": 32,
-    "test_onnx_nodes.py": 30, "test_cli_process.py": 29, "test_torchless.py": 28, "test_trained_upstream.py": 26,
-    "test_quality.py": 25, "test_cli.py": 25, "test_coreai_quantize.py": 24, "test_dequantized.py": 24,
-    "test_report.py": 22, "test_upstream_fla_smoke.py": 22, "test_train.py": 20, "test_ortops_matmul.py": 14,
-    "test_integrity.py": 14, "test_ortops_f16.py": 12, "test_fuse_matmuls.py": 12, "test_runtime_checks.py": 12,
-    "test_devices.py": 11, "test_ortops_gdn.py": 9, "test_runtime.py": 8, "test_shared_weights.py": 8,
+    "test_onnx.py": 152, "test_precision_export.py": 100, "test_ortops.py": 91, "test_coreml.py": 90,
+    "test_kernels.py": 85, "test_tensorrt_target.py": 64, "test_artifact.py": 60, "test_ortops_attention.py": 57,
+    "test_coreai.py": 54, "test_outputs.py": 53, "test_convert_fla.py": 39, "test_ortops_ssd.py": 37,
+    "test_coreai_composite.py": 31, "test_plugin_target.py": 29, "test_coreml_hybrid.py": 27, "test_onnx_nodes.py": 26,
+    "test_fused_decode.py": 26, "test_cli_faults.py": 26, "test_cli_polish.py": 25, "test_lowering.py": 22,
+    "test_upstream_fla_smoke.py": 22, "test_torchless.py": 22, "test_dequantized.py": 20, "test_cli_process.py": 20,
+    "test_quality.py": 19, "test_coreai_quantize.py": 17, "test_train.py": 16, "test_trained_upstream.py": 15,
+    "test_report.py": 15, "test_fuse_matmuls.py": 15, "test_cli.py": 14, "test_ortops_f16.py": 12,
+    "test_runtime_checks.py": 11, "test_ortops_matmul.py": 9, "test_integrity.py": 9, "test_devices.py": 9,
     "test_report_inputs.py": 7,
     # the slow tier's heavy files (make test-all)
     "test_kv_static.py": 130, "test_validate_stream.py": 111, "test_hostile.py": 71, "test_tensorrt_build.py": 65,
@@ -193,6 +192,9 @@ def pytest_collection_modifyitems(config, items):
 
 ALL_FAMILIES = list(FAMILIES)
 HYBRID = ("gated_deltanet", SOFTMAX, "gla")
+# One layer of every family the hybrid lacks (Gated DeltaNet-2 aside: tests/families/test_gdn2_clvr.py), in one
+# model: test_onnx.py's "zoo", whose graphs other files read too (traced once a run: tests/graph_cache.py).
+ZOO = tuple(f for f in ALL_FAMILIES if f != "gated_deltanet2" and f not in HYBRID)
 
 
 def tiny_config(layer_types, **changes) -> ModelConfig:

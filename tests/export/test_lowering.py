@@ -5,13 +5,14 @@ state names, roles and dtypes come from one place."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import onnx
 import pytest
 import torch
 
-from conftest import tiny_config
-from helpers import assert_close
+from conftest import HYBRID, ZOO, tiny_config
+from helpers import TOKENIZER_VOCAB, assert_close, export_family
 from edgelin.devices import ExportSettings
 from edgelin.errors import EdgelinError
 from edgelin.export import lowering as lowering_mod
@@ -49,29 +50,32 @@ def state_path_ops(graph: onnx.GraphProto, source: str, sink: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def linear_attn_export(tmp_path_factory):
-    """One linear_attn layer through the ONNX target's own export (its lowering included)."""
-    folder = tmp_path_factory.mktemp("lowering")
-    torch.manual_seed(0)
-    target = OnnxTarget()
-    target.export(CausalLM(tiny_config(("linear_attn",))).eval(), None, ExportSettings(), target.default_options(),
-                  folder)
-    return folder
+def shared_exports(tmp_path_factory) -> dict[str, Path]:
+    """test_onnx.py's two exports, through the whole export (the ONNX target's lowering included): the zoo (one
+    layer of each family, linear_attn first) and the tokenizer-less hybrid (Gated DeltaNet, softmax, GLA). The
+    run's graph cache traces their graphs once for both files."""
+    root = tmp_path_factory.mktemp("lowering")
+    return {"zoo": export_family(root, "zoo", layers=ZOO),
+            "hybrid": export_family(root, "hybrid", vocab_size=TOKENIZER_VOCAB)}
 
 
-def test_step_graph_updates_state_and_normalizer_without_concat_or_slice(linear_attn_export):
+def test_step_graph_updates_state_and_normalizer_without_concat_or_slice(shared_exports):
     """linear_attn's step: S' = S + k v^T and z' = z + k, each its own tensor; no Concat/Slice
     between a past_key_values.* input and its present.* output (a TensorRT plugin updates its
-    state in place). The prefill graph keeps its one Scan over chunks per layer."""
-    step = onnx.load(str(linear_attn_export / "step.onnx")).graph
-    inputs = [i.name for i in step.input if i.name.startswith("past_key_values.")]
+    state in place). The prefill graph keeps one Scan over chunks per layer; z's is a CumSum."""
+    assert ZOO[0] == "linear_attn"
+    folder = shared_exports["zoo"]
+    step = onnx.load(str(folder / "step.onnx"), load_external_data=False).graph
+    inputs = [i.name for i in step.input if i.name.startswith("past_key_values.0.")]
     assert sorted(inputs) == ["past_key_values.0.normalizer", "past_key_values.0.recurrent_state"]
     for name in inputs:
         ops = state_path_ops(step, name, name.replace("past_key_values.", "present.", 1))
         assert ops, f"{name} never reaches its output"
         assert not RESHAPING.intersection(ops), f"{name}: {ops}"
-    prefill = onnx.load(str(linear_attn_export / "prefill.onnx")).graph
-    assert [n.op_type for n in prefill.node].count("Scan") == 1  # S's chunk loop; z is a CumSum
+    prefill = onnx.load(str(folder / "prefill.onnx"), load_external_data=False).graph
+    scans = [n for n in prefill.node if n.op_type == "Scan"]
+    assert len(scans) == len(ZOO)
+    assert [out for n in scans for out in n.output if out.startswith("present.0.")] == ["present.0.recurrent_state"]
 
 
 def test_lowering_registry_refuses_unknown_targets():
@@ -172,18 +176,15 @@ def test_onnx_chunked_form_keeps_one_shared_key_head(family, key_heads, monkeypa
     assert_close(patched, plain, 1e-5, family)
 
 
-def test_onnx_prefill_prepares_each_chunk_inside_the_scan(tmp_path):
+def test_onnx_prefill_prepares_each_chunk_inside_the_scan(shared_exports):
     """A per-key decay's [C, C, d_k] decays exist for one chunk at a time: the exported prefill graph computes
-    the decays and pair products (Exp, Einsum) only inside its Scan bodies, none over all chunks before them."""
-    torch.manual_seed(0)
-    target = OnnxTarget()
-    target.export(CausalLM(tiny_config(("gla",))).eval(), None, ExportSettings(), target.default_options(), tmp_path)
-    graph = onnx.load(tmp_path / "prefill.onnx", load_external_data=False).graph
-    bodies = [a.g for n in graph.node if n.op_type == "Scan"
-              for a in n.attribute if a.type == onnx.AttributeProto.GRAPH]
+    GLA's decays and pair products (Exp, Einsum) only inside its Scan body, none over all chunks before it."""
+    gla = HYBRID.index("gla")
+    graph = onnx.load(shared_exports["hybrid"] / "prefill.onnx", load_external_data=False).graph
+    (scan,) = [n for n in graph.node if n.op_type == "Scan" and f"present.{gla}.recurrent_state" in n.output]
+    (body,) = [a.g for a in scan.attribute if a.type == onnx.AttributeProto.GRAPH]
     top = {n.op_type for n in graph.node}
-    inside = {n.op_type for body in bodies for n in body.node}
-    assert bodies and {"Exp", "Einsum"} <= inside and not {"Exp", "Einsum"} & top
+    assert {"Exp", "Einsum"} <= {n.op_type for n in body.node} and not {"Exp", "Einsum"} & top
 
 
 def test_state_names_and_roles_come_from_one_place():

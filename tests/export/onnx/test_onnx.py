@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from conftest import ALL_FAMILIES, HYBRID
+from conftest import HYBRID, ZOO
 from edgelin.checkpoint import load_model
 from edgelin.artifact.manifest import Manifest
 from edgelin.runtime import open_runner
@@ -22,7 +22,6 @@ from helpers import TOKENIZER_VOCAB, export_family
 # two linear families; every other family is one layer of one model, the "zoo" (tracing has a fixed cost per
 # graph: one 8-layer export takes about half of eight 1-layer ones), and each family's test reads its own
 # layer's states.
-ZOO = tuple(f for f in ALL_FAMILIES if f != "gated_deltanet2" and f not in HYBRID)
 FAMILIES_AND_HYBRID = [*ZOO, "hybrid"]
 
 
