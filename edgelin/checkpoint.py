@@ -161,18 +161,20 @@ class TensorFiles:
     closed around it): a converter turning them to float32 one at a time then never holds the checkpoint beside the
     converted model (Qwen3.5-0.8B: 1.5 GB of bf16 that load_state_dict would keep until the last tensor)."""
 
-    def __init__(self, where: dict[str, Path]):
-        self._where = where
+    def __init__(self, where: dict[str, Path], shapes_only: bool = False):
+        self._where, self._shapes_only = where, shapes_only
 
     @classmethod
-    def of(cls, path: Path) -> "TensorFiles":
+    def of(cls, path: Path, shapes_only: bool = False) -> "TensorFiles":
+        """`shapes_only`: each popped tensor is an empty one on torch's meta device, of the shape and dtype its
+        file's header gives (nothing is read past the headers: `describe_model`)."""
         from safetensors import safe_open
 
         where: dict[str, Path] = {}
         for file in weight_files(path):  # (their headers were checked there: a truncated file is refused)
             with _reading(file), safe_open(str(file), "pt") as handle:
                 where.update(dict.fromkeys(handle.keys(), file))
-        return cls(where)
+        return cls(where, shapes_only)
 
     def __contains__(self, name: object) -> bool:
         return name in self._where
@@ -187,14 +189,31 @@ class TensorFiles:
         return self._where.keys()
 
     def copy(self) -> "TensorFiles":
-        return TensorFiles(dict(self._where))
+        return TensorFiles(dict(self._where), self._shapes_only)
 
     def pop(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
         file = self._where.pop(name)
         with _reading(file, f"{name} from {file}"), safe_open(str(file), "pt") as handle:
-            return handle.get_tensor(name)
+            if not self._shapes_only:
+                return handle.get_tensor(name)
+            piece = handle.get_slice(name)
+            dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
+            if dtype is None:
+                raise EdgelinError(f"{file}: tensor {name} has dtype {piece.get_dtype()}",
+                                   "edgelin reads float, integer and bool safetensors dtypes",
+                                   "re-save the checkpoint with its floating-point weights")
+            return torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+
+    def popall(self) -> dict[str, torch.Tensor]:
+        return {name: self.pop(name) for name in list(self._where)}
+
+
+# safetensors' header dtypes (the format's own names) -> torch's
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -250,26 +269,45 @@ def model_config(path: Path) -> ModelConfig:
 def load_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
     """Build edgelin's reference model from a checkpoint directory (fp32, eval mode): edgelin's own
     format, or an upstream one (fla, transformers) through its converter."""
+    return _build(path, shapes_only=False)
+
+
+def describe_model(path: Path) -> tuple[CausalLM, CheckpointInfo]:
+    """What load_model checks, from config.json and the safetensors headers alone: the names, shapes and float
+    dtypes of every weight against the config, through the same converter; the model's parameters stay on torch's
+    meta device (nothing is read or allocated: `edgelin inspect` of a 2 B checkpoint on a board with less memory
+    than its float32 weights). Values are not checked (NaN or Inf: export's load refuses them) and info.sha256 is
+    empty (hashing reads every byte)."""
+    return _build(path, shapes_only=True)
+
+
+def _build(path: Path, shapes_only: bool) -> tuple[CausalLM, CheckpointInfo]:
     path = checkpoint_dir(path)
     data = read_config(path)
     model_type = data.get("model_type")
     source = str(path / CONFIG)
     if model_type == MODEL_TYPE:
         config, fmt, inert = ModelConfig.from_dict(data, source=source), MODEL_TYPE, ()
-        check_fits_in_memory(config, source)
-        tensors = load_state_dict(path)
+        if not shapes_only:
+            check_fits_in_memory(config, source)
+        tensors = TensorFiles.of(path, shapes_only=True).popall() if shapes_only else load_state_dict(path)
     else:
         from edgelin.convert import convert
 
         done = convert(data, source)
         config, fmt, inert = done.config, done.converter.origin(data), done.inert
-        check_fits_in_memory(config, source)
-        tensors = done.converter.map_weights(TensorFiles.of(path), config, data)
-    model = empty_model(config)
+        if not shapes_only:
+            check_fits_in_memory(config, source)
+        tensors = done.converter.map_weights(TensorFiles.of(path, shapes_only), config, data)
+    if shapes_only:  # every parameter and buffer on the meta device: nothing allocated, whatever the sizes say
+        with torch.device("meta"):
+            model = CausalLM(config)
+    else:
+        model = empty_model(config)
     assign_weights(model, tensors, path)
     del tensors
     tokenizer = path / TOKENIZER
-    info = CheckpointInfo(path.resolve(), fmt, str(model_type), checkpoint_hash(path),
+    info = CheckpointInfo(path.resolve(), fmt, str(model_type), "" if shapes_only else checkpoint_hash(path),
                           tokenizer if tokenizer.is_file() else None, tuple(inert))
     return model.eval(), info
 
@@ -330,7 +368,7 @@ def assign_weights(model: CausalLM, tensors: dict[str, torch.Tensor], path: Path
     with torch.no_grad():
         for name in list(tensors):
             value, target = tensors.pop(name), expected[name]  # one converted tensor alive at a time
-            if not _all_finite(value):
+            if not value.is_meta and not _all_finite(value):  # (describe_model: shapes only)
                 raise EdgelinError(f"{path}: tensor {name} has NaN or Inf", "the weights are corrupt",
                                    "re-train or re-save the checkpoint")
             if target.is_meta:  # empty_model's parameter: the converted tensor becomes it (no second copy)

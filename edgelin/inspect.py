@@ -75,13 +75,13 @@ def _placements(model: CausalLM) -> list[dict]:
 
 
 def inspect_checkpoint(path: Path) -> InspectReport:
-    from edgelin.checkpoint import checkpoint_dir, load_model, read_config
+    from edgelin.checkpoint import checkpoint_dir, describe_model, read_config
 
     path = checkpoint_dir(Path(path))
     data = read_config(path)
     model_type = data.get("model_type")
     try:
-        model, info = load_model(path)
+        model, info = describe_model(path)  # from config.json and the weights' headers: nothing else is read
     except EdgelinError as exc:
         tokenizer = path / TOKENIZER
         return InspectReport(str(path), model_type, "unsupported", False, reason=f"{exc.what}: {exc.why}", fix=exc.fix,
