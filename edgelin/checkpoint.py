@@ -288,16 +288,14 @@ def _build(path: Path, shapes_only: bool) -> tuple[CausalLM, CheckpointInfo]:
     source = str(path / CONFIG)
     if model_type == MODEL_TYPE:
         config, fmt, inert = ModelConfig.from_dict(data, source=source), MODEL_TYPE, ()
-        if not shapes_only:
-            check_fits_in_memory(config, source)
+        check_sizes(config, source, path, shapes_only)
         tensors = TensorFiles.of(path, shapes_only=True).popall() if shapes_only else load_state_dict(path)
     else:
         from edgelin.convert import convert
 
         done = convert(data, source)
         config, fmt, inert = done.config, done.converter.origin(data), done.inert
-        if not shapes_only:
-            check_fits_in_memory(config, source)
+        check_sizes(config, source, path, shapes_only)
         tensors = done.converter.map_weights(TensorFiles.of(path, shapes_only), config, data)
     if shapes_only:  # every parameter and buffer on the meta device: nothing allocated, whatever the sizes say
         with torch.device("meta"):
@@ -331,6 +329,23 @@ def check_fits_in_memory(config: ModelConfig, source: str) -> None:
         raise EdgelinError(f"{source} asks for {count:,} parameters ({needed / 2**30:,.1f} GiB in float32)",
                            f"that is more than this machine's {memory / 2**30:,.1f} GiB of memory, so the sizes "
                            "are likely wrong", "check the sizes in the config (hidden_size, vocab_size, "
+                           "intermediate_size, head dims, the number of layers)")
+
+
+def check_sizes(config: ModelConfig, source: str, path: Path, shapes_only: bool) -> None:
+    """A load needs the float32 model in memory (check_fits_in_memory); a description needs none, so a config is
+    refused there only when it asks for more parameters than its weight files have bytes (every float dtype takes
+    at least one): a typo's size, which the layout on the meta device would otherwise report as every weight's
+    shape mismatch."""
+    if not shapes_only:
+        check_fits_in_memory(config, source)
+        return
+    count, needed = float32_footprint(config)
+    held = sum(file.stat().st_size for file in weight_files(path))
+    if count > held:
+        raise EdgelinError(f"{source} asks for {count:,} parameters ({needed / 2**30:,.1f} GiB in float32)",
+                           f"its weight files hold {held / 2**30:,.2f} GiB, fewer bytes than that many parameters, "
+                           "so the sizes are likely wrong", "check the sizes in the config (hidden_size, vocab_size, "
                            "intermediate_size, head dims, the number of layers)")
 
 

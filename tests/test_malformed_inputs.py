@@ -14,6 +14,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from edgelin.checkpoint import load_model
+from edgelin.errors import EdgelinError
 from edgelin.export.pipeline import export_checkpoint
 from helpers import make_checkpoint
 from test_cli import assert_clean_failure, run
@@ -189,12 +190,16 @@ def test_config_nested_too_deeply_is_malformed(checkpoint, tmp_path, command):
 @pytest.mark.parametrize("field, value", [("hidden_size", 10**12), ("vocab_size", 10**13),
                                           ("intermediate_size", 10**12)])
 def test_config_too_large_for_the_machine_is_refused_before_allocating(checkpoint, tmp_path, field, value):
+    """Loading it (export) is refused by this machine's memory; describing it (inspect, which loads nothing:
+    edgelin.checkpoint.describe_model) by the bytes its weight files hold."""
     ckpt = _copy(checkpoint, tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
     config[field] = value
     (ckpt / "config.json").write_text(json.dumps(config))
-    assert_clean_failure(run("inspect", ckpt), str(ckpt / "config.json"), "parameters", "GiB of memory",
+    assert_clean_failure(run("inspect", ckpt), str(ckpt / "config.json"), "parameters", "weight files hold",
                          "check the sizes")
+    with pytest.raises(EdgelinError, match="GiB of memory.*check the sizes"):
+        load_model(ckpt)
 
 
 # ---- report: results files with wrong field types -----------------------------------------------------------
