@@ -71,22 +71,70 @@ def unpack(data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None,
     `block_size` along the columns, `bits` per code packed low bits first, one scale and one zero point per
     block (zero points packed the same way; without them, the midpoint 2^(bits-1)). The steps are one per
     block, expanded only where indexed (BlockSteps: a 2 B-parameter model's would be 8 GB)."""
-    if bits not in (4, 8):
-        raise ValueError(f"{bits}-bit codes")
-    blocks = -(-cols // block_size)
-    if zero_points is None:
-        zeros = np.full((rows, blocks), 2 ** (bits - 1), np.float32)
-    else:
-        zeros = _codes(zero_points, rows, bits)[:, :blocks].astype(np.float32)
-    scale = np.asarray(scales, np.float32).reshape(rows, blocks)
-    packed = np.asarray(data, np.uint8).reshape(rows, -1)
-    values = np.empty((rows, blocks * block_size), np.float32)
-    for start in range(0, rows, 4096):  # a slice of rows at a time: the codes as float32 are 4-8x the packed bytes
-        part = slice(start, start + 4096)
-        codes = _codes(packed[part], packed[part].shape[0], bits)
-        codes = codes[:, :blocks * block_size].reshape(-1, blocks, block_size).astype(np.float32)
-        values[part] = ((codes - zeros[part, :, None]) * scale[part, :, None]).reshape(-1, blocks * block_size)
-    return values[:, :cols], BlockSteps(np.abs(scale), block_size, cols)
+    packed = PackedRows(data, scales, zero_points, rows, cols, bits, block_size)
+    return np.asarray(packed), packed.steps
+
+
+class PackedRows:
+    """unpack's [rows, cols] float32 values, unpacked only where indexed (as BlockSteps does its steps): a row, a
+    slice or an index array of rows, or [rows, column] one column's codes. np.asarray unpacks the whole. The
+    in-place parity reference matches and copies a 248k-token table through it a slice at a time, never holding its
+    1 GB unpacked beside the float one (edgelin.reference.parity.with_dequantized)."""
+
+    def __init__(self, data: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, rows: int, cols: int,
+                 bits: int, block_size: int):
+        if bits not in (4, 8):
+            raise ValueError(f"{bits}-bit codes")
+        blocks = -(-cols // block_size)
+        if zero_points is None:
+            self.zeros = np.full((rows, blocks), 2 ** (bits - 1), np.float32)
+        else:
+            self.zeros = _codes(zero_points, rows, bits)[:, :blocks].astype(np.float32)
+        self.scale = np.asarray(scales, np.float32).reshape(rows, blocks)
+        self.packed = np.asarray(data, np.uint8).reshape(rows, -1)
+        self.bits, self.block_size, self.blocks = bits, block_size, blocks
+        self.shape, self.ndim, self.dtype = (rows, cols), 2, np.dtype(np.float32)
+        self.steps = BlockSteps(np.abs(self.scale), block_size, cols)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if isinstance(key, tuple):
+            rows, column = key
+            if isinstance(column, (int, np.integer)):
+                return self._column(rows, int(column))
+            return self[rows][..., column]
+        if isinstance(key, (int, np.integer)):
+            if not -self.shape[0] <= key < self.shape[0]:
+                raise IndexError(f"row {key} of {self.shape[0]}")
+            row = int(key) % self.shape[0]
+            return self._rows(slice(row, row + 1))[0]
+        return self._rows(key)
+
+    def _rows(self, key: Any) -> np.ndarray:
+        packed, zeros, scale = self.packed[key], self.zeros[key], self.scale[key]
+        if not packed.shape[0]:  # (an empty selection: no candidate rows)
+            return np.empty((0, self.shape[1]), np.float32)
+        width = self.blocks * self.block_size
+        codes = _codes(packed, packed.shape[0], self.bits)[:, :width]
+        codes = codes.reshape(-1, self.blocks, self.block_size).astype(np.float32)
+        return ((codes - zeros[:, :, None]) * scale[:, :, None]).reshape(-1, width)[:, :self.shape[1]]
+
+    def _column(self, rows: Any, column: int) -> np.ndarray:
+        if not -self.shape[1] <= column < self.shape[1]:
+            raise IndexError(f"column {column} of {self.shape[1]}")
+        column %= self.shape[1]
+        block = column // self.block_size
+        if self.bits == 8:
+            codes = self.packed[rows, column]
+        else:  # two codes a byte, low nibble first
+            byte = self.packed[rows, column // 2]
+            codes = byte >> 4 if column % 2 else byte & 0x0F
+        return (codes.astype(np.float32) - self.zeros[rows, block]) * self.scale[rows, block]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        values = np.empty(self.shape, np.float32)
+        for start in range(0, self.shape[0], 4096):  # a slice of rows at a time: the codes as float32 are 4-8x the bytes
+            values[start:start + 4096] = self._rows(slice(start, start + 4096))
+        return values if dtype is None else values.astype(dtype)
 
 
 class BlockSteps:
@@ -216,9 +264,10 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
     return list(iter_quantized(folder, graph_files))
 
 
-def iter_quantized(folder: Path, graph_files: list[str]) -> Iterator[Dequantized]:
+def iter_quantized(folder: Path, graph_files: list[str], lazy: bool = False) -> Iterator[Dequantized]:
     """read_quantized's tensors one at a time, each unpacked only when asked for (a 0.75 B model's are 3 GB
-    unpacked: the reference takes them in turn, edgelin.reference.parity.with_dequantized)."""
+    unpacked: the reference takes them in turn, edgelin.reference.parity.with_dequantized). `lazy`: a
+    block-quantised tensor's rows are a PackedRows, unpacked where indexed."""
     import onnx
 
     found: set[str] = set()
@@ -256,8 +305,9 @@ def iter_quantized(folder: Path, graph_files: list[str]) -> Iterator[Dequantized
                     continue
                 rows, cols = data.shape[0], data.shape[1] * 8 // attrs.get("bits", 4)
             zeros = array(node.input[3]) if len(node.input) > 3 and node.input[3] in inits else None
-            values, steps = unpack(data, array(node.input[2]), zeros, rows, cols, attrs.get("bits", 4),
-                                   attrs["block_size"])
+            packed = PackedRows(data, array(node.input[2]), zeros, rows, cols, attrs.get("bits", 4),
+                                attrs["block_size"])
             found.add(weight)
             # (a table, looked up by GatherBlockQuantized, is multiplied only as the tied head: a MatMulNBits)
-            yield Dequantized(weight, values, 0.5 * SLACK * steps + 1e-7, rounding)
+            yield Dequantized(weight, packed if lazy else np.asarray(packed), 0.5 * SLACK * packed.steps + 1e-7,
+                              rounding)

@@ -184,7 +184,8 @@ def with_export_weights(model: "CausalLM", folder: Path, graph_files: list[str],
                         in_place: bool = False) -> tuple["CausalLM", Account]:
     """A copy of `model` whose weights are the export's dequantised ones (the model is left as it is; `in_place`:
     the model itself becomes it, see with_dequantized)."""
-    return with_dequantized(model, iter_quantized(folder, graph_files), float_lookups(folder, graph_files), in_place)
+    return with_dequantized(model, iter_quantized(folder, graph_files, lazy=True), float_lookups(folder, graph_files),
+                            in_place)
 
 
 def with_dequantized(model: "CausalLM", tensors: Iterable[Dequantized], lookups: list[np.ndarray],
@@ -194,8 +195,9 @@ def with_dequantized(model: "CausalLM", tensors: Iterable[Dequantized], lookups:
 
     The tensors are taken one at a time, each matched against the float weights not yet replaced. `in_place`
     (the export's own model, whose float weights nothing needs once its figures are recorded): `model` itself
-    becomes the reference, each float weight let go as its dequantised one replaces it, so the reference costs
-    one unpacked tensor's memory beyond the model's, not a second model's worth (3 GB at 0.75 B parameters)."""
+    becomes the reference, each float weight's storage taking its dequantised values a slice of rows at a time
+    (lazily unpacked tensors: PackedRows), so the reference costs a few slices beyond the model, not a second
+    model's worth (3 GB at 0.75 B parameters) nor a whole unpacked table (1 GB for Qwen3.5's)."""
     import torch
 
     # The twin shares every tensor with `model` (deepcopy's memo maps them to themselves): only the replaced
@@ -217,20 +219,27 @@ def with_dequantized(model: "CausalLM", tensors: Iterable[Dequantized], lookups:
                     continue
                 rows = slice(offset, offset + param.shape[0])
                 covered[rows] = True
-                dequantized = torch.from_numpy(np.ascontiguousarray(tensor.rows[rows])).to(value.dtype)
                 if any(_same_table(param, table) for table in lookups):  # looked up float, multiplied quantised
+                    dequantized = torch.from_numpy(np.ascontiguousarray(tensor.rows[rows])).to(value.dtype)
                     untied = _untie_products(twin, value, dequantized)
                     replaced.extend(untied)
                     given = twin.get_parameter(untied[0]) if untied else dequantized
+                    compared = param if not in_place else dequantized.numpy()
+                elif in_place:  # the export's own model: its float tensor takes the values, a slice at a time
+                    for lo in range(0, param.shape[0], MATCH_ROWS):
+                        hi = min(lo + MATCH_ROWS, param.shape[0])
+                        value[lo:hi] = torch.from_numpy(np.ascontiguousarray(tensor.rows[offset + lo:offset + hi]))
+                    replaced.append(name)
+                    given = value
+                    compared = value.detach().float().numpy()  # the float values are gone: compared by these
                 else:
+                    dequantized = torch.from_numpy(np.ascontiguousarray(tensor.rows[rows])).to(value.dtype)
                     _replace(twin, value, dequantized)
                     replaced.append(name)
-                    given = dequantized
+                    given, compared = dequantized, param
                 if tensor.input_block:
                     rounded[given.data_ptr()] = tensor.input_block
-                # in place, the float weight goes with its last reference here: compared from now on by the values
-                # that replaced it
-                matched[name] = param if not in_place else tensor.rows[rows]
+                matched[name] = compared
                 del pending[name], value, param
             for name, param in matched.items():  # every match counts: the same weight in a second tensor
                 offset = _match(param, tensor)
