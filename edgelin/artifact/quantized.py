@@ -200,30 +200,34 @@ def _graph(folder: Path, file: str) -> tuple[Any, dict[str, Any], Callable[[str]
     def array(name: str) -> np.ndarray:
         tensor = inits[name]
         if tensor.data_location == onnx.TensorProto.EXTERNAL:  # the graph keeps none of the bytes read
-            return _external(tensor, Path(folder), file)
+            return external_array(tensor, Path(folder))
         return numpy_helper.to_array(tensor)
 
     return graph, inits, array
 
 
-def _external(tensor: Any, folder: Path, graph_file: str) -> np.ndarray:
-    """An initializer's bytes read from the export's data file. Read here, not by onnx's loader, which refuses a
-    file with more than one hard link (an export copied with `cp -al`, or deduplicated by the file system)."""
+def external_array(tensor: Any, folder: Path) -> np.ndarray:
+    """An external initializer's values as a read-only map of its bytes in the folder's data file (nothing copied;
+    the export reads its own weights this way too: edgelin.export.nbits.weight_array). Read here, not by onnx's
+    loader, which refuses a file with more than one hard link (an export copied with `cp -al`, or deduplicated by
+    the file system); a data-file name that leaves the folder, or a file too short for the tensor, is one line."""
     from onnx import helper
 
     info = {entry.key: entry.value for entry in tensor.external_data}
-    location = info.get("location", "")
+    location, offset = info.get("location", ""), int(info.get("offset", 0))
     if not inside_path(location):
-        raise EdgelinError(f"{folder / graph_file}: tensor {tensor.name} names data file {location!r}",
+        raise EdgelinError(f"{folder}: tensor {tensor.name} names data file {location!r}",
                            "an export's graphs read their weights from a file in the export folder",
                            "re-export: the folder was edited")
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
-    count = int(np.prod(tensor.dims, dtype=np.int64))
-    values = np.fromfile(folder / location, dtype, count, offset=int(info.get("offset", 0)))
-    if values.size != count:
-        raise EdgelinError(f"{folder / location} is truncated", f"tensor {tensor.name} lies past its end",
+    dtype, shape = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)), tuple(tensor.dims)
+    count = int(np.prod(shape, dtype=np.int64))
+    path = Path(folder) / location
+    if not count:
+        return np.empty(shape, dtype)
+    if offset + count * dtype.itemsize > path.stat().st_size:
+        raise EdgelinError(f"{path} is truncated", f"tensor {tensor.name} lies past its end",
                            "re-export, or copy the folder again")
-    return values.reshape(tuple(tensor.dims))
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
 
 
 def float_lookups(folder: Path, graph_files: list[str]) -> list[np.ndarray]:

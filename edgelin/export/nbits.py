@@ -28,14 +28,13 @@ def weight_array(tensor: Any, folder: Path | None = None) -> np.ndarray:
     """An initializer's values without loading the graph's data: a read-only map of its bytes in the data file
     (external data, which needs the graph's `folder`), else its own raw bytes."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import numpy_helper
+
+    from edgelin.artifact.quantized import external_array
 
     if tensor.data_location != onnx.TensorProto.EXTERNAL:
         return numpy_helper.to_array(tensor)
-    info = {entry.key: entry.value for entry in tensor.external_data}
-    dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    return np.memmap(Path(folder) / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
-                     shape=tuple(tensor.dims))
+    return external_array(tensor, Path(folder))
 
 
 class FileRows:
