@@ -287,17 +287,22 @@ def _build(path: Path, shapes_only: bool) -> tuple[CausalLM, CheckpointInfo]:
     data = read_config(path)
     model_type = data.get("model_type")
     source = str(path / CONFIG)
+    converter = None
     if model_type == MODEL_TYPE:
         config, fmt, inert = ModelConfig.from_dict(data, source=source), MODEL_TYPE, ()
-        check_sizes(config, source, path, shapes_only)
-        tensors = TensorFiles.of(path, shapes_only=True).popall() if shapes_only else load_state_dict(path)
     else:
         from edgelin.convert import convert
 
         done = convert(data, source)
-        config, fmt, inert = done.config, done.converter.origin(data), done.inert
-        check_sizes(config, source, path, shapes_only)
-        tensors = done.converter.map_weights(TensorFiles.of(path, shapes_only), config, data)
+        config, fmt, inert, converter = done.config, done.converter.origin(data), done.inert, done.converter
+    if shapes_only:  # a description needs no memory: only a size its files cannot hold is refused
+        check_fits_in_files(config, source, path)
+    else:
+        check_fits_in_memory(config, source)
+    if converter is not None:
+        tensors = converter.map_weights(TensorFiles.of(path, shapes_only), config, data)
+    else:
+        tensors = TensorFiles.of(path, shapes_only=True).popall() if shapes_only else load_state_dict(path)
     if shapes_only:  # every parameter and buffer on the meta device: nothing allocated, whatever the sizes say
         with torch.device("meta"):
             model = CausalLM(config)
@@ -333,14 +338,10 @@ def check_fits_in_memory(config: ModelConfig, source: str) -> None:
                            "intermediate_size, head dims, the number of layers)")
 
 
-def check_sizes(config: ModelConfig, source: str, path: Path, shapes_only: bool) -> None:
-    """A load needs the float32 model in memory (check_fits_in_memory); a description needs none, so a config is
-    refused there only when it asks for more parameters than its weight files have bytes (every float dtype takes
-    at least one): a typo's size, which the layout on the meta device would otherwise report as every weight's
-    shape mismatch."""
-    if not shapes_only:
-        check_fits_in_memory(config, source)
-        return
+def check_fits_in_files(config: ModelConfig, source: str, path: Path) -> None:
+    """Refuse a config that asks for more parameters than its weight files have bytes (every float dtype takes at
+    least one): a typo's size, which describe_model's layout on the meta device would otherwise report as every
+    weight's shape mismatch."""
     count, needed = float32_footprint(config)
     held = sum(file.stat().st_size for file in weight_files(path))
     if count > held:
