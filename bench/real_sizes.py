@@ -102,6 +102,9 @@ def run_cell(checkpoint: Path, cell: str, out: Path, positions: str, reuse: bool
 def command_run(args: argparse.Namespace) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--", "edgelin", "bench/*.py"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    commit += "+" if changed else ""  # the code measured is the commit plus uncommitted changes
     for cell in args.cells.split(","):
         if cell not in CELLS:
             raise SystemExit(f"unknown cell {cell!r}: one of {', '.join(CELLS)}")
@@ -188,9 +191,11 @@ def command_doc(args: argparse.Namespace) -> None:
         lines += [f"| {row['step']} | {(row['anon_bytes'] + row['file_bytes']) / 2**30:.2f} "
                   f"| {row['anon_bytes'] / 2**30:.2f} | {row['file_bytes'] / 2**30:.2f} |" for row in run["steps"]]
         lines.append("")
-    lines += ["Not yet measured here: the other checkpoints of bench/real_shapes.py (Qwen3.5-2B, Mamba2-1.3b, GLA-1.3B),",
-              "the int4-e8 cell, positions 8,192 and 32,768. The GPU figures at these shapes are in",
-              "[performance.md](performance.md#gpu-decode-at-real-size).", ""]
+    shapes = ("qwen3.5-0.8b", "qwen3.5-2b", "mamba2-1.3b", "gla-1.3b")  # bench/real_shapes.py's SHAPES
+    missing = [f"{name} ({', '.join(c for c in CELLS if c not in {r['cell'] for r in by_checkpoint.get(name, [])})})"
+               for name in shapes]
+    lines += [f"Not yet measured here, by checkpoint (cells): {'; '.join(missing)}; positions 8,192 and 32,768. The GPU",
+              "figures at these shapes are in [performance.md](performance.md#gpu-decode-at-real-size).", ""]
     lines += ["## Export cost", "",
               "`edgelin export` refuses, before the weights load, an export the machine lacks the memory or disk for",
               "(edgelin.export.resources): its estimate is the model's float32 bytes times the target's factor plus",

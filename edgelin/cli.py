@@ -369,11 +369,17 @@ def validate(
                                   max_ppl_change=max_ppl_change)
         ran_on = report.environment
     out.result({"environment": ran_on, **report.to_dict()})
+    from edgelin.artifact.reference_vectors import FLOOR_FACTOR
+
     batches = " and ".join(str(b) for b in report.batches)
+    floors = any(m.noise_floor for m in report.metrics)  # the reference recorded its noise floor (docs/checks.md)
     out.table(f"{folder}: {report.target} {report.precision} against {report.against}, batch {batches}, "
-              f"prompt {report.prompt_len}, {report.steps} steps (threshold {report.threshold:g} relative)",
-              ["check", "batch", "output", "max abs", "max rel", "worst step", "result"],
-              [[m.check, m.batch, m.output, m.max_abs, m.max_rel, "-" if m.worst_step is None else m.worst_step,
+              f"prompt {report.prompt_len}, {report.steps} steps (threshold {report.threshold:g} relative"
+              + (f", or {FLOOR_FACTOR:g}x the reference's noise floor where larger" if floors else "") + ")",
+              ["check", "batch", "output", "max abs", "max rel", *(["bound"] if floors else []), "worst step",
+               "result"],
+              [[m.check, m.batch, m.output, m.max_abs, m.max_rel, *([m.threshold] if floors else []),
+                "-" if m.worst_step is None else m.worst_step,
                 styled("ok", "green") if m.passed else styled("FAIL", "bold red")] for m in report.metrics])
     if report.reference_weights:
         weights, unmatched = report.reference_weights, report.reference_weights.get("unmatched_rows", 0)
@@ -387,7 +393,9 @@ def validate(
         failed = report.failures
         names = ", ".join([f"{m.check}/{m.output}" + (f"@{m.batch}" if len(report.batches) > 1 else "")
                            for m in failed[:5]] + [c.name for c in report.quality_failures])
-        why = "; ".join(([f"errors exceed {report.threshold:g} of the reference's scale"] if failed else [])
+        bound = f"{report.threshold:g} of the reference's scale" + (
+            f" (or {FLOOR_FACTOR:g}x the reference's noise floor)" if floors else "")
+        why = "; ".join(([f"errors exceed {bound}"] if failed else [])
                         + [c.describe() + " (the bound)" for c in report.quality_failures])
         fix = "; ".join((["inspect the table; re-export, or loosen --rtol only if the precision warrants it"]
                          if failed else [])

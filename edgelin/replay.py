@@ -24,6 +24,7 @@ torch-free path imports nothing of the torch side.
 from __future__ import annotations
 
 import json
+import math
 import time
 import zipfile
 import zlib
@@ -36,8 +37,8 @@ import numpy as np
 from edgelin.artifact.manifest import MANIFEST, Manifest
 from edgelin.artifact.quality import (QualityCheck, QualityFigures, QualityReference, evaluate, precision_key,
                                       resolve_bounds, threshold_key)
-from edgelin.artifact.reference_vectors import (FORMAT, FORMAT_VERSION, MANIFEST_KEY, QUALITY, batch_key,
-                                                positions_needed, state_key, threshold_for)
+from edgelin.artifact.reference_vectors import (FLOOR_FACTOR, FORMAT, FORMAT_VERSION, MANIFEST_KEY, QUALITY,
+                                                batch_key, metric_key, positions_needed, state_key, threshold_for)
 from edgelin.artifact.state import output_name_for
 from edgelin.errors import EdgelinError
 from edgelin.integrity import sha256_of
@@ -55,6 +56,7 @@ class Metric:
     ref_scale: float = 0.0
     worst_step: int | None = None
     threshold: float = 0.0
+    noise_floor: float = 0.0  # the reference's own distance under float noise (0: not recorded; Checks)
 
     @property
     def max_rel(self) -> float:
@@ -127,16 +129,20 @@ class ValidationReport:
 
 
 class Checks:
-    """Accumulates one Metric per (check, output, batch) over every step it is fed."""
+    """Accumulates one Metric per (check, output, batch) over every step it is fed. `floors`: the reference's own
+    noise floor per check (reference.npz's meta["noise_floor"], by metric_key): a check's bound is then at least
+    FLOOR_FACTOR times its floor."""
 
-    def __init__(self, threshold: float):
-        self.threshold = threshold
+    def __init__(self, threshold: float, floors: dict[str, float] | None = None):
+        self.threshold, self.floors = threshold, floors or {}
         self.metrics: dict[tuple[str, str, int | None], Metric] = {}
 
     def __call__(self, check: str, output: str, got, want, step: int | None = None, batch: int | None = None) -> None:
         key = (check, output, batch)
         if key not in self.metrics:
-            self.metrics[key] = Metric(check, output, batch, threshold=self.threshold)
+            floor = float(self.floors.get(metric_key(check, output, batch), 0.0))
+            self.metrics[key] = Metric(check, output, batch, threshold=max(self.threshold, FLOOR_FACTOR * floor),
+                                       noise_floor=floor)
         self.metrics[key].update(got, want, step)
 
     def states(self, check: str, got: dict[str, np.ndarray], want: dict[str, np.ndarray], step: int | None = None,
@@ -288,7 +294,10 @@ def replay(folder: Path, rtol: float | None = None, threads: int | None = None,
     threshold = rtol if rtol is not None else threshold_for(threshold_key(manifest))
     report = ValidationReport(str(folder), manifest.target, key, against, vectors.batches,
                               vectors.prompt_len, vectors.steps, threshold)
-    check = Checks(threshold)
+    recorded = vectors.meta.get("noise_floor")
+    floors = {k: float(v) for k, v in recorded.items() if isinstance(v, (int, float)) and math.isfinite(v) and v >= 0} \
+        if isinstance(recorded, dict) else {}
+    check = Checks(threshold, floors)
     names = [t.name for t in manifest.state_inputs]
     prompt_len, steps = vectors.prompt_len, vectors.steps
     for batch in vectors.batches:

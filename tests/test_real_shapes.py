@@ -103,3 +103,17 @@ def test_tiny_variant_writes_a_sharded_checkpoint_transformers_and_edgelin_load_
         got, _ = ours(ids)
     assert torch.isfinite(got).all() and want.abs().max() > 0
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize("name, tensor, centre", [
+    ("qwen3.5-0.8b", "model.layers.0.input_layernorm.weight", 0.0),  # Qwen3.5's (1 + w) RMSNorm
+    ("qwen3.5-0.8b", "model.layers.0.linear_attn.norm.weight", 1.0),  # its gated RMSNorm multiplies by w
+    ("mamba2-1.3b", "backbone.layers.0.norm.weight", 1.0),
+    ("gla-1.3b", "model.layers.0.attn_norm.weight", 1.0)])
+def test_norm_weights_spread_about_their_identity_as_trained_ones_do(real_shapes, name, tensor, centre):
+    """All equal (the init), a quantised table's normed rows would sit on a lattice whose int8 activation blocks
+    hold exact ties: the runtime's float order and the reference's would round them apart (real_shapes.draw)."""
+    values = real_shapes.draw(real_shapes.shape(name), tensor, (1024,), seed=0).float()
+    assert abs(values.mean().item() - centre) < 0.02
+    assert 0.08 < values.std().item() < 0.12
+    assert len(set(values.tolist())) > 50  # channels differ (near 1, bf16 steps 2^-7 apart: ~90 values)

@@ -40,6 +40,9 @@ MIN_GREEDY_STEPS = 64
 def greedy_steps_for(parameters: int) -> int:
     """The greedy rollout's length for a model of `parameters`: GREEDY_STEPS up to 195 M parameters, then fewer."""
     return max(MIN_GREEDY_STEPS, min(GREEDY_STEPS, GREEDY_BUDGET // max(parameters, 1)))
+# The parity threshold's key (reference_vectors.THRESHOLDS) of a weight-quantised export whose products round their
+# activations to int8 blocks, whatever its weights' bits (threshold_key)
+ROUNDED_ACTIVATIONS = "int8-activations"
 TEXT_TOKENS = 512  # held-out tokens kept by default (reference.npz stays a few KiB larger)
 RANDOM_SOURCE = "random tokens"
 
@@ -101,9 +104,21 @@ def threshold_key(manifest: "Manifest") -> str:
     """What the parity threshold (reference_vectors.THRESHOLDS) is chosen by: precision_key's answer, but fp32 for
     --quantize fp16 on float32 graphs with a float32 cache, whose parity reference carries the export's own float16
     weights while both sides compute in float32 (measured ~1e-5 of the logits' scale: fp16's 2e-2 would not notice a
-    wrong kernel). A float16 state (float16_state) rounds what the reference keeps in float32: fp16's."""
+    wrong kernel), and ROUNDED_ACTIVATIONS for quantised products that round their activations (the manifest's
+    quantization records the block). A float16 state (float16_state) rounds what the reference keeps in float32:
+    fp16's."""
     weights_only = manifest.precision == "fp32" and not float16_state(manifest)
-    return "fp32" if weights_only and quantization_of(manifest.extra) == "fp16" else precision_key(manifest)
+    if weights_only and quantization_of(manifest.extra) == "fp16":
+        return "fp32"
+    quantization = manifest.extra.get("quantization")
+    if isinstance(quantization, dict) and quantization.get("activation_block"):
+        # Products that round their activations to int8 blocks (MatMulNBits' accuracy level 4) differ from the
+        # reference, which rounds them too, only where a value within float noise of a rounding tie rounds the
+        # other way: one step of its block's largest magnitude, then carried through every later layer. That
+        # error is the activations' and the same at 8- and 4-bit weights (the reference holds the export's own
+        # weights); measured at 24 layers, docs/precision.md#validation-thresholds-and-quality-figures.
+        return ROUNDED_ACTIVATIONS
+    return precision_key(manifest)
 
 
 def resolve_bounds(key: str, min_top1: float | None = None, max_ppl_change: float | None = None) -> Bounds:

@@ -5,7 +5,9 @@ batch 3 (prefill through the chunked form, steps through the recurrent form, as 
 does), and the folder keeps, in one compressed `reference.npz`:
 
   meta                             JSON: format, seed, prompt_len, steps, batches, state checkpoints,
-                                   the threshold by precision, the edgelin version
+                                   the threshold by precision, the edgelin version; where the products
+                                   round their activations, "noise_floor": {check: the reference's own
+                                   distance under float noise} (noise_floor, FLOOR_FACTOR)
   b{B}/ids     int64 [B, P+N]      the prompt (first P) then the token fed at each step
   b{B}/start   int64 [B]           position of the first prompt token
   b{B}/prefill_logits  f32 [B, V]  the reference's last logits after the prompt
@@ -62,7 +64,42 @@ QUALITY = "quality/"  # key prefix of the quality figures' reference
 # has the measured errors behind them.
 # bf16 (the coreai target's --precision bf16): 8 significant bits to fp16's 11; measured on the shipped model on Apple's
 # runtime: logits 3.0e-2, the softmax layer's bf16 KV cache 5.3e-2 of their scale (docs/targets/coreai.md#precision).
-THRESHOLDS = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 0.1, "int8": 5e-2, "int4": 0.25}
+# int8-activations (edgelin.artifact.quality.ROUNDED_ACTIVATIONS): 8- or 4-bit weights whose products round their
+# activations to int8 blocks as the reference does, apart where float noise tips a rounding tie (threshold_key).
+THRESHOLDS = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 0.1, "int8": 5e-2, "int4": 0.25, "int8-activations": 0.25}
+
+
+# A check's bound where the reference records its noise floor: at least this many times the floor (replay.Checks).
+# The floor is one draw of the noise (edgelin.reference.parity.with_float_noise); a runtime's own order of the
+# arithmetic tips other ties: measured at 24 layers, 0.5-2.4x the floor (docs/precision.md, "Products that round
+# their activations").
+FLOOR_FACTOR = 3.0
+
+
+def metric_key(check: str, output: str, batch: int | None) -> str:
+    """How a check is named in failure lists and in meta["noise_floor"]: "prefill/logits@1"."""
+    return f"{check}/{output}@{batch}"
+
+
+def noise_floor(noisy: dict[str, np.ndarray], recorded: dict[str, np.ndarray]) -> dict[str, float]:
+    """max |noisy - recorded| / max |recorded| per check of replay (prefill: the logits and each state after the
+    prompt; rollout: every step's logits, each state at its recorded steps), from two runs of the reference keyed
+    as reference.npz is: the second with float noise before its rounding products (meta["noise_floor"])."""
+    from edgelin.artifact.state import output_name_for
+
+    worst: dict[str, list[float]] = {}
+    for key, want in recorded.items():
+        parts = key.split("/")  # b{B}/prefill_logits | b{B}/step_logits | b{B}/state/{checkpoint}/{name}
+        batch = int(parts[0][1:])
+        if parts[1] == "state":
+            check, output = ("prefill" if parts[2] == "prefill" else "rollout"), output_name_for(parts[3])
+        else:
+            check, output = ("prefill" if parts[1] == "prefill_logits" else "rollout"), "logits"
+        error, scale = worst.setdefault(metric_key(check, output, batch), [0.0, 0.0])
+        worst[metric_key(check, output, batch)] = [
+            max(error, float(np.abs(noisy[key].astype(np.float64) - want).max(initial=0.0))),
+            max(scale, float(np.abs(want).max(initial=0.0)))]
+    return {key: error / max(scale, 1e-12) for key, (error, scale) in worst.items()}
 
 
 def positions_needed(text_tokens: int = TEXT_TOKENS, prompt_len: int = PROMPT_LEN, steps: int = STEPS,

@@ -34,7 +34,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from edgelin.artifact.quantized import QUANTIZED_OPS, half_tables
+from edgelin.artifact.quantized import ACTIVATIONS_ROUNDED, QUANTIZED_OPS, half_tables
 from edgelin.errors import EdgelinError
 from edgelin.artifact.quantized import F16_OP
 from edgelin.export.nbits import weight_array
@@ -247,7 +247,9 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
         apart = [n.op_type == "GatherBlockQuantized" or any(p.key == HEAD_KEY for p in n.metadata_props)
                  for n in nodes]
         body = [a for a, e in zip(attrs, apart) if not e] or attrs
-        found[kind] = {"bits": sorted({a["bits"] for a in body}),
+        rounding = sorted({a["block_size"] for n, a in zip(nodes, attrs)
+                           if n.op_type == "MatMulNBits" and a.get("accuracy_level") == ACTIVATIONS_ROUNDED})
+        found[kind] = {"bits": sorted({a["bits"] for a in body}), "activation_block": rounding[:1],
                        "embedding_bits": sorted({a["bits"] for a, e in zip(attrs, apart) if e}),
                        "block_size": sorted({a["block_size"] for a in attrs}, key=str),
                        "quantized": sorted({name for n in nodes for name in _modules_of(n)}), "kept_float": sorted(kept)}
@@ -270,4 +272,6 @@ def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None
                  "block_size": first["block_size"][0], "matrices": matrices, "kept_float": kept}
     if first["embedding_bits"] and first["embedding_bits"][0] != described["bits"]:
         described["embedding_bits"] = first["embedding_bits"][0]
+    if all(entry["activation_block"] for entry in found.values()):  # products that round their activations to int8
+        described["activation_block"] = first["activation_block"][0]  # (the parity threshold: quality.threshold_key)
     return described

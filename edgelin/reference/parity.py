@@ -275,6 +275,33 @@ def _round_input(module: Any, args: tuple, block: int) -> tuple:
     return (round_activation_blocks(args[0], block), *args[1:])
 
 
+FLOAT_NOISE = 2.0 ** -23  # one float32 ulp: what another order of the same arithmetic moves a value by
+
+
+def rounded_products(model: Any) -> list[Any]:
+    """The modules of `model` that round their activations (hooked by with_dequantized)."""
+    return [module for module in model.modules()
+            if any(getattr(hook, "func", None) is _round_input for hook in module._forward_pre_hooks.values())]
+
+
+def with_float_noise(model: Any, seed: int = 0) -> list[Any]:
+    """Before each rounding product, its input times (1 + FLOAT_NOISE * N(0, 1)): what another order of the same
+    float arithmetic does to it (a runtime's, not the reference's). The reference run again so is its own distance
+    from an equally right runtime: where a value sits on a rounding tie, the noise tips it a whole step, and
+    every later layer carries it (the noise floor, edgelin.export.reference_vectors). Returns the hooks' handles
+    (`.remove()` each to go back)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def jiggle(module: Any, args: tuple) -> tuple:
+        x = args[0]
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+        return (x * (1 + FLOAT_NOISE * noise), *args[1:])
+
+    return [module.register_forward_pre_hook(jiggle, prepend=True) for module in rounded_products(model)]
+
+
 def parity_reference(model: "CausalLM", folder: Path, manifest: "Manifest",
                      read: "Callable[[Path, Manifest], list[Dequantized]] | None" = None,
                      in_place: bool = False) -> tuple["CausalLM", Account | None]:

@@ -141,7 +141,7 @@ def test_int4_uses_matmulnbits_with_the_block_size_asked(exports):
         assert {(a["bits"], a["block_size"]) for a in attrs} == {(4, 64)}
         assert not [n for n in graph.node if n.op_type == "MatMul" and any(i.startswith("val_") for i in n.input)]
     entry = Manifest.load(folder).extra["quantization"]
-    assert (entry["bits"], entry["block_size"]) == (4, 64)
+    assert (entry["bits"], entry["block_size"], entry["activation_block"]) == (4, 64, 64)  # accuracy level 4's blocks
     assert {f"model.layers.{i}.mlp.{m}" for i in range(len(LAYERS)) for m in ("gate_proj", "up_proj", "down_proj")} <= \
         set(entry["matrices"])
     assert {"lm_head", "model.embed_tokens"} <= set(entry["matrices"])  # the default: embeddings and head too
@@ -160,6 +160,17 @@ def test_the_passing_quality_gate_is_recorded_and_the_reference_meta_names_the_p
     with np.load(exports[name] / "reference.npz") as npz:
         meta = json.loads(str(npz["meta"]))
     assert (meta["precision"], meta["threshold"]) == (name, {"fp16": 2e-2, "int4": 0.25}[name])
+    # int4's products round their activations: the reference ran again under float noise, its distance per check
+    from edgelin.artifact.state import output_name_for
+
+    floor = meta.get("noise_floor", {})
+    outputs = ["logits", *(output_name_for(t.name) for t in Manifest.load(exports[name]).state_inputs)]
+    # (prefill-vs-steps: the reference's own chunked prefill against its steps over the prompt)
+    assert set(floor) == ({f"{check}/{output}@{batch}" for check in ("prefill", "rollout", "prefill-vs-steps")
+                           for output in outputs
+                           for batch in (1, 3) if (check, batch) != ("prefill", 3) or output == "logits"}
+                          if name == "int4" else set())
+    assert all(0 <= value < 0.25 for value in floor.values())
 
 
 def _lookup_model(folder: Path, kind: str) -> tuple[onnx.ModelProto, dict]:
@@ -493,7 +504,7 @@ def test_quantize_graph_puts_the_table_and_head_at_the_embedding_bits(tmp_path, 
     head = next(n for n in graph.node if n.name in heads)
     assert np.array_equal(inits[gather.input[0]].reshape(-1), inits[head.input[1]].reshape(-1))  # the same bytes
     described = quantize.describe(tmp_path, {"step": "tied.onnx"})
-    assert (described["bits"], described["embedding_bits"]) == (body, apart)
+    assert (described["bits"], described["embedding_bits"], described["activation_block"]) == (body, apart, 16)
     lookup = helper.make_model(helper.make_graph([gather], "lookup", [helper.make_tensor_value_info(
         gather.input[1], onnx.TensorProto.INT64, ["n"])], [helper.make_tensor_value_info(
         gather.output[0], onnx.TensorProto.FLOAT, None)], [t for t in graph.initializer if t.name in gather.input]),

@@ -135,6 +135,23 @@ def test_a_float16_state_under_float32_graphs_takes_fp16s_bounds(state_dtype, wa
     assert (precision_key(manifest), threshold_key(manifest)) == (want, want)
 
 
+@pytest.mark.parametrize("bits, block, want", [(8, 32, "int8-activations"), (4, 32, "int8-activations"),
+                                               (8, None, "int8"), (4, None, "int4")])
+def test_products_that_round_their_activations_take_one_threshold_whatever_the_weights_bits(bits, block, want):
+    """The parity reference holds the export's own weights and rounds the activations as the products do: what is
+    left is the activations' (a rounding tie tipped by float noise), the same at 8- and 4-bit weights. Weights
+    quantised without that rounding (the manifest records no activation block: Core AI's) keep their bits' own."""
+    from types import SimpleNamespace
+
+    from edgelin.artifact.quality import precision_key, threshold_key
+    from edgelin.artifact.reference_vectors import threshold_for
+
+    entry = {"bits": bits, "block_size": 32, **({"activation_block": block} if block else {})}
+    manifest = SimpleNamespace(precision="fp32", kv_dtype=None, state_inputs=[], extra={"quantization": entry})
+    assert (precision_key(manifest), threshold_key(manifest)) == (f"int{bits}", want)
+    assert threshold_for(want) == {"int8-activations": 0.25, "int8": 5e-2, "int4": 0.25}[want]
+
+
 # ---- a --quantize fp16 export -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def f16_exports(tmp_path_factory) -> dict[str, Path]:

@@ -80,3 +80,35 @@ def test_zero_and_partial_blocks():
     x[1, 35] = -1.5  # the partial block [32, 40): its amax from its own 8 values
     got = round_activation_blocks(x, BLOCK)
     assert got.shape == x.shape and torch.equal(got[0], x[0]) and got[1, 35] == -1.5 and got[1].count_nonzero() == 1
+
+
+def test_float_noise_tips_the_ties_of_rounding_products_only():
+    """The noise floor's run (with_float_noise): one ulp of noise before a rounding product moves its output by whole
+    steps where its input sits on ties (a quantised table's normed rows), by about an ulp elsewhere; products that
+    do not round are left alone; removing the hooks gives the reference back bit for bit."""
+    import functools
+
+    from edgelin.reference.parity import _round_input, rounded_products, with_float_noise
+
+    torch.manual_seed(0)
+    rounding, plain = torch.nn.Linear(K, N, bias=False), torch.nn.Linear(K, N, bias=False)
+    rounding.register_forward_pre_hook(functools.partial(_round_input, block=BLOCK))
+    model = torch.nn.Sequential(rounding, plain)  # (only the modules are looked at)
+    ties = torch.from_numpy(lattice_rows(np.random.default_rng(0), 64))
+    smooth = torch.randn(64, K)
+    with torch.no_grad():
+        clean = [rounding(ties), rounding(smooth), plain(smooth)]
+        handles = with_float_noise(model, seed=1)
+        assert rounded_products(model) == [rounding] and len(handles) == 1
+        noisy = [rounding(ties), rounding(smooth), plain(smooth)]
+        for handle in handles:
+            handle.remove()
+        assert torch.equal(rounding(ties), clean[0])
+    step = float(TIE_AMAX / 127 * rounding.weight.detach().abs().max())
+
+    def tipped(a: torch.Tensor, b: torch.Tensor) -> int:  # rows moved by a tenth of a step or more
+        return int(((a - b).abs().amax(-1) > 0.1 * step).sum())
+
+    # Ties tip in most rows; random inputs rarely hold a value within an ulp of one (each 64 rows of 80 values)
+    assert tipped(noisy[0], clean[0]) > 32 and tipped(noisy[1], clean[1]) <= 4
+    assert torch.equal(noisy[2], clean[2])
