@@ -39,3 +39,17 @@ def test_a_checks_bound_is_the_threshold_or_factor_times_its_own_floor():
     floored, small, plain = check.metrics.values()
     assert floored.threshold == pytest.approx(FLOOR_FACTOR * 0.1) and floored.noise_floor == 0.1 and floored.passed
     assert (small.threshold, plain.threshold) == (0.05, 0.05) and not small.passed and not plain.passed
+
+
+def test_the_checks_of_one_output_share_its_largest_floor():
+    """Each floor is one draw for that output's layer: prefill-vs-steps takes the rollout's larger one, and a check
+    whose own floor was not recorded takes its output's; another output or batch keeps its own."""
+    check = Checks(0.05, {metric_key("prefill-vs-steps", "present.3.key", 1): 0.02,
+                          metric_key("rollout", "present.3.key", 1): 0.1,
+                          metric_key("rollout", "present.3.key", 3): 0.01})
+    want = np.array([[2.0, -2.0]])
+    for check_name, batch in (("prefill-vs-steps", 1), ("prefill", 1), ("prefill-vs-steps", 3)):
+        check(check_name, "present.3.key", want + 0.5, want, batch=batch)  # 0.25 of the scale
+    steps, prefill, other_batch = check.metrics.values()
+    assert steps.threshold == prefill.threshold == pytest.approx(FLOOR_FACTOR * 0.1) and steps.passed and prefill.passed
+    assert other_batch.threshold == pytest.approx(0.05) and not other_batch.passed
