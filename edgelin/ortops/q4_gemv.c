@@ -166,6 +166,9 @@ AVX2 static inline __attribute__((always_inline)) void rows_avx2_group(Scratch s
     __m256 sa8 = _mm256_maskload_ps(s.sa + b, mask), c8 = _mm256_maskload_ps(s.c + b, mask);
     __m256 ds[ROWS];
     for (int r = 0; r < R; ++r) {
+      prefetch_ahead(wr + ((ROWS + r) * nb + b) * 16, left * 16);  /* the next group's (q4_scratch.h) */
+      prefetch_ahead(sr + (ROWS + r) * nb + b, 32);
+      if (zr) prefetch_ahead(zr + (ROWS + r) * zb + b / 2, 4);
       __m256 sw = _mm256_maskload_ps(sr + r * nb + b, mask);
       ds[r] = _mm256_mul_ps(sw, sa8);
       /* + offset c, offset = -(scale x zero point): rounded as the portable path rounds it */
@@ -208,6 +211,9 @@ AVX512 static inline __attribute__((always_inline)) void vnni_blocks(Scratch s, 
   __m256 c8 = left == 8 ? _mm256_loadu_ps(s.c + b) : _mm256_maskload_ps(s.c + b, mask);
   __m256 ds[ROWS];
   for (int r = 0; r < R; ++r) {
+    prefetch_ahead(wr + ((ROWS + r) * nb + b) * 16, left * 16);  /* the next group's (q4_scratch.h) */
+    prefetch_ahead(sr + (ROWS + r) * nb + b, 32);
+    if (zr) prefetch_ahead(zr + (ROWS + r) * zb + b / 2, 4);
     __m256 sw = left == 8 ? _mm256_loadu_ps(sr + r * nb + b) : _mm256_maskload_ps(sr + r * nb + b, mask);
     ds[r] = _mm256_mul_ps(sw, sa8);
     acc256[r] = _mm256_fnmadd_ps(_mm256_mul_ps(sw, zero_points8(zr ? zr + r * zb : NULL, zb, b)), c8, acc256[r]);

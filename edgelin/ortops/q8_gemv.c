@@ -62,10 +62,13 @@ AVX2 static inline __attribute__((always_inline)) void rows_avx2_group(Scratch s
     __m256 sa8 = _mm256_maskload_ps(s.sa + b, mask), c8 = _mm256_maskload_ps(s.c + b, mask);
     __m256 ds[ROWS];
     for (int r = 0; r < R; ++r) {
+      const uint8_t* zr = zero_points ? zero_points + (n + r) * nb : NULL;
+      prefetch_ahead(wr + ((ROWS + r) * nb + b) * BLOCK, left * BLOCK);  /* the next group's (q4_scratch.h) */
+      prefetch_ahead(sr + (ROWS + r) * nb + b, 32);
+      if (zr) prefetch_ahead(zr + ROWS * nb + b, 8);
       __m256 sw = _mm256_maskload_ps(sr + r * nb + b, mask);
       ds[r] = _mm256_mul_ps(sw, sa8);
       /* the codes are read as q - 128: the zero points' term with zero point - 128 */
-      const uint8_t* zr = zero_points ? zero_points + (n + r) * nb : NULL;
       acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(sw, byte_zero_points(zr, b, left, 128.0f)), c8, acc[r]);
     }
     for (int64_t j = 0; j < left; ++j) {
@@ -121,8 +124,7 @@ AVX512 static inline __attribute__((always_inline)) void rows_vnni_group(Scratch
     for (int r = 0; r < R; ++r) {
       /* the codes 8 rows on, at this point of theirs, to L1: the prefetchers lag on four interleaved streams
          (1676 x 384 over 24 matrices, one after another: 42 -> 39 us each; 384 x 768: 18 -> 14 us) */
-      for (int64_t j = 0; j < left * BLOCK; j += 64)
-        _mm_prefetch((const char*)(wr + ((8 + r) * nb + b) * BLOCK + j), _MM_HINT_T0);
+      prefetch_ahead(wr + ((8 + r) * nb + b) * BLOCK, left * BLOCK);
       __m256 sw = left == 8 ? _mm256_loadu_ps(sr + r * nb + b) : _mm256_maskload_ps(sr + r * nb + b, mask);
       ds[r] = _mm256_mul_ps(sw, sa8);
       const uint8_t* zr = zero_points ? zero_points + (n + r) * nb : NULL;
