@@ -2,7 +2,7 @@
 library side by side in one process: a before/after of a kernel change (not a test).
 
     python bench/q4_rows.py --before OLD/libedgelin_ortops.so [--shapes 2048x8512,4096x2048,2048x50288]
-                            [--bits 4,8] [--mib 256] [--rounds 15]
+                            [--bits 4,8] [--mib 256] [--rounds 15] [--json FILE]
 
 The current sources' library is built as the runner builds it (edgelin.ortops.build); --before names another
 build (e.g. the cache entry of an earlier commit: ~/.cache/edgelin/ortops/<hash>/libedgelin_ortops.so), or
@@ -11,19 +11,27 @@ leave it out to time the current one alone. Each shape KxN (inputs x outputs) ge
 Each round times one pass per library (the order alternates); printed per shape and bit width: the median ms
 per pass, the weight bytes (codes, scales, zero points) per second, the median over rounds of the per-round
 ratio new / before, and whether both gave the same outputs (bit for bit), beside the machine's plain read rate
-over the same bytes (numpy: the floor a product cannot beat). One thread.
+over the same bytes (numpy: the floor a product cannot beat). One thread. --json also writes the rows, the commit
+and the machine (bench/real_sizes.py doc renders bench/results/real-sizes/q4-rows.json into docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from edgelin import ortops
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from real_sizes import ROOT, machine  # noqa: E402  (the same machine line as the real-size cells)
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,9 @@ def main() -> None:
     parser.add_argument("--bits", default="4,8")
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--json", type=Path, help="also write the rows, commit and machine here")
     args = parser.parse_args()
+    rows: list[dict] = []
     libs = {"new": load(str(ortops.build()))}
     if args.before:
         libs = {"before": load(args.before), **libs}
@@ -107,16 +117,28 @@ def main() -> None:
                     times[name].append(one_pass(libs[name], m, x, outputs[name]))
                 floors.append(read_floor(m))
             gb = m.nbytes / 1e9
+            row = {"bits": bits, "K": K, "N": N, "matrices": len(m.weights), "bytes": m.nbytes,
+                   "read_gb_per_s": gb / float(np.median(floors))}
             line = [f"{bits}-bit K={K} N={N} x{len(m.weights)} ({m.nbytes / 2**20:.0f} MiB):"]
             for name in libs:
-                ms = float(np.median(times[name])) * 1e3
-                line.append(f"{name} {ms:.2f} ms ({gb / ms * 1e3:.1f} GB/s)")
+                row[f"{name}_ms"] = float(np.median(times[name])) * 1e3
+                line.append(f"{name} {row[f'{name}_ms']:.2f} ms ({gb / row[f'{name}_ms'] * 1e3:.1f} GB/s)")
             if args.before:
-                ratio = np.median(np.array(times["new"]) / np.array(times["before"]))
-                same = np.array_equal(outputs["new"], outputs["before"])
-                line.append(f"new/before x{ratio:.3f} ({'same outputs' if same else 'OUTPUTS DIFFER'})")
-            line.append(f"read floor {gb / float(np.median(floors)):.1f} GB/s")
+                row["ratio"] = float(np.median(np.array(times["new"]) / np.array(times["before"])))
+                row["same_outputs"] = bool(np.array_equal(outputs["new"], outputs["before"]))
+                line.append(f"new/before x{row['ratio']:.3f} "
+                            f"({'same outputs' if row['same_outputs'] else 'OUTPUTS DIFFER'})")
+            line.append(f"read floor {row['read_gb_per_s']:.1f} GB/s")
             print("  ".join(line), flush=True)
+            rows.append(row)
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "edgelin/ortops"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        args.json.write_text(json.dumps({"command": "python bench/q4_rows.py " + " ".join(sys.argv[1:]),
+                                         "commit": commit + ("+" if dirty else ""), "machine": machine(),
+                                         "rounds": args.rounds, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

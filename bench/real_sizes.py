@@ -132,6 +132,51 @@ def _step_ms(result: dict, threads: int, position: int) -> str:
     return "-"
 
 
+def _read_rate(products: dict) -> float:
+    """The machine's one-thread read rate (GB/s): the median of bench/q4_rows.py's read floors."""
+    rates = sorted(row["read_gb_per_s"] for row in products["rows"])
+    return rates[len(rates) // 2]
+
+
+def _floor_lines(report: dict, products: dict | None) -> list[str]:
+    """Each runtime's decode step at position 1 and one thread against the time its bytes take to read once at the
+    machine's read rate (a step reads every weight once: the floor), where bench/q4_rows.py measured that rate on
+    the same CPU."""
+    if not products or report["meta"]["cpu"] not in products["machine"]:
+        return []
+    rate, said = _read_rate(products), []
+    for row in report["rows"]:
+        step = row["runs"].get("1", {}).get("latency", {}).get("1", {}).get("p50")
+        if step and row.get("bytes_on_disk"):
+            floor_ms = row["bytes_on_disk"] / (rate * 1e9) * 1e3
+            said.append(f"{row['runtime']} {row['bytes_on_disk'] / 2**20:.0f} MiB: floor {floor_ms:.1f} ms, "
+                        f"measured {step:.1f} ms ({floor_ms / step:.0%} of the read rate)")
+    return ["", f"The weight-read floor at one thread (every byte on disk read once per token at {rate:.1f} GB/s, "
+                f"this CPU's one-thread read rate by bench/q4_rows.py at {products['commit']}): "
+                + "; ".join(said) + "."] if said else []
+
+
+def _products_section(products: dict) -> list[str]:
+    before = any("before_ms" in row for row in products["rows"])
+    lines = ["## The 4- and 8-bit products from memory", "",
+             f"`{products['command']}` at {products['commit']} on {products['machine']}: edgelin's one-token products "
+             "(edgelin/ortops/q4_gemv.c, q8_gemv.c) over as many random matrices of each shape as fill 256 MiB, one "
+             "thread, median ms per pass over all of them" + (" beside the build named by --before (the median of "
+             "per-round ratios; outputs compared bit for bit)" if before else "") + ", and numpy's read rate over "
+             "the same bytes (the floor).", "",
+             "| bits | K x N | matrices | MiB | " + ("before ms | " if before else "") + "ms | GB/s | "
+             + ("new / before | same outputs | " if before else "") + "read GB/s |",
+             "| ---: | --- | ---: | ---: | " + ("---: | " if before else "") + "---: | ---: | "
+             + ("---: | --- | " if before else "") + "---: |"]
+    for row in products["rows"]:
+        rate = row["bytes"] / 1e9 / row["new_ms"] * 1e3
+        lines.append(f"| {row['bits']} | {row['K']} x {row['N']} | {row['matrices']} | {row['bytes'] / 2**20:.0f} | "
+                     + (f"{row['before_ms']:.1f} | " if before else "") + f"{row['new_ms']:.1f} | {rate:.1f} | "
+                     + (f"x{row['ratio']:.2f} | {'yes' if row['same_outputs'] else 'NO'} | " if before else "")
+                     + f"{row['read_gb_per_s']:.1f} |")
+    return lines + [""]
+
+
 def command_doc(args: argparse.Namespace) -> None:
     data = json.loads(RESULTS.read_text())
     by_checkpoint: dict[str, list[dict]] = {}
@@ -166,6 +211,8 @@ def command_doc(args: argparse.Namespace) -> None:
                 f"| {_step_ms(r, 1, 1)} / {_step_ms(r, 2, 1)} | {_step_ms(r, 1, 1024)} / {_step_ms(r, 2, 1024)} "
                 f"| {'-' if rate is None else f'{rate:.1f}'} | {r['commit']} | {r['machine']} |")
         lines += [""] + [f"- {r['cell']}: {r['note']}" for r in results if r.get("note")] + [""]
+    products = RESULTS.parent / "q4-rows.json"  # bench/q4_rows.py --json
+    products = json.loads(products.read_text()) if products.is_file() else None
     for peers in sorted(RESULTS.parent.glob("peers-*.json")):  # bench/peers.py --json, rendered by it
         report = json.loads(peers.read_text())
         meta = report["meta"]
@@ -178,7 +225,9 @@ def command_doc(args: argparse.Namespace) -> None:
                   "(convert_hf_to_gguf.py, then Q8_0 / Q4_0 by llama_model_quantize); edgelin runs the exports of the "
                   "cells above (growing KV cache). Decode: p50 / p99 ms per token over the timed steps at each "
                   "position; prefill: a 2,048-token prompt. Greedy agreement is not shown: random weights.", shown,
-                  ""]
+                  *_floor_lines(report, products), ""]
+    if products:
+        lines += _products_section(products)
     for found in sorted(RESULTS.parent.glob("export-memory-*.json")):  # bench/export_memory.py --json
         run = json.loads(found.read_text())
         lines += [f"## Export memory by step: {run['checkpoint']} {run['quantize'] or 'fp32'}", "",
