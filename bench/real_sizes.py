@@ -145,15 +145,18 @@ def _floor_lines(report: dict, products: dict | None) -> list[str]:
     if not products or report["meta"]["cpu"] not in products["machine"]:
         return []
     rate, said = _read_rate(products), []
+    rates = sorted(row["read_gb_per_s"] for row in products["rows"])
     for row in report["rows"]:
         step = row["runs"].get("1", {}).get("latency", {}).get("1", {}).get("p50")
         if step and row.get("bytes_on_disk"):
-            floor_ms = row["bytes_on_disk"] / (rate * 1e9) * 1e3
-            said.append(f"{row['runtime']} {row['bytes_on_disk'] / 2**20:.0f} MiB: floor {floor_ms:.1f} ms, "
-                        f"measured {step:.1f} ms ({floor_ms / step:.0%} of the read rate)")
-    return ["", f"The weight-read floor at one thread (every byte on disk read once per token at {rate:.1f} GB/s, "
-                f"this CPU's one-thread read rate by bench/q4_rows.py at {products['commit']}): "
-                + "; ".join(said) + "."] if said else []
+            achieved = row["bytes_on_disk"] / 1e9 / (step / 1e3)
+            said.append(f"{row['runtime']} {row['bytes_on_disk'] / 2**20:.0f} MiB in {step:.1f} ms: {achieved:.1f} "
+                        f"GB/s ({achieved / rate:.0%})")
+    return ["", "Against the weight-read floor (position 1, one thread; a step reads every byte of its weights once, "
+                "so bytes on disk per step time is the rate it reads at, beside this CPU's one-thread read rate, "
+                f"{rate:.1f} GB/s: the median of bench/q4_rows.py's numpy read rates, {rates[0]:.1f}-{rates[-1]:.1f} "
+                f"over its rows at {products['commit']}, another moment of this shared host): " + "; ".join(said)
+                + "."] if said else []
 
 
 def _products_section(products: dict) -> list[str]:
@@ -161,8 +164,9 @@ def _products_section(products: dict) -> list[str]:
     lines = ["## The 4- and 8-bit products from memory", "",
              f"`{products['command']}` at {products['commit']} on {products['machine']}: edgelin's one-token products "
              "(edgelin/ortops/q4_gemv.c, q8_gemv.c) over as many random matrices of each shape as fill 256 MiB, one "
-             "thread, median ms per pass over all of them" + (" beside the build named by --before (the median of "
-             "per-round ratios; outputs compared bit for bit)" if before else "") + ", and numpy's read rate over "
+             "thread, median ms per pass over all of them" + (" beside the build named by --before (the library "
+             f"built from {products.get('before_commit', 'an earlier commit')}'s sources; the median of per-round "
+             "ratios; outputs compared bit for bit)" if before else "") + ", and numpy's read rate over "
              "the same bytes (the floor).", "",
              "| bits | K x N | matrices | MiB | " + ("before ms | " if before else "") + "ms | GB/s | "
              + ("new / before | same outputs | " if before else "") + "read GB/s |",

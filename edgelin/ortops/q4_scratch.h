@@ -63,7 +63,8 @@ AVX2 static inline int32_t hsum_epi32(__m256i v) {
 /* `bytes` from p towards L1, a prefetch per 64-byte line. The one-token products read ROWS weight rows at once:
    as many interleaved streams of codes, scales and zero points, which the hardware prefetchers follow late (and
    never across a 4 KB page: four rows of 1 KB are one page each group). Each 8-block step therefore asks for the
-   same blocks of the rows one group on (Zen 3, 12 x [2048 -> 8512] 4-bit: 4.7 -> 9.4 GB/s; bench/q4_rows.py).
+   same blocks of the rows one group on (Zen 3, 4-bit [2048 -> 8512] from memory: 3.1 -> 7.0 GB/s of a read rate of
+   9.1; docs/benchmarks.md, "The 4- and 8-bit products from memory").
    Always inlined: GCC 12 takes a called prefetch-only function for one without effects and drops its calls. */
 AVX2 static inline __attribute__((always_inline)) void prefetch_ahead(const void* p, int64_t bytes) {
   for (int64_t j = 0; j < bytes; j += 64) _mm_prefetch((const char*)p + j, _MM_HINT_T0);
