@@ -69,9 +69,9 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
             chunk: int = 2048) -> tuple[np.ndarray, StateHandle]:
     """Prefill ids [B, T] in pieces of at most `chunk` tokens (bounded memory for any T), from `state`
     (a new zero state when None), which is advanced in place; returns (last logits, the handle).
-    Pieces are shorter still where that costs nothing: at most `runner.prefill_piece` tokens for a
-    constant-memory model (CONSTANT_PIECE unless the runner says otherwise), and shrinking with the context
-    for a growing KV cache (`piece_length`).
+    Pieces are shorter still where that costs nothing: at most `runner.prefill_piece` tokens (CONSTANT_PIECE
+    unless the runner says otherwise), and for a growing KV cache shrinking further with the context
+    (`piece_length`).
     runner.prefill checks every piece (ids, positions, the handle) before it reaches the runtime."""
     ids = np.asarray(ids)
     if ids.ndim != 2:
@@ -90,7 +90,7 @@ def prefill(runner: Runner, ids: np.ndarray, state: StateHandle | None = None, s
     # a static KV cache (export --kv-cache static) holds no [piece, past + piece] scores: pieces as for constant memory
     logits, lo, growing = None, 0, not runner.manifest.constant_memory and runner.manifest.kv_capacity is None
     while lo < ids.shape[1]:
-        n = piece_length(chunk, start + lo) if growing else min(chunk, runner.prefill_piece)
+        n = min(piece_length(chunk, start + lo) if growing else chunk, runner.prefill_piece)
         logits = runner.prefill(ids[:, lo:lo + n], state, np.full(batch, start + lo, np.int64))
         lo += n
     return logits, state
@@ -118,7 +118,10 @@ CONSTANT_PIECE = Runner.prefill_piece  # 256
 
 # A growing KV cache's prefill graph holds [heads, piece, past + piece] attention scores (and the
 # softmax's copies of them): pieces shrink as the context grows, so that piece x (past + piece)
-# stays under this many token pairs (32 MiB of float32 scores per head) at any position.
+# stays under this many token pairs (32 MiB of float32 scores per head) at any position. They start at the
+# runner's prefill_piece, as a constant-memory model's do: the arena keeps the largest piece's activations
+# (Qwen3.5-2B's shapes, int4, a 2,048-token prompt at 1 thread: peak RSS 2,552 MiB in one piece, 1,663 in
+# pieces of 256, prefill no slower; bench/prefill_pieces.py, docs/benchmarks.md).
 ATTENTION_PAIRS = 1 << 23
 
 

@@ -1,6 +1,7 @@
-"""How edgelin.runtime.prefill cuts a prompt for a constant-memory model: pieces of at most
-CONSTANT_PIECE (256) tokens whatever chunk is asked for (the prefill graph's activations, which ONNX
-Runtime keeps in its arena, scale with the piece: issue 13's peak RSS), at most `chunk` below that."""
+"""How edgelin.runtime.prefill cuts a prompt: pieces of at most CONSTANT_PIECE (256) tokens whatever chunk is
+asked for (the prefill graph's activations, which ONNX Runtime keeps in its arena, scale with the piece: issue 13's
+peak RSS, issue 46's 2B hybrid), at most `chunk` below that; a growing KV cache's shrink further with the context
+(tests/test_runtime_checks.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ class _Recorder:
 
     prefill_piece = CONSTANT_PIECE  # Runner's default
 
-    def __init__(self):
-        self.manifest = SimpleNamespace(constant_memory=True)
+    def __init__(self, constant_memory: bool = True):
+        self.manifest = SimpleNamespace(constant_memory=constant_memory, kv_capacity=None)
         self.calls: list[tuple[int, int]] = []
 
     def new_state(self, batch: int) -> object:
@@ -56,3 +57,15 @@ def test_a_runner_may_take_longer_pieces():
     runner.prefill_piece = 1024
     prefill(runner, np.zeros((1, 700), np.int64), chunk=300)  # the caller's chunk still caps it
     assert runner.calls == [(300, 0), (300, 300), (100, 600)]
+
+
+def test_a_growing_kv_cache_starts_at_the_same_pieces():
+    """A hybrid with full-attention layers (a growing KV cache) went in whole 2,048-token chunks from an empty
+    cache; its arena then kept that piece's activations (Qwen3.5-2B's shapes, int4: 2,552 MiB peak RSS instead of
+    1,663). Now the runner's piece caps it too, and the attention bound still shrinks later pieces."""
+    runner = _Recorder(constant_memory=False)
+    prefill(runner, np.zeros((1, 600), np.int64))
+    assert runner.calls == [(256, 0), (256, 256), (88, 512)]
+    runner = _Recorder(constant_memory=False)
+    prefill(runner, np.zeros((1, 300), np.int64), start=40000)  # 208 x (40,000 + 208) <= 2^23 < 209 x 40,209
+    assert runner.calls == [(208, 40000), (92, 40208)]
