@@ -121,7 +121,8 @@ CONSTANT_PIECE = Runner.prefill_piece  # 256
 # stays under this many token pairs (32 MiB of float32 scores per head) at any position. They start at the
 # runner's prefill_piece, as a constant-memory model's do: the arena keeps the largest piece's activations
 # (Qwen3.5-2B's shapes, int4, a 2,048-token prompt at 1 thread: peak RSS 2,552 MiB in one piece, 1,663 in
-# pieces of 256, prefill no slower; bench/prefill_pieces.py, docs/benchmarks.md).
+# pieces of 256, prefill no slower: bench/prefill_pieces.py; beside llama.cpp: docs/benchmarks.md, "Beside
+# llama.cpp: qwen3.5-2b").
 ATTENTION_PAIRS = 1 << 23
 
 

@@ -15,10 +15,11 @@
    rows and one vpmaddubsw adds them to the 8 rows' int16 sums at once; a block's sums go to int32 (vpmaddwd) and
    are scaled once per 8 rows and token. TOKENS tokens at a time keep their sums in registers, so each load of
    codes serves all of them (64 tokens x 2048 x 2048 on a busy Zen 3 core: 27 -> 48 GMAC/s; fewer than
-   TOKENS_MIN tokens do not pay for the packing). The one-token path per token (its layout: a block's dot over 8 lanes of one row, scaled per 64 weights and
-   row, the codes unpacked again for every token) ran the prefill's products 1.4x slower than ONNX Runtime's
-   prepacked MatMulNBits on a Zen 3 core (bench/matmul_nbits.py --tokens 64). Otherwise (one token, or no AVX2)
-   each token goes through the one-token path (edgelin_q4_rows), slice by slice of weight rows. */
+   TOKENS_MIN tokens do not pay for the packing). The one-token path per token (a block's dot over 8 lanes of one
+   row, scaled per 64 weights and row, the codes unpacked again for every token) had run the prefill's products
+   1.4x slower than ONNX Runtime's prepacked MatMulNBits there, now 0.87x (bench/matmul_nbits.py --tokens 64).
+   Otherwise (fewer tokens, or no AVX2) each token goes through the one-token path (edgelin_q4_rows), slice by
+   slice of weight rows. */
 #include <stdlib.h>
 #include <string.h>
 
