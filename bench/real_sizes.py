@@ -132,20 +132,14 @@ def _step_ms(result: dict, threads: int, position: int) -> str:
     return "-"
 
 
-def _read_rate(products: dict) -> float:
-    """The machine's one-thread read rate (GB/s): the median of bench/q4_rows.py's read floors."""
-    rates = sorted(row["read_gb_per_s"] for row in products["rows"])
-    return rates[len(rates) // 2]
-
-
 def _floor_lines(report: dict, products: dict | None) -> list[str]:
     """Each runtime's decode step at position 1 and one thread against the time its bytes take to read once at the
     machine's read rate (a step reads every weight once: the floor), where bench/q4_rows.py measured that rate on
     the same CPU."""
     if not products or report["meta"]["cpu"] not in products["machine"]:
         return []
-    rate, said = _read_rate(products), []
     rates = sorted(row["read_gb_per_s"] for row in products["rows"])
+    rate, said = rates[len(rates) // 2], []  # the median of bench/q4_rows.py's read rates
     for row in report["rows"]:
         step = row["runs"].get("1", {}).get("latency", {}).get("1", {}).get("p50")
         if step and row.get("bytes_on_disk"):

@@ -77,7 +77,7 @@ AVX2 static void unpack(const uint8_t* w, const uint8_t* zero_points, int64_t nb
   int64_t zb = (nb + 1) / 2;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < nb; ++b)
-      zeros[r * nb + b] = zero_points ? (zero_points[(n + r) * zb + b / 2] >> (4 * (b % 2))) & 15 : 8;
+      zeros[r * nb + b] = q4_zero_point(zero_points ? zero_points + (n + r) * zb : NULL, b);
 }
 
 /* Rows n .. n + R - 1 (R <= GROUP; the rest zero) into codes [nb][8 groups][GROUP rows][4] bytes, their scales
@@ -99,7 +99,7 @@ AVX2 static void pack_group(const uint8_t* w, const float* scales, const uint8_t
       __m128i lo = _mm_and_si128(packed, low), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
       v[r] = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));  /* codes 0..31 in order */
       float scale = scales[(n + r) * nb + b];
-      int zero = zero_points ? (zero_points[(n + r) * zb + b / 2] >> (4 * (b % 2))) & 15 : 8;
+      int zero = q4_zero_point(zero_points ? zero_points + (n + r) * zb : NULL, b);
       sw[b * GROUP + r] = scale;
       off[b * GROUP + r] = scale * (float)zero;
     }

@@ -44,9 +44,6 @@ static void quantize_portable(const float* x, int64_t K, Scratch s, int64_t b, i
   s.c[b] = s.sa[b] * (float)sum;
 }
 
-/* Block b's zero point of a row whose packed zero points start at zr (NULL: 8, MatMulNBits' default). */
-static int zero_point(const uint8_t* zr, int64_t b) { return zr ? (zr[b / 2] >> (4 * (b % 2))) & 15 : 8; }
-
 /* The portable path: any CPU, the same arithmetic in plain C. */
 static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* scales, const uint8_t* zero_points,
                           int64_t n0, int64_t n1, float* y) {
@@ -57,7 +54,7 @@ static void rows_portable(Scratch s, int64_t nb, const uint8_t* w, const float* 
       const uint8_t* wb = w + (n * nb + b) * 16;
       int32_t dot = 0;
       for (int j = 0; j < BLOCK; ++j) dot += ((wb[j / 2] >> (4 * (j % 2))) & 15) * *slot(s, b, j, 0);
-      float offset = -(scales[n * nb + b] * (float)zero_point(zero_points ? zero_points + n * zb : NULL, b));
+      float offset = -(scales[n * nb + b] * (float)q4_zero_point(zero_points ? zero_points + n * zb : NULL, b));
       acc += (float)dot * scales[n * nb + b] * s.sa[b] + offset * s.c[b];
     }
     y[n] = acc;
@@ -166,9 +163,7 @@ AVX2 static inline __attribute__((always_inline)) void rows_avx2_group(Scratch s
     __m256 sa8 = _mm256_maskload_ps(s.sa + b, mask), c8 = _mm256_maskload_ps(s.c + b, mask);
     __m256 ds[ROWS];
     for (int r = 0; r < R; ++r) {
-      prefetch_ahead(wr + ((ROWS + r) * nb + b) * 16, left * 16);  /* the next group's (q4_scratch.h) */
-      prefetch_ahead(sr + (ROWS + r) * nb + b, 32);
-      if (zr) prefetch_ahead(zr + (ROWS + r) * zb + b / 2, 4);
+      prefetch_next_q4(wr, sr, zr, nb, b, left, ROWS, r);
       __m256 sw = _mm256_maskload_ps(sr + r * nb + b, mask);
       ds[r] = _mm256_mul_ps(sw, sa8);
       /* + offset c, offset = -(scale x zero point): rounded as the portable path rounds it */
@@ -211,9 +206,7 @@ AVX512 static inline __attribute__((always_inline)) void vnni_blocks(Scratch s, 
   __m256 c8 = left == 8 ? _mm256_loadu_ps(s.c + b) : _mm256_maskload_ps(s.c + b, mask);
   __m256 ds[ROWS];
   for (int r = 0; r < R; ++r) {
-    prefetch_ahead(wr + ((ROWS + r) * nb + b) * 16, left * 16);  /* the next group's (q4_scratch.h) */
-    prefetch_ahead(sr + (ROWS + r) * nb + b, 32);
-    if (zr) prefetch_ahead(zr + (ROWS + r) * zb + b / 2, 4);
+    prefetch_next_q4(wr, sr, zr, nb, b, left, ROWS, r);
     __m256 sw = left == 8 ? _mm256_loadu_ps(sr + r * nb + b) : _mm256_maskload_ps(sr + r * nb + b, mask);
     ds[r] = _mm256_mul_ps(sw, sa8);
     acc256[r] = _mm256_fnmadd_ps(_mm256_mul_ps(sw, zero_points8(zr ? zr + r * zb : NULL, zb, b)), c8, acc256[r]);

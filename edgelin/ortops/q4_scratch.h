@@ -26,6 +26,10 @@ static inline Scratch view(const void* scratch, int64_t K) {
   return s;
 }
 
+/* Block b's 4-bit zero point of a row whose packed zero points start at zr (two per byte, low nibble first, as
+   MatMulNBits stores them; NULL: 8, its default). */
+static inline int q4_zero_point(const uint8_t* zr, int64_t b) { return zr ? (zr[b / 2] >> (4 * (b % 2))) & 15 : 8; }
+
 /* A one-token product's signature (edgelin_q4_rows, edgelin_q8_rows: q4_gemv.h, q8_gemv.h). */
 typedef void (*TokenRows)(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
                           const uint8_t* zero_points, int64_t n0, int64_t n1, float* y);
@@ -68,6 +72,16 @@ AVX2 static inline int32_t hsum_epi32(__m256i v) {
    Always inlined: GCC 12 takes a called prefetch-only function for one without effects and drops its calls. */
 AVX2 static inline __attribute__((always_inline)) void prefetch_ahead(const void* p, int64_t bytes) {
   for (int64_t j = 0; j < bytes; j += 64) _mm_prefetch((const char*)p + j, _MM_HINT_T0);
+}
+
+/* The 4-bit one-token paths' prefetch at block b (a multiple of 8, `left` blocks on): row r of the next group of
+   ROWS rows (wr, sr, zr: this group's first row's codes, scales and packed zero points). */
+AVX2 static inline __attribute__((always_inline)) void prefetch_next_q4(const uint8_t* wr, const float* sr,
+                                                                        const uint8_t* zr, int64_t nb, int64_t b,
+                                                                        int64_t left, int rows, int r) {
+  prefetch_ahead(wr + ((rows + r) * nb + b) * 16, left * 16);
+  prefetch_ahead(sr + (rows + r) * nb + b, 32);
+  if (zr) prefetch_ahead(zr + (rows + r) * ((nb + 1) / 2) + b / 2, 4);
 }
 
 /* Blocks b .. b + 7's zero points (b a multiple of 8) of a row whose packed zero points (zb bytes) start at zr, as
