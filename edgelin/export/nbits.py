@@ -95,10 +95,12 @@ def table_quantize(table: "np.ndarray | FileRows", bits: int, block_size: int) -
 
 class NbitsGraph:
     """One graph (loaded without its data) being block-quantised: each weight is quantised once per bit width and
-    its initializers added once per layout, whatever nodes read them."""
+    its initializers added once per layout, whatever nodes read them (written to `spill` as they are made, when
+    given, else held in the protobuf)."""
 
-    def __init__(self, proto: Any, folder: Path, block_size: int, accuracy_level: int):
+    def __init__(self, proto: Any, folder: Path, block_size: int, accuracy_level: int, spill: Any = None):
         self.proto, self.folder, self.block_size, self.accuracy_level = proto, Path(folder), block_size, accuracy_level
+        self.spill = spill  # edgelin.export.weights.DataSpill: the quantised weights written as they are made
         self.inits = {t.name: t for t in proto.graph.initializer}
         self.arrays: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.names: dict[tuple[str, int, str], tuple[str, str, str]] = {}
@@ -133,7 +135,11 @@ class NbitsGraph:
                 suffix = "_T" if table else ""
                 arrays = (packed, scales, zeros)
                 names = (f"{name}{suffix}_Q{bits}", f"{name}{suffix}_scales", f"{name}{suffix}_zero_points")
-            self.proto.graph.initializer.extend(numpy_helper.from_array(a, n) for a, n in zip(arrays, names))
+            for array, tensor_name in zip(arrays, names):
+                if self.spill is not None:
+                    self.spill.add(self.proto, array, tensor_name)
+                else:
+                    self.proto.graph.initializer.append(numpy_helper.from_array(array, tensor_name))
             self.names[key] = names
             if not table:
                 del self.arrays[(name, bits)]  # a matmul weight is read by one node (fused siblings: one weight)

@@ -20,10 +20,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
+    from edgelin.export.weights import DataSpill
+
 # The layout's read side (what a reader of the artifact needs) is edgelin.artifact.quantized's.
 from edgelin.artifact.quantized import F16_OP, PANEL
 
 F32_OP = "MatMulF32"  # float32 activations by a float32 weight in panels
+ROWS_PER_PIECE = 16384  # table rows packed at a time (a multiple of PANEL; 64 MiB of float32 at D = 1024)
 
 
 def pack_panels(weight: Any) -> Any:
@@ -34,6 +37,26 @@ def pack_panels(weight: Any) -> Any:
     padded = np.zeros((rows, -(-cols // PANEL) * PANEL), weight.dtype)
     padded[:, :cols] = weight
     return np.ascontiguousarray(padded.reshape(rows, -1, PANEL).transpose(1, 0, 2))
+
+
+def table_panels(table: Any, half: bool = False) -> tuple[tuple[int, int, int], Any]:
+    """The panels of a tied LM head x W^T read from its table W [V, D] a slice of rows at a time (a table row is a
+    column of W^T, so 16 rows make one panel): (the panels' shape [ceil(V / 16), D, 16], their pieces in order),
+    as pack_panels(W.T) without the transposed copy of the table (2 GB at Qwen3.5-2B's 248k x 2048). `table`: an
+    array or edgelin.export.nbits.FileRows; `half`: float16 panels."""
+    import numpy as np
+
+    vocab, width = table.shape
+
+    def pieces() -> Any:
+        for start in range(0, vocab, ROWS_PER_PIECE):
+            rows = np.asarray(table[start:start + ROWS_PER_PIECE])
+            rows = to_float16(rows) if half else rows
+            if len(rows) % PANEL:
+                rows = np.concatenate([rows, np.zeros((-len(rows) % PANEL, width), rows.dtype)])
+            yield rows.reshape(-1, PANEL, width).transpose(0, 2, 1)
+
+    return (-(-vocab // PANEL), width, PANEL), pieces()
 
 
 def panel_function(name: str, opsets: dict[str, int]) -> Any:
@@ -79,13 +102,15 @@ def to_panel_op(proto: Any, node: Any, name: str, packed_weight: str, columns: i
 
 def pack_float_products(path: Any) -> int:
     """--step-ops edgelin: pack_products on the graph at `path` (the float products --quantize left, or all of a
-    float export's), saved only when something changed; returns how many nodes."""
+    float export's), the panels written as they are packed (edgelin.export.weights.DataSpill) and the graph saved
+    only when something changed; returns how many nodes."""
     import onnx
 
-    from edgelin.export.weights import save_graph
+    from edgelin.export.weights import DataSpill, save_graph
 
     proto = onnx.load(str(path), load_external_data=False)  # each weight read from its data file in turn
-    count = pack_products(proto, folder=Path(path).parent)
+    with DataSpill(path) as spill:
+        count = pack_products(proto, folder=Path(path).parent, spill=spill)
     if count:
         save_graph(proto, path)
     return count
@@ -100,11 +125,12 @@ def to_float16(values: "np.ndarray") -> "np.ndarray":
     return np.clip(values, -limit, limit).astype(np.float16)
 
 
-def pack_products(proto: Any, half: bool = False, folder: Path | None = None) -> int:
+def pack_products(proto: Any, half: bool = False, folder: Path | None = None, spill: "DataSpill | None" = None) -> int:
     """In place: each ONNX MatMul on a constant 2-D float32 weight becomes ai.edgelin::MatMulF32 on the weight
     packed in panels (`half`: ai.edgelin::MatMulF16 on a float16 copy, --quantize fp16), each weight packed once
     however many nodes read it; the unpacked weights nothing else reads are dropped. Returns how many nodes.
-    `folder`: where the data files of a graph loaded without its data are (each weight is read when packed)."""
+    `folder`: where the data files of a graph loaded without its data are (each weight is read when packed);
+    `spill`: where the packed weights are written as they are made (else they are held in the protobuf)."""
     import onnx
     from onnx import numpy_helper
 
@@ -122,7 +148,11 @@ def pack_products(proto: Any, half: bool = False, folder: Path | None = None) ->
             packed[weight] = f"{weight}_f16p" if half else f"{weight}_p{PANEL}"
             value = weight_array(tensor, folder)
             value = pack_panels(to_float16(value) if half else value)
-            proto.graph.initializer.append(numpy_helper.from_array(value, packed[weight]))
+            if spill is not None:
+                spill.add(proto, value, packed[weight])
+            else:
+                proto.graph.initializer.append(numpy_helper.from_array(value, packed[weight]))
+            del value
         to_panel_op(proto, node, F16_OP if half else F32_OP, packed[weight], tensor.dims[1])
         count += 1
     if count:

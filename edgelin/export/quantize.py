@@ -92,46 +92,48 @@ def _attrs(node: Any) -> dict[str, Any]:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _untie_heads(proto: Any, folder: Path | None = None) -> list[str]:
-    """Every Gemm y = x W^T on a constant 2-D weight (the LM head, tied to the embedding table or not)
-    becomes MatMul(x, W^T) on its own transposed initializer, which the tool then quantises; the Gemm's
-    module scope carries over. The table itself is left to the Gathers (or dropped when unread). Returns the
-    MatMuls' names."""
+def _head_panels(proto: Any, folder: Path | None, spill: Any) -> None:
+    """--quantize fp16 with the embeddings: every Gemm y = x W^T on a constant 2-D float32 weight (the LM head,
+    tied to the embedding table or not) becomes ai.edgelin::MatMulF16 on float16 panels packed from W's rows (one
+    slice at a time: edgelin.export.panels.table_panels); its module scope carries over. The table itself is left
+    to the Gathers (or dropped when unread)."""
     import numpy as np
-    from onnx import helper, numpy_helper
+    import onnx
+
+    from edgelin.export.nbits import FileRows
+    from edgelin.export.panels import table_panels, to_panel_op
 
     inits = {t.name: t for t in proto.graph.initializer}
-    heads = []
-    for index, node in enumerate(list(proto.graph.node)):
-        attrs = _attrs(node)
-        weight = inits.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) == 2 else None
-        if weight is None or len(weight.dims) != 2 or attrs.get("transA", 0) or not attrs.get("transB", 0) \
-                or attrs.get("alpha", 1.0) != 1.0:
+    packed: set[str] = set()
+    for node in proto.graph.node:
+        weight = inits.get(node.input[1]) if node.op_type == "Gemm" and _is_head(node) else None
+        if weight is None or len(weight.dims) != 2 or weight.data_type != onnx.TensorProto.FLOAT:
             continue
-        values = weight_array(weight, folder)
-        transposed = numpy_helper.from_array(np.ascontiguousarray(values.T), f"{weight.name}_T")
-        if transposed.name not in inits:
-            proto.graph.initializer.append(transposed)
-            inits[transposed.name] = transposed
-        matmul = helper.make_node("MatMul", [node.input[0], transposed.name], list(node.output), name=node.name)
-        matmul.metadata_props.extend(node.metadata_props)
-        proto.graph.node.remove(node)
-        proto.graph.node.insert(index, matmul)
-        heads.append(matmul.name)
-    return heads
+        name = f"{weight.name}_T_f16p"
+        if name not in packed:  # a table read by two heads is packed once
+            shape, pieces = table_panels(FileRows.of(weight, folder) if folder is not None
+                                         else weight_array(weight), half=True)
+            spill.add_pieces(proto, name, np.float16, shape, pieces)
+            packed.add(name)
+        del node.attribute[:]
+        to_panel_op(proto, node, F16_OP, name, weight.dims[0])
 
 
-def _float16_weights(proto: Any, embeddings: bool, folder: Path | None = None) -> None:
+def _float16_weights(proto: Any, embeddings: bool, folder: Path | None, spill: Any) -> None:
     """--quantize fp16, in place: each MatMul of ONNX's on a constant 2-D float32 weight becomes ai.edgelin::MatMulF16
     on a float16 copy of it packed in column panels (edgelin.export.panels.pack_products); with `embeddings` also the
-    LM head (untied to its own transposed weight first, as for int4) and each Gather on a 2-D float32 table, which
-    reads a float16 copy of the table and casts its rows back to float32. Unread float32 weights are dropped."""
+    LM head (_head_panels) and each Gather on a 2-D float32 table, which reads a float16 copy of the table and casts
+    its rows back to float32. Every new weight is written to `spill` as it is made; unread float32 weights are
+    dropped."""
+    import numpy as np
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
+
+    from edgelin.export.nbits import ROWS_PER_SLICE, FileRows
 
     if embeddings:
-        _untie_heads(proto, folder)
-    pack_products(proto, half=True, folder=folder)
+        _head_panels(proto, folder, spill)
+    pack_products(proto, half=True, folder=folder, spill=spill)
     inits = {t.name: t for t in proto.graph.initializer}
     halves: dict[str, str] = {}
     nodes = []
@@ -141,8 +143,10 @@ def _float16_weights(proto: Any, embeddings: bool, folder: Path | None = None) -
                 and _attrs(node).get("axis", 0) == 0:
             if table.name not in halves:  # each table converted once however many lookups read it
                 halves[table.name] = f"{table.name}_f16"
-                value = to_float16(weight_array(table, folder))
-                proto.graph.initializer.append(numpy_helper.from_array(value, halves[table.name]))
+                rows = FileRows.of(table, folder) if folder is not None else weight_array(table)
+                spill.add_pieces(proto, halves[table.name], np.float16, tuple(table.dims),
+                                 (to_float16(rows[start:start + ROWS_PER_SLICE])
+                                  for start in range(0, table.dims[0], ROWS_PER_SLICE)))
             node.input[0], out = halves[table.name], node.output[0]
             node.output[0] = f"{out}_f16"
             nodes.append(node)
@@ -168,23 +172,37 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
         raise EdgelinError(f"weight quantisation {scheme!r}", f"edgelin quantises to {', '.join((*BITS, HALF))}",
                            "pass --quantize int8, int4 or fp16")
     from edgelin.devices import BLOCK_SIZES
-    from edgelin.export.weights import save_graph
+    from edgelin.export.weights import DataSpill, save_graph
 
     if scheme in BITS and block_size not in BLOCK_SIZES:  # export_settings refuses it first, from the command line
         raise EdgelinError(f"block size {block_size}", f"ONNX Runtime's block quantiser takes blocks of "
                            f"{', '.join(map(str, BLOCK_SIZES))} weights", "pass --block-size 32")
     if scheme == HALF:
         proto = onnx.load(str(path), load_external_data=False)  # each weight read from its data file in turn
-        _float16_weights(proto, embeddings, Path(path).parent)
+        with DataSpill(path) as spill:
+            _float16_weights(proto, embeddings, Path(path).parent, spill)
         save_graph(proto, path)
         return [name for node in proto.graph.node if node.op_type == F16_OP for name in _modules_of(node)]
 
     from edgelin.export.nbits import NbitsGraph
 
     bits = BITS[scheme]
-    head_bits = embedding_bits or bits
     proto = onnx.load(str(path), load_external_data=False)  # each weight is read from its data file in turn
-    graph = NbitsGraph(proto, Path(path).parent, block_size, ACCURACY_LEVEL)
+    with DataSpill(path) as spill:
+        graph = NbitsGraph(proto, Path(path).parent, block_size, ACCURACY_LEVEL, spill)
+        nodes = _nbits_nodes(proto, graph, bits, embedding_bits or bits, embeddings)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    graph.close()
+    drop_unread(proto)
+    save_graph(proto, path)
+    return [name for node in proto.graph.node if node.op_type in QUANTIZED_OPS for name in _modules_of(node)]
+
+
+def _nbits_nodes(proto: Any, graph: Any, bits: int, head_bits: int, embeddings: bool) -> list[Any]:
+    """The graph's nodes with each constant-weight MatMul (and with `embeddings` the LM head and the embedding
+    lookups) replaced by its block-quantised form (edgelin.export.nbits.NbitsGraph)."""
+    block_size = graph.block_size
     nodes = []
     for node in proto.graph.node:
         weight = graph.float_matrix(node.input[1]) if len(node.input) == 2 and node.domain in ("", "ai.onnx") else None
@@ -197,12 +215,7 @@ def quantize_graph(path: Path, scheme: str, block_size: int, embeddings: bool = 
         elif node.op_type == "MatMul" and weight is not None:
             node = graph.matmul(node, weight, bits)
         nodes.append(node)
-    del proto.graph.node[:]
-    proto.graph.node.extend(nodes)
-    graph.close()
-    drop_unread(proto)
-    save_graph(proto, path)
-    return [name for node in proto.graph.node if node.op_type in QUANTIZED_OPS for name in _modules_of(node)]
+    return nodes
 
 
 def _is_head(node: Any) -> bool:

@@ -75,12 +75,71 @@ def _save_with_data(path: Path, write: Any) -> None:
     data files that it no longer reads go."""
     path = Path(path)
     before = set(path.parent.glob(f"{path.name}*{DATA_SUFFIX}"))
+    target = _next_data_file(path)
+    write(target.name)
+    _drop_unreferenced(path, before - {target})
+
+
+def _next_data_file(path: Path) -> Path:
+    """The graph's next data file name (step.onnx.0.data, step.onnx.1.data, ...): one not yet there."""
     count = 0
     while (path.parent / f"{path.name}.{count}{DATA_SUFFIX}").exists():
         count += 1
-    target = path.parent / f"{path.name}.{count}{DATA_SUFFIX}"
-    write(target.name)
-    _drop_unreferenced(path, before - {target})
+    return path.parent / f"{path.name}.{count}{DATA_SUFFIX}"
+
+
+class DataSpill:
+    """The initializers a pass over a graph loaded without its data makes (packed panels, float16 copies,
+    block-quantised weights), written to a new data file beside the graph as they are made and added to it as
+    external data, so the pass holds one weight at a time: kept in the protobuf until the graph is saved they
+    were the export's peak (a 2 B-parameter model's packed float32 panels are 5 GiB). Use it as a context manager
+    around the pass: the file is closed at the end, and removed if the pass fails (this export wrote it)."""
+
+    def __init__(self, graph: Path):
+        self.path = _next_data_file(Path(graph))
+        self.size = 0
+        self._file: Any = None
+
+    def __enter__(self) -> "DataSpill":
+        self._file = open(self.path, "xb")
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        self._file.close()
+        if kind is not None or not self.size:
+            self.path.unlink(missing_ok=True)
+
+    def add(self, proto: Any, array: Any, name: str) -> None:
+        """Append `array` to the graph as initializer `name` (inside the protobuf when small)."""
+        self.add_pieces(proto, name, array.dtype, array.shape, [array])
+
+    def add_pieces(self, proto: Any, name: str, dtype: Any, shape: Sequence[int], pieces: Any) -> None:
+        """Initializer `name` of `dtype` and `shape` whose bytes are `pieces` (arrays, in order) concatenated: a
+        large table is written a slice at a time."""
+        import numpy as np
+        import onnx
+        from onnx import helper, numpy_helper
+
+        length = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if length < MIN_EXTERNAL:
+            proto.graph.initializer.append(numpy_helper.from_array(
+                np.concatenate([np.ravel(p) for p in pieces]).astype(dtype).reshape(shape), name))
+            return
+        start = _aligned(self.size, length)
+        self._file.write(b"\0" * (start - self.size))
+        written = 0
+        for piece in pieces:
+            piece = np.ascontiguousarray(piece, dtype)
+            self._file.write(memoryview(piece).cast("B"))
+            written += piece.nbytes
+        if written != length:
+            raise ValueError(f"{name}: {written} bytes written for a {list(shape)} {np.dtype(dtype).name} tensor")
+        self._file.flush()
+        self.size = start + length
+        tensor = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        tensor.dims.extend(int(d) for d in shape)
+        _point(tensor, self.path.name, start, length)
+        proto.graph.initializer.append(tensor)
 
 
 def _drop_unreferenced(path: Path, old: set[Path]) -> None:
