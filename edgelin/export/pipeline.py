@@ -234,8 +234,9 @@ def check_export_resources(checkpoint: Path, out: Path, target_name: str, settin
     from edgelin.checkpoint import model_config
     from edgelin.export import resources
 
-    needs = resources.estimate(model_config(checkpoint), get_target(target_name), settings)
-    resources.check_resources(needs, out, target_name, settings.force)
+    config, target = model_config(checkpoint), get_target(target_name)
+    resources.check_resources(resources.estimate(config, target, settings), out, target_name, settings.force,
+                              resources.lighter_exports(config, target, settings))
 
 
 def export_checkpoint(checkpoint: Path, out: Path, target: str | None = None, force: bool = False,

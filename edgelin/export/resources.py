@@ -10,7 +10,8 @@ Target.export_disk_factor; docs/benchmarks.md, "Export cost") plus the process's
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,14 @@ def estimate(config: "ModelConfig", target: "Target", settings: "ExportSettings"
     return ExportNeeds(parameters, weights, memory, disk)
 
 
+def lighter_exports(config: "ModelConfig", target: "Target", settings: "ExportSettings") -> list[tuple[str, ExportNeeds]]:
+    """The estimates of `target`'s weight quantisations other than the one asked for, most memory first (the
+    closest to the float weights first): what a refusal offers instead."""
+    others = [(mode, estimate(config, target, replace(settings, quantize=mode)))
+              for mode in target.quantize_modes if mode != settings.quantize]
+    return sorted(others, key=lambda entry: -entry[1].memory)
+
+
 def free_disk(out: Path) -> int | None:
     """Free bytes on the file system `out` will be written to (its nearest existing parent)."""
     where = Path(out).absolute()
@@ -56,16 +65,22 @@ def free_disk(out: Path) -> int | None:
         return None
 
 
-def check_resources(needs: ExportNeeds, out: Path, target: str, force: bool = False) -> None:
+def check_resources(needs: ExportNeeds, out: Path, target: str, force: bool = False,
+                    lighter: Sequence[tuple[str, ExportNeeds]] = ()) -> None:
     """Refuse, in one line, an export this machine has not the memory or the disk for (with the estimate and
-    what is there). `force` lets the memory check pass (the estimate is conservative; swap may carry it); a full
-    disk is never forced."""
+    what is there; `lighter`: the estimates of the target's weight quantisations, (mode, needs), most memory
+    first: the first that fits is named as what would). `force` lets the memory check pass (the estimate is conservative; swap may carry
+    it); a full disk is never forced."""
     size = f"{needs.parameters / 1e9:.2f} B parameters, {needs.float32_bytes / GiB:.1f} GiB in float32"
     memory = available_memory()
     if memory is not None and needs.memory > memory and not force:
+        fits = [f"--quantize {mode} (about {other.memory / GiB:.1f} GiB)" for mode, other in lighter
+                if other.memory <= memory and other.memory < needs.memory]
+        instead = f"export with {fits[0]}, " if fits else ""
         raise EdgelinError(f"exporting this model ({size}) to {target} needs about {needs.memory / GiB:.1f} GiB of "
                            f"memory at peak", f"this machine has {memory / GiB:.1f} GiB available",
-                           "close other programs or export on a machine with more memory (--force tries anyway)")
+                           f"{instead}close other programs or export on a machine with more memory (--force tries "
+                           "anyway)")
     disk = free_disk(out)
     if disk is not None and needs.disk > disk:
         raise EdgelinError(f"exporting this model ({size}) to {target} writes about {needs.disk / GiB:.1f} GiB",

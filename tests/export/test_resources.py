@@ -57,6 +57,28 @@ def test_too_little_memory_is_refused_before_the_weights_load(tmp_path, ckpt, mo
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_a_refusal_names_the_quantisation_that_would_fit(tmp_path, ckpt, monkeypatch):
+    """Between the float export's estimate and the int4 one's, the refusal names the most precise weight
+    quantisation this machine would hold, with its estimate; with no room even for that, none."""
+    from edgelin.devices import export_settings
+
+    config, target = model_config(ckpt), get_target("onnx")
+    estimates = {mode: resources.estimate(config, target, export_settings(None, "onnx", quantize=mode)).memory
+                 for mode in (None, "fp16", "int8", "int4")}
+    assert estimates[None] > estimates["fp16"] > estimates["int4"]
+    monkeypatch.setattr(pipeline, "load_model", _never_loaded)
+    monkeypatch.setattr(resources, "available_memory", lambda: estimates["fp16"] + 1)
+    with pytest.raises(EdgelinError) as refused:
+        pipeline.export_checkpoint(ckpt, tmp_path / "out", "onnx", include_tokenizer=False)
+    assert f"export with --quantize fp16 (about {estimates['fp16'] / 2**30:.1f} GiB)" in refused.value.line()
+    monkeypatch.setattr(resources, "available_memory", lambda: estimates["int4"] - 1)
+    with pytest.raises(EdgelinError) as refused:
+        pipeline.export_checkpoint(ckpt, tmp_path / "out", "onnx", include_tokenizer=False,
+                                   settings=export_settings(None, "onnx", quantize="int8"))
+    assert "--quantize" not in refused.value.line()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_too_little_disk_is_refused_even_with_force(tmp_path, ckpt, monkeypatch):
     monkeypatch.setattr(resources, "free_disk", lambda out: 1000)
     monkeypatch.setattr(pipeline, "load_model", _never_loaded)
