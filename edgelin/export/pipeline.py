@@ -97,8 +97,9 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     state cannot be Triton's implicit state is refused before anything is written. `on_progress(done, total,
     what)` hears each phase as it starts (a progress bar's count). `consume_model`: `model` is the export's own
     (export_checkpoint loaded it): once its fp32 figures are recorded, a quantised export's parity reference may
-    take the place of its float weights (memory: edgelin.export.reference_vectors.record); the model is then no
-    longer the checkpoint's."""
+    take the place of its float weights (memory: edgelin.export.reference_vectors.record), and once the reference
+    vectors are written its weights are released (moved to torch's meta device): the model is then no longer the
+    checkpoint's."""
     from edgelin.artifact.baselines import BASELINE_SOURCE, MANIFEST_KEY as BASELINES_KEY, check_names
     from edgelin.artifact.reference_vectors import MANIFEST_KEY as REFERENCE_KEY, manifest_entry
     from edgelin.export import baselines as baseline_exports, reference_vectors
@@ -171,6 +172,8 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         # What `validate DIR` and `bench DIR --baseline kv` run on a device, without torch or the checkpoint.
         phase("recording reference vectors")
         reference = reference_vectors.record(model, tmp, manifest, text=text, consume=consume_model)
+        if consume_model:  # nothing reads the weights from here on (the gate runs the artifact; baselines read the
+            model.to("meta")  # config): the float32 model is the export's largest holding, freed before the gate
         # fp16/quantised exports: the artifact's top-1 and perplexity vs fp32, refused unless --force
         phase("checking quality")
         gate = check_export_quality(model, tmp, manifest, settings)

@@ -53,3 +53,21 @@ def test_the_checks_of_one_output_share_its_largest_floor():
     steps, prefill, other_batch = check.metrics.values()
     assert steps.threshold == prefill.threshold == pytest.approx(FLOOR_FACTOR * 0.1) and steps.passed and prefill.passed
     assert other_batch.threshold == pytest.approx(0.05) and not other_batch.passed
+
+
+def test_max_difference_in_pieces_equals_the_whole():
+    """The floor's distance taken a piece at a time (no float64 copy of a 248k-vocabulary run's step logits) is
+    the whole array's, wherever the largest difference lies; empty arrays are 0."""
+    from edgelin.artifact.reference_vectors import max_difference
+
+    rng = np.random.default_rng(3)
+    want = rng.standard_normal((24, 3, 1001)).astype(np.float32)
+    got = want + rng.standard_normal(want.shape).astype(np.float32) * 1e-6
+    got[23, 2, 1000] += 0.5  # the last value of the last piece
+    whole = float(np.abs(got.astype(np.float64) - want).max())
+    assert whole > 0.49
+    for piece in (7, 1000, 1 << 20):
+        assert max_difference(got, want, piece) == whole
+    assert max_difference(np.zeros(0, np.float32), np.zeros(0, np.float32)) == 0.0
+    with pytest.raises(ValueError):
+        max_difference(got, want[:1])

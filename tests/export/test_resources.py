@@ -104,3 +104,24 @@ def test_a_large_models_greedy_rollout_is_shorter_and_recorded():
     assert greedy_steps_for(150_000_000) == 512
     assert greedy_steps_for(752_393_024) == 132  # Qwen3.5-0.8B's shapes: 100e9 / 752e6
     assert greedy_steps_for(1_881_825_088) == MIN_GREEDY_STEPS == 64  # 2B: the floor
+
+
+def test_the_models_weights_are_released_before_the_quality_gate(tmp_path, ckpt, monkeypatch):
+    """export_checkpoint's own model holds the float32 weights (the export's largest holding at real sizes): once
+    the reference vectors are written nothing reads them, and the gate runs the artifact without them."""
+    from edgelin.devices import export_settings
+    from edgelin.export import quality_gate
+
+    seen = []
+    gate = quality_gate.check_export_quality
+
+    def spy(model, folder, manifest, settings):
+        seen.append({p.device.type for p in model.parameters()})
+        return gate(model, folder, manifest, settings)
+
+    monkeypatch.setattr(quality_gate, "check_export_quality", spy)
+    pipeline.export_checkpoint(ckpt, tmp_path / "out", "onnx", include_tokenizer=False,
+                               settings=export_settings(None, "onnx", quantize="int4", force=True))
+    assert seen == [{"meta"}]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["extra"]["quality"]["checks"]  # the gate measured the artifact
