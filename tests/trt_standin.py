@@ -421,15 +421,16 @@ def install(monkeypatch, version: str = "10.3.0") -> Counters:
     return counters
 
 
-def fake_plugin_library(folder: Path, trt_major: int = 10) -> Path:
+def fake_plugin_library(folder: Path, trt_major: int = 10, extra: str = "") -> Path:
     """A shared object that passes check_library (marker, the two exports, no libnvinfer) but holds no
-    plugin: the stand-in registry only records that it was loaded. Built with the system C compiler."""
+    plugin: the stand-in registry only records that it was loaded. Built with the system C compiler; `extra`: more
+    C source (another exported symbol, which check_library refuses)."""
     from edgelin.kernels.abi import header_abi_version
 
     source = folder / "fake_plugin.c"
     source.write_text(f'__attribute__((used)) const char edgelin_trt_plugin_marker[] = '
                       f'"edgelin-trt-plugin:trt_major={trt_major};abi={header_abi_version()};";\n'
-                      'void* getCreators(int* n) { *n = 0; return 0; }\nvoid setLoggerFinder(void* finder) { }\n')
+                      'void* getCreators(int* n) { *n = 0; return 0; }\nvoid setLoggerFinder(void* finder) { }\n' + extra)
     library = folder / f"libedgelin_trt_plugin_trt{trt_major}.so"
     subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
     source.unlink()

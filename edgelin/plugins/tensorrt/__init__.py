@@ -24,6 +24,8 @@ SUPPORTED_MAJORS = (10, 11)
 # bf16 loads need sm_80 or newer
 SUPPORTED_ARCHS = ("80", "86", "87", "89", "90", "100", "103", "110", "120", "121")
 EXPORTS = ("getCreators", "setLoggerFinder")
+MARKER_SYMBOL = "edgelin_trt_plugin_marker"  # read by check_library; src/exports.map exports these three only
+LINKER_SYMBOLS = ("_init", "_fini", "_edata", "_end", "__bss_start")  # some linkers export them in every library
 MARKER = re.compile(rb"edgelin-trt-plugin:trt_major=(\d+);abi=(\d+);")
 HEADERS_FIX = ("pass the folder holding NvInferRuntime.h (JetPack: /usr/include/aarch64-linux-gnu; "
                "apt: libnvinfer-dev, /usr/include/x86_64-linux-gnu; a TensorRT tarball: its include/)")
@@ -158,7 +160,8 @@ def _tool(name: str, args: list[str]) -> str:
 
 def check_library(path: Path, expected_major: int) -> LibraryInfo:
     """Refuse, before anything loads it, a library that is not edgelin's plugin, was built for another
-    TensorRT major or launcher ABI, misses an export, or links or references libnvinfer."""
+    TensorRT major or launcher ABI, misses an export or exports more than the loader interface, or links or
+    references libnvinfer."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -183,6 +186,13 @@ def check_library(path: Path, expected_major: int) -> LibraryInfo:
     if missing:
         raise EdgelinError(f"{path.name} does not export {', '.join(missing)}",
                            "TensorRT's loadLibrary and trtexec --dynamicPlugins call them",
+                           "rebuild it with edgelin build")
+    others = sorted({line.split()[-1] for line in defined.splitlines() if line.strip()}
+                    - {*EXPORTS, MARKER_SYMBOL, *LINKER_SYMBOLS})
+    if others:
+        raise EdgelinError(f"{path.name} exports {len(others)} symbols beyond TensorRT's loader interface "
+                           f"(first: {others[0]})", "in TensorRT's process they would take the place of its own "
+                           "(libstdc++'s, where the library was built without src/exports.map)",
                            "rebuild it with edgelin build")
     undefined = [ln for ln in _tool("nm", ["-DC", "--undefined-only", str(path)]).splitlines() if "nvinfer1::" in ln]
     if undefined:
