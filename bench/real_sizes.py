@@ -55,9 +55,10 @@ def machine() -> str:
     return f"{os.cpu_count()}-core {cpu}, {memory / 2**30:.0f} GiB, {platform.system()}"
 
 
-def run_cell(checkpoint: Path, cell: str, out: Path, positions: str, reuse: bool = False) -> dict:
-    """Export (unless `reuse` and the folder holds a finished export and its recorded stats), then validate, bench
-    at 1 and 2 threads and generate."""
+def run_cell(checkpoint: Path, cell: str, out: Path, positions: str, reuse: bool = False,
+             export_only: bool = False) -> dict:
+    """Export (unless `reuse` and the folder holds a finished export and its recorded stats), then (unless
+    `export_only`: a later --reuse run measures the rest) validate, bench at 1 and 2 threads and generate."""
     folder = out / f"{checkpoint.name}-{cell}"
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -79,6 +80,8 @@ def run_cell(checkpoint: Path, cell: str, out: Path, positions: str, reuse: bool
     result["weights_bytes"] = manifest["extra"]["weights"]["bytes"]
     result["num_parameters"] = manifest["model"]["num_parameters"]
     result["folder_bytes"] = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    if export_only:
+        return result
     result["validate"] = timed(CLI + ["validate", str(folder)], logs / f"{stem}-validate.log")
     said = [line for path in (logs / f"{stem}-validate.log", logs / f"{stem}-validate.log.err")
             for line in path.read_text().splitlines() if "checks passed" in line or "checks failed" in line]
@@ -108,7 +111,7 @@ def command_run(args: argparse.Namespace) -> None:
     for cell in args.cells.split(","):
         if cell not in CELLS:
             raise SystemExit(f"unknown cell {cell!r}: one of {', '.join(CELLS)}")
-        result = run_cell(args.checkpoint, cell, args.out, args.positions, args.reuse)
+        result = run_cell(args.checkpoint, cell, args.out, args.positions, args.reuse, args.export_only)
         result.update(commit=commit, machine=machine(), when=time.strftime("%Y-%m-%d"))
         data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"cells": {}}  # read now: other runs write it
         data["cells"][f"{args.checkpoint.name}/{cell}"] = result
@@ -275,6 +278,8 @@ def main() -> None:
     run.add_argument("--cells", default="int4")
     run.add_argument("--out", type=Path, default=ROOT / "runs" / "real-sizes")
     run.add_argument("--positions", default="1,1024")
+    run.add_argument("--export-only", action="store_true", help="export and record its time and peak RSS only "
+                     "(validate, bench and generate by a later --reuse run)")
     run.add_argument("--reuse", action="store_true", help="keep a finished export of an earlier run (its recorded "
                      "time and peak RSS) and measure the rest")
     sub.add_parser("doc", help="render docs/benchmarks.md from the results")
