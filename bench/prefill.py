@@ -1,7 +1,8 @@
 """Chunked prefill: edgelin's Triton kernels against fla 0.6.0's chunk_* on one GPU (issue 12 goal 2).
 
-Method (issue 12 goal 1), per family and shape, in one run, the two libraries in alternating order
-(ours first on even cells, fla first on odd ones):
+Method (issue 12 goal 1), per family and shape, in one run: --rounds samples (7) of each library, interleaved,
+the order reversed every other sample; each figure is the median over samples, the ratio the median of the
+per-sample ratios (its range beside it). Per sample:
   graph  GPU time: N calls captured in one CUDA graph, replayed R times, elapsed (events) / (N R)
   events GPU time: events around N back-to-back eager calls / N (launch overhead included where
          the GPU outruns the host)
@@ -14,7 +15,7 @@ cell whose compile fails is retried once, then recorded as an error while the ru
 gated_deltanet2 (erase gate) has no fla peer: it is timed against fla's gated_delta_rule on the same
 q, k, v, g, beta (the erase gate is extra work) and checked against the reference.
 
-    python bench/prefill.py [--json out.json] [--shapes 1x4096,1x32768,8x4096,8x32768] [--profile]
+    python bench/prefill.py [--json out.json] [--shapes 1x4096,1x32768,8x4096,8x32768] [--rounds 7] [--profile]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -163,6 +165,7 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA time at the first shape")
     parser.add_argument("--ptxas-limit", type=float, default=120, help="kill a ptxas running longer (s)")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved samples per cell (medians reported)")
     args = parser.parse_args()
     ptxas_watchdog(args.ptxas_limit)
     h, dk, dv = 16, 128, 128
@@ -180,10 +183,11 @@ def main() -> None:
             fla = fla_call(family)
             theirs = lambda: fla(q, k, v, g, beta, s0)  # noqa: E731
             order = [("ours", ours), ("fla", theirs)]
-            res = {}
+            samples: dict[str, list[dict]] = {"ours": [], "fla": []}
             try:
-                for name, fn in (order if cell % 2 == 0 else order[::-1]):
-                    res[name] = retried(lambda: timings(fn, n, 5))
+                for sample in range(args.rounds):  # interleaved, the order reversed every other sample
+                    for name, fn in (order if (cell + sample) % 2 == 0 else order[::-1]):
+                        samples[name].append(retried(lambda: timings(fn, n, 5)))
             except Exception as exc:  # noqa: BLE001  (a compile that failed twice: record it, go on)
                 results["cells"][f"{family}/B{b}xT{t}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 print(f"{family:17} {shape:9} failed twice: {type(exc).__name__}", flush=True)
@@ -193,8 +197,11 @@ def main() -> None:
             cell += 1
             o, s = ours()
             o_f, _ = theirs()
-            entry = {"ours": res["ours"], "fla": res["fla"], "ratio": res["fla"]["graph_us"] / res["ours"]["graph_us"],
-                     "tokens": b * t}
+            res = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                   for name, runs in samples.items()}
+            ratios = [f["graph_us"] / o["graph_us"] for o, f in zip(samples["ours"], samples["fla"])]
+            entry = {"ours": res["ours"], "fla": res["fla"], "ratio": statistics.median(ratios),
+                     "ratio_range": [min(ratios), max(ratios)], "samples": args.rounds, "tokens": b * t}
             if not erase:
                 entry["max_err_vs_fla"] = (o.float() - o_f.float()).abs().max().item()
             if b == 1 and t == 4096:
@@ -207,7 +214,8 @@ def main() -> None:
             fmt = lambda r: f"{r['graph_us']:9.1f}/{r['events_us']:9.1f}/{r['wall_us']:8.1f}"  # noqa: E731
             print(f"{family:17} {shape:9} {fmt(res['ours']):>30} {fmt(res['fla']):>28} "
                   f"{b * t / res['ours']['graph_us']:11.1f} {b * t / res['fla']['graph_us']:7.1f} "
-                  f"{entry['ratio']:6.2f} {entry.get('max_err_vs_fla', float('nan')):10.2e} "
+                  f"{entry['ratio']:6.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
+                  f"{entry.get('max_err_vs_fla', float('nan')):10.2e} "
                   f"{entry.get('max_err_vs_ref', float('nan')):9.2e} {entry.get('fla_max_err_vs_ref', float('nan')):9.2e}",
                   flush=True)
             if args.profile and shape == args.shapes.split(",")[0]:
