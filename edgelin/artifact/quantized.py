@@ -164,6 +164,46 @@ class BlockSteps:
         return expanded * self.scale + self.offset
 
 
+class HalfRows:
+    """[N, K] float32 rows of a --quantize fp16 weight, converted only where indexed (as PackedRows unpacks its
+    codes): a table [N, K] as stored, or a MatMulF16 weight's panels [P, K, 16] (`rows` = N; row n is column n of
+    its [K, N] weight). The in-place parity reference takes a 248k-token head through it a slice at a time, where
+    unpacking it whole took three float32 copies of it (3 GB at Qwen3.5-0.8B's shapes)."""
+
+    def __init__(self, half: np.ndarray, rows: int | None = None):
+        self.half, self.panelled = half, half.ndim == 3
+        self.shape = (rows if self.panelled else half.shape[0], half.shape[1])
+        self.ndim, self.dtype = 2, np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if isinstance(key, tuple):
+            rows, column = key
+            if not isinstance(column, (int, np.integer)):
+                return self[rows][..., column]
+            values = self.half[:, column, :].reshape(-1)[:self.shape[0]] if self.panelled else self.half[:, column]
+            return np.asarray(values, np.float32)[rows]
+        if isinstance(key, (int, np.integer)):
+            return self[np.arange(self.shape[0])[key:key + 1 or None]][0]
+        if isinstance(key, slice) and key.step in (None, 1):
+            start, stop, _ = key.indices(self.shape[0])
+            if not self.panelled:
+                return np.asarray(self.half[start:stop], np.float32)
+            first = start // PANEL  # the panels holding these rows, their columns laid out as rows
+            block = self.half[first:-(-stop // PANEL)].transpose(0, 2, 1).reshape(-1, self.shape[1])
+            return np.asarray(block[start - first * PANEL:stop - first * PANEL], np.float32)
+        index = np.arange(self.shape[0])[key]
+        if not self.panelled:
+            return np.asarray(self.half[index], np.float32)
+        return np.asarray(self.half[index // PANEL, :, index % PANEL], np.float32).reshape(len(index), self.shape[1])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+
 class HalfSteps:
     """The [rows, cols] float16 steps of `values` (np.spacing: each element's step; subnormals included), times
     `scale` plus `offset`, computed only for the rows indexed (as BlockSteps; a whole model's would be 3 GB). The
@@ -271,7 +311,7 @@ def read_quantized(folder: Path, graph_files: list[str]) -> list[Dequantized]:
 def iter_quantized(folder: Path, graph_files: list[str], lazy: bool = False) -> Iterator[Dequantized]:
     """read_quantized's tensors one at a time, each unpacked only when asked for (a 0.75 B model's are 3 GB
     unpacked: the reference takes them in turn, edgelin.reference.parity.with_dequantized). `lazy`: a
-    block-quantised tensor's rows are a PackedRows, unpacked where indexed."""
+    block-quantised tensor's rows are a PackedRows, a float16 one's a HalfRows, unpacked where indexed."""
     import onnx
 
     found: set[str] = set()
@@ -284,10 +324,14 @@ def iter_quantized(folder: Path, graph_files: list[str], lazy: bool = False) -> 
             half = node.input[1] if node.op_type == F16_OP else node.input[0] if node.op_type == "Gather" \
                 and node.input and node.input[0] in tables else None
             if half is not None and half in inits and half not in found:  # --quantize fp16: a float16 weight
-                values = array(half).astype(np.float32)
-                if node.op_type == F16_OP:  # MatMul's [K, N] (packed in panels: [P, K, 16]) -> the module's [N, K]
-                    values = (unpack_panels(values, panel_columns(node, values)) if values.ndim == 3 else values).T
-                values = np.ascontiguousarray(values)
+                stored = array(half)
+                if node.op_type != F16_OP:  # a table [N, K], as the module holds it
+                    values: Any = HalfRows(stored)
+                elif stored.ndim == 3:  # MatMul's [K, N] packed in panels [P, K, 16] -> the module's [N, K]
+                    values = HalfRows(stored, panel_columns(node, stored))
+                else:
+                    values = HalfRows(np.ascontiguousarray(stored.T))
+                values = values if lazy else np.asarray(values)
                 found.add(half)
                 yield Dequantized(half, values, HalfSteps(values, 0.5 * SLACK, 1e-12))
                 continue

@@ -48,3 +48,35 @@ def test_rows_unpacked_where_indexed_equal_the_whole(bits, zero_points, cols, bl
     assert np.array_equal(packed.steps[:], steps[:])
     with pytest.raises(IndexError):
         packed[:, cols]
+
+
+@pytest.mark.parametrize("panelled", [True, False])
+def test_half_rows_converted_where_indexed_equal_the_whole(panelled):
+    """HalfRows (--quantize fp16's weights, converted only where indexed): every kind of index the parity reference
+    uses gives the float32 of the float16 values at those places; a panelled weight's row n is column n of its
+    [K, N] weight, written out here element by element, N not a whole number of 16-column panels."""
+    from edgelin.artifact.quantized import HalfRows
+
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal((24, 37)).astype(np.float16)  # [K, N]
+    want = weight.T.astype(np.float32)  # the module's rows [N, K]
+    if panelled:
+        stored = np.zeros((3, 24, 16), np.float16)  # [P, K, 16], zeros past N
+        for column in range(37):
+            stored[column // 16, :, column % 16] = weight[:, column]
+        rows = HalfRows(stored, 37)
+    else:
+        rows = HalfRows(np.ascontiguousarray(weight.T))
+    assert rows.shape == (37, 24) and len(rows) == 37
+    np.testing.assert_array_equal(np.asarray(rows), want)
+    picks = np.array([0, 15, 16, 36, 15])
+    for key in (slice(None), slice(3, 11), slice(14, 33), slice(30, 90), slice(40, 50), picks, picks[:0]):
+        got = rows[key]
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want[key])
+    for row in (0, 17, 36, -1):
+        np.testing.assert_array_equal(rows[row], want[row])
+    for column in (0, 5, 23):
+        np.testing.assert_array_equal(rows[:, column], want[:, column])
+        np.testing.assert_array_equal(rows[picks, column], want[picks, column])
+    np.testing.assert_array_equal(rows[2:9, 3:7], want[2:9, 3:7])

@@ -369,14 +369,14 @@ class OnnxTarget(Target):
     quantize_modes = QUANTIZE  # int8/int4 block-wise (MatMulNBits, GatherBlockQuantized), fp16 weights
 
     def export_memory_factor(self, settings: "ExportSettings") -> float:
-        """The loaded float32 model and, at the peak, one dequantised table beside it while the parity reference
-        takes the float weights' place (int8 / int4; docs/benchmarks.md#export-cost: Qwen3.5-0.8B's shapes at int4
-        measured 1.26, int8 1.42), or the float16 copies of the weights a float16 export writes (fp16: 2.47
-        measured, its quantising step); fp32: the model, the weight passes writing their panels as they pack them
-        (edgelin.export.weights.DataSpill): 1.13 measured, writing weights.bin."""
+        """The loaded float32 model and what the export's steps hold beside it (docs/benchmarks.md#export-cost), the
+        weight passes writing each new weight as they make it (edgelin.export.weights.DataSpill): int8 / int4 at
+        most one dequantised table while the parity reference takes the float weights' place (Qwen3.5-0.8B's
+        shapes at int4 measured 1.03, int8 1.42 before the spill); fp16 1.45 (0.8B, its parity reference's
+        unpacked head, since read a slice at a time: HalfRows); fp32 1.13 (0.8B) and 1.19 (2B)."""
         if settings.quantize in ("int8", "int4"):
             return 1.45
-        return 2.6 if settings.quantize == "fp16" else 1.3
+        return 1.6 if settings.quantize == "fp16" else 1.3
 
     def export_disk_factor(self, settings: "ExportSettings") -> float:
         """Both graphs' data files at float32 and weights.bin being written from them (a quantised weights.bin is
