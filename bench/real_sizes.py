@@ -232,7 +232,8 @@ def command_doc(args: argparse.Namespace) -> None:
     for found in sorted(RESULTS.parent.glob("export-memory-*.json")):  # bench/export_memory.py --json
         run = json.loads(found.read_text())
         lines += [f"## Export memory by step: {run['checkpoint']} {run['quantize'] or 'fp32'}", "",
-                  f"`python bench/export_memory.py {run['checkpoint']} OUT --quantize {run['quantize']} --force` at "
+                  f"`python bench/export_memory.py {run['checkpoint']} OUT"
+                  f"{' --quantize ' + run['quantize'] if run['quantize'] else ''} --force` at "
                   f"{run['commit']} on {run['machine']}: {run['seconds'] / 60:.1f} min, peak RSS (VmHWM) "
                   f"{run['peak_rss_bytes'] / 2**30:.2f} GiB{' (' + run['note'] + ')' if run.get('note') else ''}. "
                   "Resident memory sampled every 10 ms; each row is the largest anonymous + file-backed total seen "

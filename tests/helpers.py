@@ -176,3 +176,21 @@ def jitter(model: CausalLM, seed: int = 1) -> CausalLM:
             elif name.endswith(("erase_bias", "write_bias")):
                 p.copy_(torch.randn(p.shape, generator=gen))
     return model
+
+
+def tied_head_model(rng: np.random.Generator, vocab: int, dim: int, hidden: int):
+    """(an ONNX model as an export writes a tied LM: a Gather on the table, two projections, the head as Gemm x W^T
+    on the same table; its weights {"table", "up", "down"} as random float32 arrays)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    arrays = {"table": rng.standard_normal((vocab, dim)).astype(np.float32),
+              "up": rng.standard_normal((dim, hidden)).astype(np.float32),
+              "down": rng.standard_normal((hidden, dim)).astype(np.float32)}
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"], name="embed"),
+             helper.make_node("MatMul", ["x", "up"], ["h"], name="up_proj"),
+             helper.make_node("MatMul", ["h", "down"], ["y"], name="down_proj"),
+             helper.make_node("Gemm", ["y", "table"], ["logits"], name="lm_head", transB=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [3, vocab])],
+                              [numpy_helper.from_array(a, n) for n, a in arrays.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), arrays

@@ -10,32 +10,18 @@ import tracemalloc
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 from edgelin.export import nbits, panels, quantize, weights
 from edgelin.export.weights import MIN_EXTERNAL, save_graph
+from helpers import tied_head_model
 
 VOCAB, DIM, HIDDEN = 8197, 256, 1024  # VOCAB: not a whole number of 16-row panels
 
 
-def _model(rng: np.random.Generator) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """A tied embedding table, two projections and an LM head (Gemm x W^T on the table), as an export writes them."""
-    arrays = {"table": rng.standard_normal((VOCAB, DIM)).astype(np.float32),
-              "up": rng.standard_normal((DIM, HIDDEN)).astype(np.float32),
-              "down": rng.standard_normal((HIDDEN, DIM)).astype(np.float32)}
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"], name="embed"),
-             helper.make_node("MatMul", ["x", "up"], ["h"], name="up_proj"),
-             helper.make_node("MatMul", ["h", "down"], ["y"], name="down_proj"),
-             helper.make_node("Gemm", ["y", "table"], ["logits"], name="lm_head", transB=1)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [3, VOCAB])],
-                              [numpy_helper.from_array(a, n) for n, a in arrays.items()])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), arrays
-
-
 @pytest.fixture
 def graph(tmp_path):
-    model, arrays = _model(np.random.default_rng(7))
+    model, arrays = tied_head_model(np.random.default_rng(7), VOCAB, DIM, HIDDEN)
     path = tmp_path / "g.onnx"
     save_graph(model, path)  # the weights in a data file beside it, as an export leaves them
     return path, arrays

@@ -10,22 +10,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgelin.export.quantize import quantize_graph
 from edgelin.export.weights import save_graph
+from helpers import tied_head_model
 
 VOCAB, DIM, HIDDEN = 96, 64, 80  # HIDDEN: not a whole number of 32-blocks along K of the second MatMul
 
 
 def _graph(rng: np.random.Generator):
-    table = rng.standard_normal((VOCAB, DIM)).astype(np.float32)
-    up = rng.standard_normal((DIM, HIDDEN)).astype(np.float32)
-    down = rng.standard_normal((HIDDEN, DIM)).astype(np.float32)
-    nodes = [helper.make_node("Gather", ["table", "ids"], ["x"], name="embed"),
-             helper.make_node("MatMul", ["x", "up"], ["h"], name="up_proj"),
-             helper.make_node("MatMul", ["h", "down"], ["y"], name="down_proj"),
-             helper.make_node("Gemm", ["y", "table"], ["logits"], name="lm_head", transB=1)]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
-                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [3, VOCAB])],
-                              [numpy_helper.from_array(a, n) for a, n in ((table, "table"), (up, "up"), (down, "down"))])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), table, up, down
+    model, arrays = tied_head_model(rng, VOCAB, DIM, HIDDEN)
+    return model, arrays["table"], arrays["up"], arrays["down"]
 
 
 def _tool(weight: np.ndarray, bits: int, block: int) -> dict[str, np.ndarray]:
