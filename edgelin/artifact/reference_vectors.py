@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -93,10 +94,11 @@ def max_difference(got: np.ndarray, want: np.ndarray, piece: int = 1 << 20) -> f
                 for i in range(0, got.size, piece)), default=0.0)
 
 
-def noise_floor(noisy: dict[str, np.ndarray], recorded: dict[str, np.ndarray]) -> dict[str, float]:
+def noise_floor(noisy: dict[str, Any], recorded: dict[str, np.ndarray]) -> dict[str, float]:
     """max |noisy - recorded| / max |recorded| per check of replay (prefill: the logits and each state after the
     prompt; rollout: every step's logits, each state at its recorded steps), from two runs of the reference keyed
-    as reference.npz is: the second with float noise before its rounding products (meta["noise_floor"])."""
+    as reference.npz is: the second with float noise before its rounding products (meta["noise_floor"]). A value of
+    `noisy` is that run's array, or its largest difference from the recorded one already taken (a float)."""
     from edgelin.artifact.state import output_name_for
 
     worst: dict[str, list[float]] = {}
@@ -109,7 +111,7 @@ def noise_floor(noisy: dict[str, np.ndarray], recorded: dict[str, np.ndarray]) -
             check, output = ("prefill" if parts[1] == "prefill_logits" else "rollout"), "logits"
         error, scale = worst.setdefault(metric_key(check, output, batch), [0.0, 0.0])
         worst[metric_key(check, output, batch)] = [
-            max(error, max_difference(noisy[key], want)),
+            max(error, noisy[key] if isinstance(noisy[key], float) else max_difference(noisy[key], want)),
             max(scale, float(np.abs(want).max(initial=0.0)))]
     return {key: error / max(scale, 1e-12) for key, (error, scale) in worst.items()}
 

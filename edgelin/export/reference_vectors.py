@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,8 +15,8 @@ from edgelin import __version__
 from edgelin.artifact.quality import TEXT_TOKENS, precision_key, threshold_key
 # MANIFEST_KEY, manifest_entry and positions_needed: the export pipeline reads them through this module.
 from edgelin.artifact.reference_vectors import (BATCHES, FORMAT, FORMAT_VERSION, PROMPT_LEN, QUALITY, REFERENCE_FILE,
-                                                STATE_CHECKPOINTS, STEPS, THRESHOLDS, batch_key, noise_floor,
-                                                state_key, threshold_for)
+                                                STATE_CHECKPOINTS, STEPS, THRESHOLDS, batch_key, max_difference,
+                                                noise_floor, state_key, threshold_for)
 from edgelin.data import held_out_text
 from edgelin.export.targets import weights_reader
 from edgelin.reference.parity import (flat_state, parity_reference, reference_quality, rounded_products,
@@ -62,7 +62,7 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
             if rounded_products(model):  # products that round their activations: the reference's own noise floor
                 step(f"the noise floor at batch {batch}")
                 handles = with_float_noise(model, seed)
-                floor.update(noise_floor(_run(model, ids, start, batch), recorded))
+                floor.update(noise_floor(_run(model, ids, start, batch, against=recorded), recorded))
                 for handle in handles:
                     handle.remove()
                 floor.update(_prefill_vs_steps(model, ids, start, batch))
@@ -83,25 +83,42 @@ def record(model: "CausalLM", folder: Path, manifest: "Manifest", seed: int = 0,
     return REFERENCE_FILE
 
 
-def _run(model: "CausalLM", ids: np.ndarray, start: np.ndarray, batch: int) -> dict[str, np.ndarray]:
-    """The reference's prefill of the prompt and its STEPS steps: the arrays reference.npz keeps for `batch`."""
+def _run(model: "CausalLM", ids: np.ndarray, start: np.ndarray, batch: int,
+         against: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """The reference's prefill of the prompt and its STEPS steps: the arrays reference.npz keeps for `batch`; with
+    `against` (an earlier run's arrays), each one's largest difference from it instead, taken as the run goes (the
+    noise floor's second run holds no second copy of the step logits: 71 MB at batch 3 and a 248k vocabulary)."""
     import torch
 
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, Any] = {}
+
+    def keep(key: str, value: np.ndarray, step: int | None = None) -> None:
+        if against is None:
+            arrays[key] = value
+        else:
+            want = against[key] if step is None else against[key][step]
+            arrays[key] = max(arrays.get(key, 0.0), max_difference(value, want))
+
     ids_t = torch.from_numpy(ids)
     logits, state = model(ids_t[:, :PROMPT_LEN], None, torch.from_numpy(start), last_only=True)
-    arrays[batch_key(batch, "prefill_logits")] = logits.numpy().astype(np.float32)
-    keep = STATE_CHECKPOINTS[batch]
-    if "prefill" in keep:
-        arrays.update({state_key(batch, "prefill", n): v for n, v in flat_state(state).items()})
-    steps = np.empty((STEPS, batch, logits.shape[-1]), np.float32)
+    keep(batch_key(batch, "prefill_logits"), logits.numpy().astype(np.float32))
+    keep_states = STATE_CHECKPOINTS[batch]
+    if "prefill" in keep_states:
+        for name, value in flat_state(state).items():
+            keep(state_key(batch, "prefill", name), value)
+    steps = np.empty((STEPS, batch, logits.shape[-1]), np.float32) if against is None else None
     for t in range(STEPS):
         position = torch.from_numpy(start + PROMPT_LEN + t)
         logits, state = model(ids_t[:, PROMPT_LEN + t:PROMPT_LEN + t + 1], state, position, mode="recurrent")
-        steps[t] = logits[:, -1].numpy()
-        if f"step{t + 1}" in keep:
-            arrays.update({state_key(batch, f"step{t + 1}", n): v for n, v in flat_state(state).items()})
-    arrays[batch_key(batch, "step_logits")] = steps
+        if steps is not None:
+            steps[t] = logits[:, -1].numpy()
+        else:
+            keep(batch_key(batch, "step_logits"), logits[:, -1].numpy(), t)
+        if f"step{t + 1}" in keep_states:
+            for name, value in flat_state(state).items():
+                keep(state_key(batch, f"step{t + 1}", name), value)
+    if steps is not None:
+        arrays[batch_key(batch, "step_logits")] = steps
     return arrays
 
 

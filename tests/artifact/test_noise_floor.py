@@ -28,6 +28,12 @@ def test_noise_floor_names_each_check_as_replay_does_and_takes_the_worst_step():
     assert floor["prefill/logits@1"] == 0 and floor["rollout/logits@3"] == 0
     assert floor["rollout/logits@1"] == pytest.approx(0.5 / np.abs(recorded["b1/step_logits"]).max())
     assert floor["rollout/present.0.recurrent_state@1"] == pytest.approx(0.2 / 4.0, rel=1e-6)  # scale of step 2's
+    # the export's second run hands over each array's largest difference, taken as it went: the same floor
+    from edgelin.artifact.reference_vectors import max_difference
+
+    taken = {key: max(max_difference(noisy[key][t], value[t]) for t in range(len(value))) for key, value in
+             recorded.items()}
+    assert all(isinstance(v, float) for v in taken.values()) and noise_floor(taken, recorded) == floor
 
 
 def test_a_checks_bound_is_the_threshold_or_factor_times_its_own_floor():
