@@ -119,18 +119,21 @@ def _head_panels(proto: Any, folder: Path | None, spill: Any) -> None:
         to_panel_op(proto, node, F16_OP, name, weight.dims[0])
 
 
-def _float16_weights(proto: Any, embeddings: bool, folder: Path | None, spill: Any) -> None:
+def _float16_weights(proto: Any, embeddings: bool, folder: Path | None = None, spill: Any = None) -> None:
     """--quantize fp16, in place: each MatMul of ONNX's on a constant 2-D float32 weight becomes ai.edgelin::MatMulF16
     on a float16 copy of it packed in column panels (edgelin.export.panels.pack_products); with `embeddings` also the
     LM head (_head_panels) and each Gather on a 2-D float32 table, which reads a float16 copy of the table and casts
-    its rows back to float32. Every new weight is written to `spill` as it is made; unread float32 weights are
-    dropped."""
+    its rows back to float32. Every new weight is written to `spill` as it is made (None: held in the protobuf, for
+    a graph in memory); unread float32 weights are dropped."""
     import numpy as np
     import onnx
     from onnx import helper
 
     from edgelin.export.nbits import ROWS_PER_SLICE, FileRows
 
+    from edgelin.export.weights import HeldInitializers
+
+    spill = spill if spill is not None else HeldInitializers()  # a graph in memory: its new weights stay there
     if embeddings:
         _head_panels(proto, folder, spill)
     pack_products(proto, half=True, folder=folder, spill=spill)

@@ -142,6 +142,20 @@ class DataSpill:
         proto.graph.initializer.append(tensor)
 
 
+class HeldInitializers:
+    """DataSpill's interface for a graph held in memory (no folder): each new weight goes into the protobuf."""
+
+    def add(self, proto: Any, array: Any, name: str) -> None:
+        from onnx import numpy_helper
+
+        proto.graph.initializer.append(numpy_helper.from_array(array, name))
+
+    def add_pieces(self, proto: Any, name: str, dtype: Any, shape: Sequence[int], pieces: Any) -> None:
+        import numpy as np
+
+        self.add(proto, np.concatenate([np.ravel(np.asarray(p, dtype)) for p in pieces]).reshape(shape), name)
+
+
 def _drop_unreferenced(path: Path, old: set[Path]) -> None:
     """Remove the graph's earlier data files that it no longer reads (a graph loaded without its data, e.g. block
     quantised, still reads its float tensors that stayed float from the file they were in)."""

@@ -63,9 +63,11 @@ def test_a_refusal_names_the_quantisation_that_would_fit(tmp_path, ckpt, monkeyp
     from edgelin.devices import export_settings
 
     config, target = model_config(ckpt), get_target("onnx")
+    factors = {None: 3.0, "fp16": 2.0, "int8": 1.5, "int4": 1.2}  # a target whose quantised exports need less
+    monkeypatch.setattr(type(target), "export_memory_factor", lambda self, settings: factors[settings.quantize])
     estimates = {mode: resources.estimate(config, target, export_settings(None, "onnx", quantize=mode)).memory
-                 for mode in (None, "fp16", "int8", "int4")}
-    assert estimates[None] > estimates["fp16"] > estimates["int4"]
+                 for mode in factors}
+    assert estimates[None] > estimates["fp16"] > estimates["int8"] > estimates["int4"]
     monkeypatch.setattr(pipeline, "load_model", _never_loaded)
     monkeypatch.setattr(resources, "available_memory", lambda: estimates["fp16"] + 1)
     with pytest.raises(EdgelinError) as refused:
