@@ -100,7 +100,10 @@ class NbitsGraph:
 
     def __init__(self, proto: Any, folder: Path, block_size: int, accuracy_level: int, spill: Any = None):
         self.proto, self.folder, self.block_size, self.accuracy_level = proto, Path(folder), block_size, accuracy_level
-        self.spill = spill  # edgelin.export.weights.DataSpill: the quantised weights written as they are made
+        from edgelin.export.weights import HeldInitializers
+
+        # edgelin.export.weights.DataSpill: the quantised weights written as they are made (None: held in the protobuf)
+        self.spill = spill if spill is not None else HeldInitializers()
         self.inits = {t.name: t for t in proto.graph.initializer}
         self.arrays: dict[tuple[str, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.names: dict[tuple[str, int, str], tuple[str, str, str]] = {}
@@ -119,7 +122,6 @@ class NbitsGraph:
         """The names of (packed, scales, zero points) of initializer `name` at `bits`, added on first use. `layout`:
         "matmul" (a MatMul weight [K, N]), "head" (a table [V, D] read as a Gemm's x W^T: the weight is its
         transpose) or "gather" (the same bytes as "head", shaped [V, D * bits / 8] for GatherBlockQuantized)."""
-        from onnx import numpy_helper
 
         key = (name, bits, layout)
         if key not in self.names:
@@ -136,10 +138,7 @@ class NbitsGraph:
                 arrays = (packed, scales, zeros)
                 names = (f"{name}{suffix}_Q{bits}", f"{name}{suffix}_scales", f"{name}{suffix}_zero_points")
             for array, tensor_name in zip(arrays, names):
-                if self.spill is not None:
-                    self.spill.add(self.proto, array, tensor_name)
-                else:
-                    self.proto.graph.initializer.append(numpy_helper.from_array(array, tensor_name))
+                self.spill.add(self.proto, array, tensor_name)
             self.names[key] = names
             if not table:
                 del self.arrays[(name, bits)]  # a matmul weight is read by one node (fused siblings: one weight)

@@ -132,10 +132,12 @@ def pack_products(proto: Any, half: bool = False, folder: Path | None = None, sp
     `folder`: where the data files of a graph loaded without its data are (each weight is read when packed);
     `spill`: where the packed weights are written as they are made (else they are held in the protobuf)."""
     import onnx
-    from onnx import numpy_helper
 
     from edgelin.export.nbits import weight_array
 
+    from edgelin.export.weights import HeldInitializers
+
+    spill = spill if spill is not None else HeldInitializers()
     inits = {t.name: t for t in proto.graph.initializer}
     packed: dict[str, str] = {}
     count = 0
@@ -148,10 +150,7 @@ def pack_products(proto: Any, half: bool = False, folder: Path | None = None, sp
             packed[weight] = f"{weight}_f16p" if half else f"{weight}_p{PANEL}"
             value = weight_array(tensor, folder)
             value = pack_panels(to_float16(value) if half else value)
-            if spill is not None:
-                spill.add(proto, value, packed[weight])
-            else:
-                proto.graph.initializer.append(numpy_helper.from_array(value, packed[weight]))
+            spill.add(proto, value, packed[weight])
             del value
         to_panel_op(proto, node, F16_OP if half else F32_OP, packed[weight], tensor.dims[1])
         count += 1
