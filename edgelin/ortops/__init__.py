@@ -9,7 +9,8 @@ with `SessionOptions.register_custom_ops_library`.
   8-bit block) per 256-bit step and four weight rows at once, and on a CPU with AVX-512 VNNI (Zen 4, Ice Lake and
   later) four 4-bit blocks (two 8-bit ones) per 512-bit step with vpdpbusd; a prefill piece in tiles of 16 tokens,
   one per 32-bit lane, each weight row's codes broadcast to all 16 (q8_gemm.c; the 4-bit codes unpacked to bytes
-  first, q4_gemm.c) (docs/performance.md#cpu-step-latency).
+  first, q4_gemm.c); on AVX2 alone, from 6 tokens, 8 weight rows per register, each token's 4 activations
+  broadcast to them (nbits_grouped.c; an 8-bit code as its two nibbles) (docs/performance.md#cpu-step-latency).
 - `ai.edgelin::MatMul` (ops_matmul.c, f32_gemv.c): the float32 weight products of one-token decoding on ONNX's
   [K, N] layout (exports made before the packed panels below, whose steps still run it): each of ONNX Runtime's
   threads takes slices of the weight's rows instead of MLAS's column split.
@@ -76,8 +77,10 @@ from edgelin.ortops import cache, packaged
 DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
 SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "ops_mlp.c", "glue.c", "q4_gemv.c",
-           "q4_gemm.c", "q8_gemv.c", "q8_gemm.c", "f32_gemv.c", "f16_gemm.c", "panels.c", "conv.c", "linear_attention.c", "attention.c", "cpu.c")
-HEADERS = ("ort_api.h", "ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "q8_gemv.h", "f32_gemv.h", "f16_gemm.h",
+           "q4_gemm.c", "q8_gemv.c", "q8_gemm.c", "nbits_grouped.c", "f32_gemv.c", "f16_gemm.c", "panels.c", "conv.c",
+           "linear_attention.c", "attention.c", "cpu.c")
+HEADERS = ("ort_api.h", "ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "q8_gemv.h", "nbits_grouped.h",
+           "f32_gemv.h", "f16_gemm.h",
            "conv.h", "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h", "rows_kernel.h", "tiles_kernel.h",
            "panels.h")
 LIBRARY = "libedgelin_ortops.so"

@@ -72,12 +72,9 @@ typedef struct {
 } Task;
 
 static void rows_of(Task* t, int64_t n0, int64_t n1) {
-  if (t->bits == 8) {
-    edgelin_q8_rows_tokens(t->scratch, t->M, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y, t->N);
-  } else if (edgelin_q4_rows_tokens(t->scratch, t->M, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y,
-                                    t->N)) {
-    t->failed = 1;
-  }
+  int (*rows)(const void*, int64_t, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t, int64_t, float*,
+              int64_t) = t->bits == 8 ? edgelin_q8_rows_tokens : edgelin_q4_rows_tokens;
+  if (rows(t->scratch, t->M, t->K, t->weights, t->scales, t->zero_points, n0, n1, t->y, t->N)) t->failed = 1;
 }
 
 static void run_task(void* data, size_t index) {

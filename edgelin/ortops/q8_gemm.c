@@ -7,10 +7,13 @@
    token's whole block dot, scaled once (the int -> float conversion, one multiply and one FMA per block, row and 16
    tokens). The one-token layout (two blocks per register, a block's dot spread over 8 lanes) converts and scales
    every 64 weights per row and token: 1676 x 384 weights by 128 tokens ran at 41 GMAC/s on one Zen 4 core that
-   way, 129 GMAC/s this way (issue 13's twenty-third session; docs/performance.md#cpu-step-latency). Otherwise (no VNNI, or
-   one token) each token goes through the one-token path (edgelin_q8_rows), slice by slice of weight rows. */
+   way, 129 GMAC/s this way (issue 13's twenty-third session; docs/performance.md#cpu-step-latency). With AVX2 alone,
+   from 6 tokens, 8 weight rows share a register, each code's two nibbles multiplied as 4-bit codes are
+   (nbits_grouped.c). Otherwise (fewer tokens, or no AVX2) each token goes through the one-token path
+   (edgelin_q8_rows), slice by slice of weight rows. */
 #include <string.h>
 
+#include "nbits_grouped.h"
 #include "q4_gemv.h"
 #include "q4_scratch.h"
 #include "q8_gemv.h"
@@ -131,14 +134,16 @@ AVX512 static void rows_tiled(const void* scratch, int64_t M, int64_t K, const u
 }
 #endif
 
-void edgelin_q8_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights, const float* scales,
-                            const uint8_t* zero_points, int64_t n0, int64_t n1, float* y, int64_t N) {
+int edgelin_q8_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights, const float* scales,
+                           const uint8_t* zero_points, int64_t n0, int64_t n1, float* y, int64_t N) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (tiled(M)) {
     rows_tiled(scratch, M, K, weights, scales, zero_points, n0, n1, y, N);
-    return;
+    return 0;
   }
 #endif
+  if (edgelin_grouped(M)) return edgelin_rows_grouped(8, scratch, M, K, weights, scales, zero_points, n0, n1, y, N);
   token_by_token(edgelin_q8_rows, scratch, edgelin_q4_scratch_bytes(K), M, K, weights, scales, zero_points, n0, n1, y,
                  N);
+  return 0;
 }

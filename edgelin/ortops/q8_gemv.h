@@ -26,7 +26,7 @@ EDGELIN_API size_t edgelin_q8_tokens_scratch_bytes(int64_t M, int64_t K);
 /* 1: M tokens take the 16-token tiles (AVX-512 VNNI, M > 1), whose scratch layout the 4-bit product shares. */
 int edgelin_token_tiles(int64_t M);
 EDGELIN_API void edgelin_q8_quantize_tokens(const float* x, int64_t M, int64_t K, void* scratch);
-EDGELIN_API void edgelin_q8_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights,
+EDGELIN_API int edgelin_q8_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint8_t* weights,
                                         const float* scales, const uint8_t* zero_points, int64_t n0, int64_t n1,
                                         float* y, int64_t N);
 #endif
