@@ -82,7 +82,7 @@ def inspect(
         exported = inspect_export(checkpoint)
         out.result(exported.to_dict())
         quantized = exported.quantization
-        from edgelin.export.quantize import quantized_weights
+        from edgelin.artifact.quality import quantized_weights
 
         out.line(Text.assemble((str(checkpoint), "bold"), f": {exported.target} export, precision "
                                + ", ".join(f"{k} {v}" for k, v in exported.precision.items() if v is not None)
@@ -270,7 +270,7 @@ def export(
     weights, precision = m.extra.get("weights"), m.extra.get("precision", {})
     if weights:
         quantized = m.extra.get("quantization")
-        from edgelin.export.quantize import quantized_weights
+        from edgelin.artifact.quality import quantized_weights
 
         what = (f"{quantized_weights(quantized)} matmul weights, others {precision.get('weights')}" if quantized
                 else precision.get("weights", "?"))

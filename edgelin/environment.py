@@ -36,6 +36,7 @@ def environment(kind: str, folder: Path, runner_label: str, threads: int | None,
     used, OS, Python), the runtime (name and version as the runner says), edgelin's version, threads
     (as asked; None: the runtime's default), and the artifact (target, precision, quantisation, hash)."""
     from edgelin.artifact.manifest import Manifest
+    from edgelin.artifact.quality import quantized_weights
 
     manifest = Manifest.load(Path(folder))
     from edgelin.export.targets import get_target
@@ -43,8 +44,7 @@ def environment(kind: str, folder: Path, runner_label: str, threads: int | None,
     target = get_target(manifest.target)
     runtime = target.runtime_of(runner_label)
     quant = manifest.extra.get("quantization")
-    quantization = (f"int{quant.get('bits')} (block {quant.get('block_size')})"
-                    if isinstance(quant, dict) and quant.get("bits") else None)
+    quantization = quantized_weights(quant) if isinstance(quant, dict) and quant.get("bits") else None
     uses_gpu = runtime in target.gpu_runtimes or "cuda" in runner_label.lower() or "gpu" in runner_label.lower()
     return {
         "format": RESULT_FORMAT,

@@ -86,6 +86,16 @@ def quantization_of(extra: dict[str, Any]) -> str | None:
     return None
 
 
+def quantized_weights(entry: dict[str, Any]) -> str:
+    """A manifest's extra["quantization"] in words: "4-bit (block 32)", "4-bit (block 32; embedding table and LM
+    head 8-bit)", "float16"."""
+    if entry.get("bits") == 16:
+        return "float16"
+    apart = entry.get("embedding_bits")
+    return f"{entry['bits']}-bit (block {entry['block_size']}" + (
+        f"; embedding table and LM head {apart}-bit)" if apart else ")")
+
+
 def float16_state(manifest: "Manifest") -> bool:
     """Whether the export keeps a state in float16 that the reference keeps in float32: a static KV cache with
     --kv-dtype fp16, or a float16 state tensor under float32 graphs (Core AI's float16 model state: measured

@@ -231,16 +231,6 @@ def _is_head(node: Any) -> bool:
 _WEIGHT_OPS = ("MatMul", "Gemm", "Gather", "Conv")  # ops that read a weight matrix
 
 
-def quantized_weights(entry: dict[str, Any]) -> str:
-    """A manifest's extra["quantization"] in words: "4-bit (block 32)", "4-bit (block 32; embedding table and LM
-    head 8-bit)", "float16"."""
-    if entry.get("bits") == 16:
-        return "float16"
-    apart = entry.get("embedding_bits")
-    return f"{entry['bits']}-bit (block {entry['block_size']}" + (
-        f"; embedding table and LM head {apart}-bit)" if apart else ")")
-
-
 def describe(folder: Path, graph_files: dict[str, str]) -> dict[str, Any] | None:
     """manifest extra["quantization"], read off the graph files: bits, block size, the quantised
     matrices and the weight matrices kept float (the same in every graph, checked), or None for an

@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgelin import ortops
 from edgelin.artifact.quantized import F16_OP
+from edgelin.environment import environment
 from edgelin.export.quantize import _float16_weights
 from edgelin.replay import replay
 from helpers import assert_close
@@ -179,6 +180,10 @@ def test_the_export_stores_every_matmul_weight_as_float16(f16_exports):
     assert manifest["extra"]["ort_ops"]["prefill_nodes"] >= 7 and manifest["extra"]["ort_ops"]["packed_products"] == 0
     half, full = ((f16_exports[k] / "weights.bin").stat().st_size for k in ("edgelin", "fp32"))
     assert 0.45 < half / full < 0.6, (half, full)  # float16 matrices; norms and convs stay float32
+    # a result's environment block names the weights in words (it said "int16 (block None)" here)
+    block = environment("bench", folder, "onnxruntime", 1, None, command="edgelin bench")
+    assert (block["precision"], block["quantization"]) == ("fp32", "float16")
+    assert environment("bench", f16_exports["fp32"], "onnxruntime", 1, None, command="x")["quantization"] is None
 
 
 @pytest.mark.parametrize("setting", ["library", "off"])
