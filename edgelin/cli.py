@@ -510,12 +510,19 @@ def generate(
     threads: Optional[int] = typer.Option(None, min=0, max=MAX_THREADS, help="Runtime threads (0 or unset: the device's, "
                                                             "else the runtime's default)."),
     device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
+    save_state: Optional[Path] = typer.Option(None, "--save-state", help="Write the conversation (state, position, "
+                                              "tokens) to FILE at the end: --load-state continues it later."),
+    load_state: Optional[Path] = typer.Option(None, "--load-state", help="Continue the conversation saved in FILE: "
+                                              "the prompt is the next turn (only its tokens are prefilled)."),
+    prompt_cache: Optional[Path] = typer.Option(None, "--prompt-cache", help="Reuse FILE's state when the prompt "
+                                                "starts with its tokens (prefill only the rest); else prefill the "
+                                                "prompt and write FILE."),
     no_verify: bool = NO_VERIFY,
     as_json: bool = JSON,
 ) -> None:
     """Decode from a prompt with constant memory, streaming tokens to stdout (statistics on stderr)."""
     from edgelin.devices import get_device
-    from edgelin.generate import SETTLE_STEPS, Sampling
+    from edgelin.generate import SETTLE_STEPS, Sampling, StateFiles
     from edgelin.generate import generate as run_generate
 
     prompt = argv_text(prompt, "--prompt")  # bytes that are not UTF-8: one line, not the tokenizer's TypeError
@@ -535,11 +542,12 @@ def generate(
     # one error line, not the prompt followed by an error.
     result = run_generate(folder, prompt, max_new_tokens, sampling, on_text=out.stream, keep_ids=as_json,
                           stop_at_eos=not ignore_eos, threads=threads, on_start=lambda: out.stream(prompt),
-                          device=profile)
+                          device=profile, states=StateFiles(load_state, save_state, prompt_cache))
     out.stream("\n")
     out.result(result.to_dict())
     out.note(f"{result.new_tokens} tokens, {result.tokens_per_second:,.0f} tok/s, prefill "
-             f"{result.prompt_tokens} tokens in {result.prefill_seconds * 1e3:.1f} ms, RSS "
+             f"{result.prefilled_tokens} tokens in {result.prefill_seconds * 1e3:.1f} ms"
+             + (f" ({result.reused_tokens} reused from the state file)" if result.reused_tokens else "") + ", RSS "
              + (f"{human_bytes(result.rss_start_bytes)} -> {human_bytes(result.rss_end_bytes)}" if result.rss_settled
                 else f"{human_bytes(result.rss_end_bytes)} (its growth is measured from token {SETTLE_STEPS + 1} on)")
              + f"; runner: {result.runner}")

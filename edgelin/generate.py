@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from edgelin.errors import EdgelinError
-from edgelin.runtime import check_room, open_runner, prefill, rss_bytes, runner_label
+from edgelin.runtime import check_room, open_runner, rss_bytes, runner_label
 from edgelin.tokenizer import TOKENIZER, TextTokenizer
 
 if TYPE_CHECKING:
+    from edgelin.conversation import Conversation
     from edgelin.devices import DeviceProfile
 
 
@@ -115,6 +116,59 @@ def check_length(manifest, prompt_tokens: int, max_new_tokens: int) -> None:
 
 
 @dataclass(frozen=True)
+class StateFiles:
+    """generate's state files (edgelin.artifact.state_file): `load` continues a saved conversation (the prompt is
+    the next turn: only its tokens are prefilled); `save` writes the conversation after the last token; a
+    `prompt_cache` holds the state of a prompt's tokens but its last: a prompt that starts with them prefills only
+    the rest (a long system prompt, once), any other prompt prefills in full and rewrites the cache."""
+
+    load: Path | None = None
+    save: Path | None = None
+    prompt_cache: Path | None = None
+
+    def check(self) -> None:
+        """Refuse, before the model loads, what could not be done: a file to read that is not there, a save that
+        would overwrite a file edgelin did not write, --load-state with --prompt-cache."""
+        from edgelin.artifact import state_file
+
+        if self.load is not None and self.prompt_cache is not None:
+            raise EdgelinError("--load-state with --prompt-cache", "a loaded conversation already holds its prompt",
+                               "pass one of them")
+        if self.load is not None and not Path(self.load).is_file():
+            raise EdgelinError(f"state file {self.load} does not exist", "there is nothing to load",
+                               "pass the path --save-state wrote")
+        for path in (self.save, self.prompt_cache):
+            if path is not None:
+                state_file.check_writable(Path(path))
+
+
+def _start(runner, states: StateFiles, ids: list[int]) -> tuple["Conversation", int, list[int]]:
+    """(the conversation to continue, the tokens it already holds that were not prefilled now, the ids to prefill)."""
+    from edgelin.artifact import state_file
+    from edgelin.conversation import Conversation
+
+    record = states.save is not None  # the tokens go into the saved file; else memory stays flat
+    if states.load is not None:
+        conv = Conversation.load(runner, states.load, keep=0, record=record)
+        return conv, conv.position, ids
+    cache = states.prompt_cache
+    if cache is None:
+        return Conversation(runner, keep=0, record=record), 0, ids
+    if Path(cache).is_file():
+        saved = state_file.read(Path(cache))
+        state_file.check_fits(saved, runner.manifest, cache)  # another model's cache: refused, not replaced
+        held = saved.tokens[0].tolist() if saved.tokens is not None and saved.batch == 1 else None
+        if held is not None and len(held) < len(ids) and ids[:len(held)] == held:
+            return Conversation.load(runner, cache, keep=0, record=record), len(held), ids[len(held):]
+    conv = Conversation(runner, keep=0)  # records the prompt's tokens for the cache file
+
+    if len(ids) > 1:
+        conv.prefill(np.asarray(ids[:-1]))
+        conv.save(cache)
+    return conv, 0, ids[-1:]
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     prompt_tokens: int
     new_tokens: int
@@ -125,6 +179,8 @@ class GenerateResult:
     token_ids: list[int] | None
     text: str | None
     runner: str = ""  # which runtime ran it (edgelin.runtime.runner_label)
+    reused_tokens: int = 0  # tokens a loaded state or the prompt cache held: not prefilled by this run
+    prefilled_tokens: int = 0  # tokens this run prefilled
 
     @property
     def tokens_per_second(self) -> float:
@@ -152,6 +208,7 @@ def generate(
     threads: int | None = None,
     on_start: Callable[[], None] | None = None,
     device: "DeviceProfile | None" = None,
+    states: StateFiles = StateFiles(),
 ) -> GenerateResult:
     """`on_start` is called once the folder, tokenizer and prompt prefill have succeeded, before the
     first token: the CLI echoes the prompt there, so a failure never prints the prompt first. The
@@ -159,6 +216,7 @@ def generate(
     if any("\ud800" <= char <= "\udfff" for char in prompt):  # the tokenizer takes Unicode text only
         raise EdgelinError("the prompt is not valid text", "it holds surrogate code points (bytes that were not "
                            "UTF-8, decoded with errors='surrogateescape')", "pass the prompt as UTF-8 text")
+    states.check()
     runner = open_runner(folder, threads, device)
     manifest = runner.manifest
     if manifest.tokenizer is None:
@@ -169,25 +227,31 @@ def generate(
         ids = [manifest.bos_token_id]
     if not ids:
         raise EdgelinError("the prompt is empty", "there is no token to start from", "pass --prompt TEXT")
-    check_length(manifest, len(ids), max_new_tokens)
     rng = np.random.default_rng(sampling.seed)
     feed = tokenizer.stream()
     for token in ids:  # prime the streaming decoder so the first new token decodes in context
         feed(token)
 
+    from edgelin.artifact.state_file import position_of
+
+    check_length(manifest, (position_of(states.load) if states.load is not None else 0) + len(ids), max_new_tokens)
     started = time.perf_counter()
-    logits, state = prefill(runner, np.asarray([ids], np.int64))
+    conv, reused, fresh = _start(runner, states, ids)
+    logits = conv.prefill(np.asarray(fresh, np.int64))
+    prefilled = conv.position - reused  # a missed prompt cache's prompt in two calls, both counted
     prefill_seconds = time.perf_counter() - started
     check_finite(logits[0], 1, folder)  # before on_start: a model that cannot continue echoes no prompt
     # Constant memory: one flag per vocabulary entry, however long the generation (not a list of ids).
     seen = np.zeros(logits.shape[-1], dtype=bool)
     seen[[t for t in ids if 0 <= t < seen.size]] = True
+    if reused:  # and the tokens a loaded conversation holds, where it kept them (-1: not kept)
+        held = conv.tokens[0]
+        seen[held[(held >= 0) & (held < seen.size)]] = True
     if on_start is not None:
         on_start()
     rss_start = rss_bytes()  # re-read once the step session's buffers exist (see below)
     kept: list[int] | None = [] if keep_ids else None
-    position, produced = len(ids), 0
-    token_buf, position_buf = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    produced = 0
     started = time.perf_counter()
     for _ in range(max_new_tokens):
         if produced:  # the prefill's logits were checked above
@@ -201,12 +265,12 @@ def generate(
             on_text(feed(token))
         if stop_at_eos and token == manifest.eos_token_id:
             break
-        token_buf[0], position_buf[0] = token, position
-        logits = runner.step(token_buf, state, position_buf)
-        position += 1
+        logits = conv.step(token)
         if produced == SETTLE_STEPS:
             rss_start = rss_bytes()
     decode_seconds = time.perf_counter() - started
+    if states.save is not None:
+        conv.save(states.save)
     text = tokenizer.decode(kept) if kept is not None else None
     return GenerateResult(len(ids), produced, prefill_seconds, decode_seconds, rss_start, rss_bytes(), kept, text,
-                          runner_label(runner))
+                          runner_label(runner), reused, prefilled)

@@ -116,6 +116,13 @@ def qwen_attention_checkpoint(folder: Path, seed: int = 0) -> Path:
     return save_checkpoint(CausalLM(tiny_config(("gla", "softmax"), attention=attention)), folder, None)
 
 
+def export_growing_hybrid(root: Path) -> Path:
+    """qwen_attention_checkpoint's ONNX export: a hybrid whose KV cache grows a row per position."""
+    from edgelin.export.pipeline import export_checkpoint
+
+    return export_checkpoint(qwen_attention_checkpoint(root / "qwen-ckpt"), root / "qwen-onnx").folder
+
+
 def assert_not_fused(proto, fuse) -> None:
     """A step-graph fusion `fuse(proto, float32 tensor names)` refuses `proto`: 0 fused, the same nodes."""
     from edgelin.export.onnx.kernels import float_tensor_names

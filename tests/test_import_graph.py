@@ -28,7 +28,8 @@ PACKAGE = ROOT / "edgelin"
 # runner by the manifest's target name, never by an import the run side writes).
 RUN_SIDE_MAY_IMPORT = frozenset({"edgelin.export.base", "edgelin.export.targets"})
 RUN_SIDE = ("edgelin.validate", "edgelin.replay", "edgelin.bench", "edgelin.generate", "edgelin.runtime",
-            "edgelin.quality", "edgelin.data", "edgelin.report", "edgelin.serve", "edgelin.artifact")
+            "edgelin.quality", "edgelin.data", "edgelin.report", "edgelin.serve", "edgelin.artifact",
+            "edgelin.conversation")
 ARTIFACT_MAY_NOT_IMPORT = ("edgelin.export", "edgelin.model", "edgelin.kernels", "torch")
 
 # Import cycles the tree still has, by the edge that closes each, with why it is kept (none today: the circles
