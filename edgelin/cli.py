@@ -554,6 +554,49 @@ def generate(
 
 
 @command
+def chat(
+    out: Output,
+    folder: Path = typer.Argument(..., help="An export folder."),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", "-n", min=0, help="Tokens per answer at most."),
+    greedy: bool = typer.Option(False, "--greedy", help="Argmax decoding."),
+    temperature: float = typer.Option(0.8, callback=POSITIVE, help="Sampling temperature (> 0)."),
+    seed: int = typer.Option(0, min=0, help="Sampling seed."),
+    load_state: Optional[Path] = typer.Option(None, "--load-state", help="Continue the conversation saved in FILE."),
+    threads: Optional[int] = typer.Option(None, min=0, max=MAX_THREADS, help="Runtime threads."),
+    device: Optional[str] = typer.Option(None, "--device", help="Device profile (threads, targets)."),
+    no_verify: bool = NO_VERIFY,
+) -> None:
+    """Talk to an export, a line a turn: each turn prefills only its own text (/save FILE, /load FILE, /undo,
+    /reset, /quit)."""
+    import sys
+
+    from edgelin.chat import ChatRequest, ChatSession
+    from edgelin.devices import get_device
+    from edgelin.generate import Sampling
+
+    profile = get_device(device) if device is not None else None
+    threads = threads or (profile.threads if profile and profile.threads else None)
+    session = ChatSession(ChatRequest(folder, max_new_tokens, Sampling(temperature=temperature, greedy=greedy,
+                                                                      seed=seed), threads, profile, load_state))
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            out.stream("> ")
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/quit":
+            break
+        try:
+            said = session.handle(line.rstrip("\n"), out.stream)
+        except EdgelinError as exc:  # a refused command: one line, and the conversation goes on
+            out.error(exc.line())
+            continue
+        if said is None:
+            out.stream("\n")
+        else:
+            out.note(said)
+
+
+@command
 @with_target_options(BUILD_FLAGS)
 def build(
     out: Output,
