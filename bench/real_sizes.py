@@ -219,7 +219,8 @@ def command_doc(args: argparse.Namespace) -> None:
         meta = report["meta"]
         shown = subprocess.run([sys.executable, str(ROOT / "bench" / "peers.py"), "--from-json", str(peers)],
                                capture_output=True, text=True, check=True).stdout
-        lines += [f"## Beside llama.cpp: {Path(report['checkpoint']).name}", "",
+        runtimes = ", ".join(row["runtime"] for row in report["rows"])  # a checkpoint may have a file per precision
+        lines += [f"## Beside llama.cpp: {Path(report['checkpoint']).name} ({runtimes})", "",
                   f"`{report.get('command', 'python bench/peers.py')}` at {meta['commit']} on {meta['cpu']}; "
                   f"llama-cpp-python {meta['llama-cpp-python']}, onnxruntime {meta['onnxruntime']}. "
                   "Each runtime and thread count in a fresh process; llama.cpp converts the same random weights "
