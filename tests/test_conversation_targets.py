@@ -59,3 +59,26 @@ def test_save_load_and_restore_on_this_target(folder, batch, tmp_path):
     resumed = Conversation.load(open_runner(folder), path)
     assert resumed.position == 9 + 30
     np.testing.assert_array_equal(_roll(resumed, steps[:, 30:]), want[30:])
+
+
+def test_a_state_saved_on_onnx_runtime_continues_on_the_torch_reference(tmp_path):
+    """Another export of the same checkpoint (same weights, precision and state tensors): the file loads there, and
+    the conversation continues within float rounding of the uninterrupted run (another runtime: not bit for bit)."""
+    from edgelin.artifact import state_file
+    from helpers import assert_close
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "hybrid", tokenizer=False)
+    onnx, torch_folder = (export_checkpoint(ckpt, tmp_path / t, t).folder for t in ("onnx", "torch"))
+    rng = np.random.default_rng(5)
+    prompt, steps = rng.integers(0, 97, (2, 9)), rng.integers(0, 97, (2, 40))
+    whole = Conversation(open_runner(onnx), 2)
+    whole.prefill(prompt)
+    want = _roll(whole, steps)
+    conv = Conversation(open_runner(onnx), 2)
+    conv.prefill(prompt)
+    _roll(conv, steps[:, :15])
+    path = conv.save(tmp_path / "c.edgestate")
+    runner = open_runner(torch_folder)
+    assert state_file.check_fits(state_file.read(path), runner.manifest) == "another export of the same model"
+    resumed = Conversation.load(runner, path)
+    assert_close(_roll(resumed, steps[:, 15:]), want[15:], 1e-4, "ONNX Runtime's state continued by torch")
