@@ -101,12 +101,13 @@ class Conversation:
     # ---- advancing -----------------------------------------------------------------------------------
     def prefill(self, ids: np.ndarray) -> np.ndarray:
         """Advance by `ids` ([batch, T], or [T] for batch 1); returns the last position's logits [batch, vocab]."""
-        ids = np.asarray(ids, np.int64)
+        ids = np.asarray(ids)
         ids = ids[None] if ids.ndim == 1 and self.batch == 1 else ids
         if ids.ndim != 2 or ids.shape[0] != self.batch:
             raise EdgelinError(f"prefill ids of shape {list(ids.shape)}", f"this conversation holds {self.batch} "
                                "sequence(s)", f"pass [{self.batch}, tokens]")
         check_ids(ids, self.runner.manifest.vocab_size)  # all of them first: a prefill in pieces never stops halfway
+        ids = ids.astype(np.int64, copy=False)
         self._checkpoint()
         self._logits, _ = prefill_pieces(self.runner, ids, self._state, start=self.position)
         self._append(ids)
@@ -114,10 +115,11 @@ class Conversation:
 
     def step(self, ids: np.ndarray | int) -> np.ndarray:
         """Advance by one token per sequence (`ids` [batch], or an int for batch 1); returns logits [batch, vocab]."""
-        ids = np.atleast_1d(np.asarray(ids, np.int64))
+        ids = np.atleast_1d(np.asarray(ids))
         if ids.shape != (self.batch,):
             raise EdgelinError(f"step ids of shape {list(ids.shape)}", f"this conversation holds {self.batch} "
                                "sequence(s)", f"pass one token per sequence: [{self.batch}]")
+        check_ids(ids, self.runner.manifest.vocab_size)  # before the checkpoint: a refused step leaves none behind
         self._checkpoint()
         self._logits = self.runner.step(ids, self._state, np.full(self.batch, self.position, np.int64))
         self._append(ids[:, None])

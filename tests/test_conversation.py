@@ -136,7 +136,8 @@ def test_bad_calls_are_refused_and_change_nothing(exports):
     before = conv.read_state()
     for call, match in ((lambda: conv.rewind(6), "rewind 6"), (lambda: conv.step([1, 2]), "step ids"),
                         (lambda: conv.prefill(np.zeros((2, 3), np.int64)), "prefill ids"),
-                        (lambda: conv.fork(0), "fork"), (lambda: Conversation(runner, keep=-1), "keep"),
+                        (lambda: conv.fork(0), "fork"), (lambda: conv.prefill(np.array([1.5, 2.0])), "dtype float64"),
+                        (lambda: conv.step(np.array([1.5])), "dtype float64"), (lambda: Conversation(runner, keep=-1), "keep"),
                         # a bad id in the prefill's last piece (pieces of 256): refused before the first piece runs
                         (lambda: conv.prefill(np.r_[np.arange(600) % 97, 97]), "token id out of range")):
         with pytest.raises(EdgelinError, match=match):
