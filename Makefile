@@ -11,7 +11,7 @@ OUT    := out/tiny
 # Python compiles a module the first time it is imported instead.
 EXTRAS ?= onnx,dev
 
-.PHONY: demo test test-all lint install clean peers-setup
+.PHONY: demo test test-all test-arm lint install clean peers-setup
 
 install: $(VENV)/.installed
 
@@ -43,6 +43,11 @@ test: install
 
 test-all: install
 	$(PYTEST)
+
+# The ARM tier (CI runs it after `make test`): edgelin's cross-built aarch64 wheel under qemu-user, every kernel path
+# on emulated Cortex-A72 / A76 / max and the shipped model's exports validated there (docs/arm.md; ~5-8 min).
+test-arm: install
+	.ci/arm/run
 
 # ruff: the rules in pyproject.toml [tool.ruff] (pyflakes, syntax errors), on the whole tree; run by .ci/run first.
 lint: install

@@ -41,8 +41,9 @@ with `SessionOptions.register_custom_ops_library`.
   chunks that stay in L2 and over pieces of rows spread across ONNX Runtime's threads. ONNX Runtime's own kernel
   reads the cache once per query head.
 
-Each kernel also has a portable C path, their tested reference; the library registers its ops only on CPUs with
-AVX2 + FMA (elsewhere, e.g. an ARM board, ONNX Runtime's own kernels run: kernel_path() says "none").
+Each kernel also has a portable C path, their tested reference. The library registers its ops on x86-64 CPUs with
+AVX2 + FMA and on aarch64, where the products take NEON paths, with dotprod or i8mm where the CPU has them (arm/;
+docs/arm.md); on an x86 CPU without AVX2 ONNX Runtime's own kernels run (kernel_path() says "none").
 
 An export made with `--step-ops edgelin` (the ONNX default) names these ops in its step graph and carries, for each, an ONNX
 function of the same name whose body is ONNX Runtime's own op: a runtime without the library runs the same file
@@ -78,11 +79,12 @@ DOMAIN = "ai.edgelin"
 ENV = "EDGELIN_ORT_OPS"
 SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "ops_mlp.c", "glue.c", "q4_gemv.c",
            "q4_gemm.c", "q8_gemv.c", "q8_gemm.c", "nbits_grouped.c", "f32_gemv.c", "f16_gemm.c", "panels.c", "conv.c",
-           "linear_attention.c", "attention.c", "cpu.c")
+           "linear_attention.c", "attention.c", "cpu.c", "arm/panels.c", "arm/qdot_neon.c", "arm/qdot_dotprod.c",
+           "arm/qdot_i8mm.c", "arm/fused.c")
 HEADERS = ("ort_api.h", "ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "q8_gemv.h", "nbits_grouped.h",
            "f32_gemv.h", "f16_gemm.h",
            "conv.h", "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h", "rows_kernel.h", "tiles_kernel.h",
-           "panels.h")
+           "panels.h", "arm/neon.h", "arm/qdot.h")
 LIBRARY = "libedgelin_ortops.so"
 _HERE = Path(__file__).resolve().parent
 _CFLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -170,6 +172,11 @@ def _cached(compiler: list[str]) -> tuple[Path, str]:
         try:
             try:
                 cache.run_compiler(_command(compiler, staged), timeout)
+                built_for = cache.wrong_architecture(staged)
+                if built_for is not None:  # e.g. the host's x86 cc reached from an emulated aarch64 process
+                    raise cache.BuildFailed(f"the C compiler {' '.join(compiler)[:80]} builds code for {built_for}, "
+                                            f"this is {cache.this_machine()}: set CC to a compiler for "
+                                            f"{cache.this_machine()}")
             except cache.BuildFailed as exc:
                 cache.record_failure(where, exc, timeout)
                 raise RuntimeError(cache.recorded_failure(where, timeout) or str(exc)) from None
@@ -222,8 +229,8 @@ def locate() -> OpsLibrary:
 
 
 def kernel_path(library: Path) -> str:
-    """Which path the library's kernels take on this CPU (cpu.h): "avx2", "portable" (forced by the tests) or
-    "none" (no AVX2: nothing registered). `library`: one locate() or build() returned (verified, or the user's)."""
+    """Which path the library's kernels take on this CPU (cpu.h): "avx2", "neon-i8mm", "neon-dotprod", "neon",
+    "portable" (forced by the tests) or "none" (x86 without AVX2: nothing registered). `library`: one locate() or build() returned (verified, or the user's)."""
     import ctypes
 
     try:

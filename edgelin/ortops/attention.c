@@ -4,6 +4,7 @@
    stay in L2 while the group's heads use them, with the softmax kept online (running max and sum) across chunks
    and, through edgelin_attention_merge, across pieces. */
 #include "attention.h"
+#include "arm/neon.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -44,15 +45,15 @@ static float element(const void* base, int64_t index, int half) {
 }
 
 /* Rows per chunk: ~64 KiB of keys, at least 16. */
-static int64_t chunk_rows(int64_t D) { return D >= 1024 ? 16 : 16384 / D; }
+int64_t edgelin_attention_chunk_rows(int64_t D) { return D >= 1024 ? 16 : 16384 / D; }
 
-int64_t edgelin_attention_scratch_floats(int64_t G, int64_t D) { return G * D + chunk_rows(D); }
+int64_t edgelin_attention_scratch_floats(int64_t G, int64_t D) { return G * D + edgelin_attention_chunk_rows(D); }
 
 int64_t edgelin_attention_tasks(const EdgelinAttention* a) { return a->B * a->S * a->Hkv * a->splits; }
 
 /* The chunk's softmax step for one head: s[0..n) -> e^(s - m'), with m' the new running max; the running sum and
    weighted values rescaled to m'. Returns the scale applied to the old values. */
-static float rescale(float* m, float* l, float chunk_max) {
+float edgelin_attention_rescale(float* m, float* l, float chunk_max) {
   float next = chunk_max > *m ? chunk_max : *m;
   float keep = *m == -INFINITY ? 0.0f : expf(*m - next);
   *m = next;
@@ -62,7 +63,7 @@ static float rescale(float* m, float* l, float chunk_max) {
 
 static void part_portable(const float* qs, const void* K, const void* V, int half, int64_t n_rows, int64_t G,
                           int64_t D, float* s, float* part) {
-  int64_t chunk = chunk_rows(D);
+  int64_t chunk = edgelin_attention_chunk_rows(D);
   for (int64_t c0 = 0; c0 < n_rows; c0 += chunk) {
     int64_t n = n_rows - c0 < chunk ? n_rows - c0 : chunk;
     for (int64_t h = 0; h < G; ++h) {
@@ -73,7 +74,7 @@ static void part_portable(const float* qs, const void* K, const void* V, int hal
         s[j] = dot;
         top = dot > top ? dot : top;
       }
-      float keep = rescale(m, l, top);
+      float keep = edgelin_attention_rescale(m, l, top);
       for (int64_t c = 0; c < D; ++c) acc[c] *= keep;
       for (int64_t j = 0; j < n; ++j) {
         float p = expf(s[j] - *m);
@@ -188,12 +189,12 @@ INLINE_AVX2 void weighted(const float* p, const void* V, int half, int64_t base,
 
 INLINE_AVX2 void part_avx2(const float* qs, const void* K, const void* V, int half, int64_t n_rows, int64_t G,
                            int64_t D, float* s, float* part) {
-  int64_t chunk = chunk_rows(D);
+  int64_t chunk = edgelin_attention_chunk_rows(D);
   for (int64_t c0 = 0; c0 < n_rows; c0 += chunk) {
     int64_t n = n_rows - c0 < chunk ? n_rows - c0 : chunk;
     for (int64_t h = 0; h < G; ++h) {  /* the chunk's keys and values stay in L2 for the group's next heads */
       float *m = part + h * (D + 2), *l = m + 1;
-      float keep = rescale(m, l, scores(qs + h * D, K, half, c0 * D, n, D, s));
+      float keep = edgelin_attention_rescale(m, l, scores(qs + h * D, K, half, c0 * D, n, D, s));
       *l += exp_sum(s, n, *m);
       weighted(s, V, half, c0 * D, n, D, keep, m + 2);
     }
@@ -234,6 +235,12 @@ void edgelin_attention_task(const EdgelinAttention* a, int64_t task) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (edgelin_avx2() && D % 8 == 0) {
     (a->half ? part_avx2_half : part_avx2_float)(qs, keys, values, r1 - r0, G, D, qs + G * D, part);
+    return;
+  }
+#endif
+#if defined(__aarch64__)
+  if (edgelin_arm() != EDGELIN_ARM_NONE && D % 4 == 0) {
+    edgelin_neon_attention_part(qs, keys, values, a->half, r1 - r0, G, D, qs + G * D, part);
     return;
   }
 #endif

@@ -30,5 +30,9 @@ EDGELIN_API int64_t edgelin_attention_scratch_floats(int64_t G, int64_t D);
 EDGELIN_API void edgelin_attention_task(const EdgelinAttention* a, int64_t task);
 EDGELIN_API int edgelin_attention_merge(const EdgelinAttention* a);  /* 0, or -1: out of memory */
 float edgelin_half_to_float(uint16_t h);
+/* The pieces' shared steps (attention.c; the NEON path in arm/fused.c): rows per chunk of keys, and one chunk's
+   softmax rescale of a head's running max m and sum l (returns the scale applied to the old weighted values). */
+int64_t edgelin_attention_chunk_rows(int64_t D);
+float edgelin_attention_rescale(float* m, float* l, float chunk_max);
 uint16_t edgelin_float_to_half(float value);
 #endif

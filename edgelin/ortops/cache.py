@@ -134,6 +134,36 @@ def digest(path: Path) -> str:
     return sha256_of(path)
 
 
+# ELF e_machine values of the architectures edgelin builds for, by platform.machine()'s names
+_ELF_MACHINES = {62: "x86_64", 183: "aarch64", 3: "i386", 40: "arm"}
+_MACHINE_ALIASES = {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}
+
+
+def this_machine() -> str:
+    name = platform.machine().lower()
+    return _MACHINE_ALIASES.get(name, name)
+
+
+def elf_machine(path: Path) -> str | None:
+    """The architecture an ELF shared library is built for (platform.machine()'s names), from its header; None when
+    it is no ELF file or an architecture not named here (nothing to compare)."""
+    try:
+        with open(path, "rb") as handle:
+            header = handle.read(20)
+    except OSError:
+        return None
+    if len(header) < 20 or header[:4] != b"\x7fELF":
+        return None
+    return _ELF_MACHINES.get(int.from_bytes(header[18:20], "little" if header[5] == 1 else "big"))
+
+
+def wrong_architecture(path: Path) -> str | None:
+    """The architecture `path` is built for when it is not this process's (a cross-compiler as CC, a cache or
+    wheel copied from another machine), else None."""
+    built_for = elf_machine(path)
+    return built_for if built_for is not None and built_for != this_machine() else None
+
+
 def check_record(path: Path, record_path: Path, what: str, maker: str, fix: str) -> tuple[dict, str]:
     """(the build record, the library's sha256) when `path` is the library `record_path` records (its machine, size
     and sha256); CacheError, naming `what` the library is and `fix`, when the record is unreadable or they differ.
@@ -147,6 +177,9 @@ def check_record(path: Path, record_path: Path, what: str, maker: str, fix: str)
     if machine != platform.machine():
         raise CacheError(f"{what} was built for {machine[:20]}, this is {platform.machine()}, so it was not loaded: "
                          f"{fix}")
+    built_for = wrong_architecture(path)
+    if built_for is not None:  # its record says this machine, its code is another's
+        raise CacheError(f"{what} is code for {built_for}, this is {this_machine()}, so it was not loaded: {fix}")
     actual_size = path.stat().st_size
     actual = digest(path) if actual_size == size else None
     if actual != expected:

@@ -3,6 +3,7 @@
    Here the taps are plain loops the compiler unrolls, and the SiLU runs over the whole row of channels at once
    (8 lanes of a polynomial exp on AVX2). */
 #include "conv.h"
+#include "arm/neon.h"
 
 #include <math.h>
 #include <string.h>
@@ -30,6 +31,12 @@ void edgelin_silu(float* z, int64_t n) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (edgelin_avx2()) {
     silu_row(z, n);
+    return;
+  }
+#endif
+#if defined(__aarch64__)
+  if (edgelin_arm() != EDGELIN_ARM_NONE) {
+    edgelin_neon_silu(z, n);
     return;
   }
 #endif

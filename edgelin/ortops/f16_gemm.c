@@ -9,6 +9,7 @@
    widened into an L1-resident float32 buffer once per panel while the piece's token rows pass over it. */
 #include "f16_gemm.h"
 
+#include "arm/neon.h"
 #include "tiles_kernel.h"  /* and rows_kernel.h, attention.h: edgelin_half_to_float */
 
 static void cols_portable(const float* x, int64_t M, int64_t K, int64_t N, const uint16_t* w, int64_t n0,
@@ -43,6 +44,12 @@ void edgelin_f16_rows(const float* x, int64_t M, int64_t K, int64_t N, const uin
 #if defined(__x86_64__) || defined(_M_X64)
   if (edgelin_avx2()) {
     rows_avx2(x, M, K, N, weights, k0, k1, y);
+    return;
+  }
+#endif
+#if defined(__aarch64__)
+  if (edgelin_arm() != EDGELIN_ARM_NONE) {
+    edgelin_neon_rows(x, M, K, N, weights, 1, k0, k1, y);
     return;
   }
 #endif

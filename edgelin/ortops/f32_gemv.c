@@ -6,6 +6,7 @@
    (rows_kernel.h, the loop the float16 product shares). */
 #include "f32_gemv.h"
 
+#include "arm/neon.h"
 #include "rows_kernel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -20,6 +21,12 @@ void edgelin_f32_rows(const float* x, int64_t M, int64_t K, int64_t N, const flo
 #if defined(__x86_64__) || defined(_M_X64)
   if (edgelin_avx2()) {
     rows_avx2(x, M, K, N, weights, k0, k1, y);
+    return;
+  }
+#endif
+#if defined(__aarch64__)
+  if (edgelin_arm() != EDGELIN_ARM_NONE) {
+    edgelin_neon_rows(x, M, K, N, weights, 0, k0, k1, y);
     return;
   }
 #endif

@@ -3,6 +3,7 @@
    here each state row is read once and written once in the same pass (twice read for the delta rules, whose
    S^T k needs the whole old state first), 8 columns per AVX2 lane group, the readout accumulated on the way. */
 #include "linear_attention.h"
+#include "arm/neon.h"
 
 #include <math.h>
 #include <string.h>
@@ -85,6 +86,9 @@ void edgelin_linear_attention(int rule, const float* q, const float* k, const fl
 #if defined(__x86_64__) || defined(_M_X64)
   int vector = edgelin_avx2() && dv % 8 == 0 && dv <= 256;
 #endif
+#if defined(__aarch64__)
+  int neon = edgelin_arm() != EDGELIN_ARM_NONE && dv % 4 == 0 && dv <= 256;
+#endif
   for (int64_t pair = first; pair < first + count && pair < B * H; ++pair) {
     int64_t b = pair / H, h = pair % H;
     for (int64_t t = 0; t < T; ++t) {
@@ -100,6 +104,12 @@ void edgelin_linear_attention(int rule, const float* q, const float* k, const fl
 #if defined(__x86_64__) || defined(_M_X64)
       if (vector) {
         head_avx2(rule, qh, kh, vh, gh, gw, rate, src, dst, dk, dv, scale, oh, u);
+        continue;
+      }
+#endif
+#if defined(__aarch64__)
+      if (neon) {
+        edgelin_neon_linear_head(rule, qh, kh, vh, gh, gw, rate, src, dst, dk, dv, scale, oh, u);
         continue;
       }
 #endif

@@ -377,10 +377,11 @@ EDGELIN_API OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
     g_ops[12] = describe(name_panel_matmul, all_float, two_inputs, all_required, outputs_matmul,
                          edgelin_create_matmul, edgelin_compute_matmul_f32, edgelin_destroy_matmul);
   }
-  /* Only where the AVX2 kernels run (measured faster there: docs/performance.md#cpu-step-latency). Elsewhere (ARM boards)
-     nothing is registered and every node runs its function body, ONNX Runtime's own kernels (MLAS has NEON ones):
-     the portable C paths are the AVX2 ones' reference, not measured against ONNX Runtime on such a CPU. */
-  if (!edgelin_cpu_avx2()) return NULL;
+  /* Where edgelin's vector kernels run: AVX2 on x86-64 (measured faster than ONNX Runtime's there:
+     docs/performance.md#cpu-step-latency), and aarch64 (NEON, with dotprod or i8mm where the CPU has them: arm/;
+     checked under emulation, timing on boards still to be measured: docs/arm.md). On an x86 CPU without AVX2
+     nothing is registered and every node runs its function body, ONNX Runtime's own kernels. */
+  if (!edgelin_registers()) return NULL;
   size_t count = sizeof g_ops / sizeof g_ops[0];
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* status = ORT_CALL(api, CreateCustomOpDomain)(DOMAIN, &domain);

@@ -6,6 +6,7 @@
    prefetchers follow at the memory's rate (the Mamba2 peer's float16 step 2.2 -> 1.1 ms; docs/performance.md#cpu-step-latency). */
 #include "panels.h"
 
+#include "arm/neon.h"
 #include "tiles_kernel.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -29,6 +30,12 @@ void edgelin_weight_panels(const float* x, int64_t M, int64_t K, int64_t N, cons
     } else {
       f32_avx2(x, M, K, N, weights, p0, p1, y);
     }
+    return;
+  }
+#endif
+#if defined(__aarch64__)
+  if (edgelin_arm() != EDGELIN_ARM_NONE) {
+    edgelin_neon_panels(x, M, K, N, weights, half, p0, p1, y);
     return;
   }
 #endif

@@ -8,6 +8,7 @@
    (low = even). The 8-bit product (q8_gemv.c) shares the activation blocks, in their natural order there. */
 #include "q4_gemv.h"
 #include "q4_scratch.h"
+#include "arm/neon.h"
 #include "q8_gemv.h"
 
 #include <math.h>
@@ -300,6 +301,13 @@ void edgelin_q4_rows(const void* scratch, int64_t K, const uint8_t* weights, con
   }
   if (edgelin_avx2()) {
     rows_avx2(s, nb, weights, scales, zero_points, n0, n1, y);
+    return;
+  }
+#endif
+#if defined(__aarch64__)
+  EdgelinArmRows arm = edgelin_arm_rows(4, edgelin_arm());
+  if (arm) {
+    arm(scratch, K, weights, scales, zero_points, n0, n1, y);
     return;
   }
 #endif

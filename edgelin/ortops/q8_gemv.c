@@ -8,6 +8,7 @@
 #include "q8_gemv.h"
 #include "q4_gemv.h"
 #include "q4_scratch.h"
+#include "arm/neon.h"
 
 #define ROWS 4
 
@@ -186,6 +187,13 @@ void edgelin_q8_rows(const void* scratch, int64_t K, const uint8_t* weights, con
   }
   if (edgelin_avx2()) {
     rows_avx2(s, nb, weights, scales, zero_points, n0, n1, y);
+    return;
+  }
+#endif
+#if defined(__aarch64__)
+  EdgelinArmRows arm = edgelin_arm_rows(8, edgelin_arm());
+  if (arm) {
+    arm(scratch, K, weights, scales, zero_points, n0, n1, y);
     return;
   }
 #endif

@@ -7,6 +7,7 @@ constructor writes a marker file proves a refused library is never dlopened."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -177,6 +178,42 @@ def test_a_library_built_for_another_machine_is_never_picked_up(cached, monkeypa
         shutil.copyfile(x86.parent / name, arm.parent / name)
     found = ortops.locate()
     assert found.path is None and "was built for x86_64, this is aarch64" in found.reason
+
+
+# The first 20 bytes of an ELF shared library's header (64-bit, little-endian, ET_DYN) with e_machine `machine`
+def _elf_header(machine: int) -> bytes:
+    return b"\x7fELF\x02\x01\x01" + bytes(9) + (3).to_bytes(2, "little") + machine.to_bytes(2, "little")
+
+
+def test_a_compiler_that_builds_another_architectures_code_is_refused_in_one_line(cached, monkeypatch):
+    """An emulated aarch64 process reaches the host's x86 cc (as the ARM tier's first run did): the library it
+    builds is never recorded or loaded, the failure is recorded once, in one line with the fix."""
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    x86_code = cached / "x86.so"
+    x86_code.write_bytes(_elf_header(62) + b"rest of a library")
+    monkeypatch.setenv("CC", str(stand_in_compiler(cached, f"cat '{x86_code}' > \"$out\"")))
+    found = ortops.locate()
+    assert found.path is None
+    assert "builds code for x86_64, this is aarch64: set CC to a compiler for aarch64" in found.reason
+    assert "\n" not in found.reason
+    assert not list(Path(os.environ["XDG_CACHE_HOME"]).rglob(ortops.LIBRARY))  # nothing left to load
+    assert ortops.locate().reason == found.reason and calls(cached) == 1  # recorded, not rebuilt every run
+
+
+def test_a_cached_library_of_another_architectures_code_is_refused(cached, monkeypatch):
+    """A library whose record says this machine but whose code is another's (copied by hand): refused before any
+    dlopen, with the folder to remove."""
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    library = ortops.build()
+    record = json.loads((library.parent / cache.RECORD).read_text())
+    arm_code = _elf_header(183) + b"rest of a library"
+    library.write_bytes(arm_code)
+    record.update(sha256=hashlib.sha256(arm_code).hexdigest(), bytes=len(arm_code))
+    (library.parent / cache.RECORD).write_text(json.dumps(record))
+    found = ortops.locate()
+    assert found.path is None
+    assert f"the cached library {library} is code for aarch64, this is x86_64" in found.reason
+    assert f"remove the folder {library.parent}" in found.reason
 
 
 def test_a_hanging_compiler_is_stopped_at_the_timeout(cached, monkeypatch, capsys):

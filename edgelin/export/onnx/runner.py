@@ -441,7 +441,7 @@ def _label(ort_ops: "OpsLibrary | None") -> str:
     from edgelin.ortops import kernel_path
 
     path = kernel_path(ort_ops.path)
-    if path == "none":  # the library registers its kernels only on CPUs with AVX2 (edgelin/ortops/ops.c)
+    if path == "none":  # an x86 CPU without AVX2: the library registers nothing (edgelin/ortops/ops.c)
         return "onnxruntime (edgelin ops not used: this CPU has no AVX2; ONNX Runtime's own kernels ran)"
     return f"onnxruntime + edgelin ops ({path})"
 
