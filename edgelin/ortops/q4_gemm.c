@@ -22,6 +22,7 @@
 #include "q4_gemv.h"
 #include "q4_scratch.h"
 #include "q8_gemv.h"
+#include "arm/neon.h"
 
 /* Rows unpacked at once for the tiles: 128 rows of K = 768 are 96 KB of bytes, in L2. */
 #define SLICE 128
@@ -83,6 +84,11 @@ int edgelin_q4_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint
     free(codes);
     return 0;
   }
+#endif
+#if defined(__aarch64__)
+  if (M > 1 && edgelin_arm() >= EDGELIN_ARM_I8MM)
+    return edgelin_i8mm_rows_tokens(4, scratch, edgelin_q4_scratch_bytes(K), M, K, weights, scales, zero_points,
+                                    n0, n1, y, N);
 #endif
   if (grouped(M)) return edgelin_rows_grouped(4, scratch, M, K, weights, scales, zero_points, n0, n1, y, N);
   token_by_token(edgelin_q4_rows, scratch, edgelin_q4_scratch_bytes(K), M, K, weights, scales, zero_points, n0, n1, y,

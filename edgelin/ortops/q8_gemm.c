@@ -17,6 +17,7 @@
 #include "q4_gemv.h"
 #include "q4_scratch.h"
 #include "q8_gemv.h"
+#include "arm/neon.h"
 
 #define TILE 16    /* tokens per tile: one per 32-bit lane of a 512-bit register */
 #define ROWS 8     /* weight rows per step: 8 independent vpdpbusd chains */
@@ -141,6 +142,11 @@ int edgelin_q8_rows_tokens(const void* scratch, int64_t M, int64_t K, const uint
     rows_tiled(scratch, M, K, weights, scales, zero_points, n0, n1, y, N);
     return 0;
   }
+#endif
+#if defined(__aarch64__)
+  if (M > 1 && edgelin_arm() >= EDGELIN_ARM_I8MM)
+    return edgelin_i8mm_rows_tokens(8, scratch, edgelin_q4_scratch_bytes(K), M, K, weights, scales, zero_points,
+                                    n0, n1, y, N);
 #endif
   if (edgelin_grouped(M)) return edgelin_rows_grouped(8, scratch, M, K, weights, scales, zero_points, n0, n1, y, N);
   token_by_token(edgelin_q8_rows, scratch, edgelin_q4_scratch_bytes(K), M, K, weights, scales, zero_points, n0, n1, y,

@@ -235,10 +235,11 @@ def test_quantized_rows_match_float64_on_every_path(lib, bits, K, zero_points):
 @pytest.mark.parametrize("M", [2, 7, 17])
 @pytest.mark.parametrize("bits", [4, 8], ids=["int4", "int8"])
 def test_quantized_tokens_match_float64_on_every_path(lib, bits, M):
-    """Several tokens (a prefill piece or a batch): y [M, N] from one scratch, rows 3 <= n < N of each."""
+    """Several tokens (a prefill piece or a batch): y [M, N] from one scratch, rows 3 <= n < N of each (an odd
+    count: the i8mm path's lone last row, as an odd M is its lone last token)."""
     quantize = getattr(lib, f"edgelin_q{bits}_quantize_tokens")
     rows, size = getattr(lib, f"edgelin_q{bits}_rows_tokens"), getattr(lib, f"edgelin_q{bits}_tokens_scratch_bytes")
-    K, N = 352, 37
+    K, N = 352, 38
     rng = np.random.default_rng(M * bits)
     weights, scales, points, dequantised = _codes(rng, N, K, bits, True)
     x = rng.standard_normal((M, K)).astype(np.float32)

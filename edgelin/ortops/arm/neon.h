@@ -5,6 +5,7 @@
    qemu by the ARM tier: .ci/arm/run). Not part of the library's interface. */
 #ifndef EDGELIN_ARM_NEON_H
 #define EDGELIN_ARM_NEON_H
+#include <stddef.h>
 #include <stdint.h>
 
 #if defined(__aarch64__)
@@ -35,6 +36,11 @@ void edgelin_neon_linear_head(int rule, const float* q, const float* k, const fl
                               float* o, float* u);
 void edgelin_neon_attention_part(const float* qs, const void* K, const void* V, int half, int64_t n_rows, int64_t G,
                                  int64_t D, float* s, float* partial);
+/* q4_gemm.c's / q8_gemm.c's M tokens (M >= 2) with USMMLA (tokens_i8mm.c): `bits` 4 or 8, the one-token scratches
+   `stride` bytes apart; 0, or -1 when its buffer could not be allocated (y then incomplete) */
+int edgelin_i8mm_rows_tokens(int bits, const void* scratch, size_t stride, int64_t M, int64_t K,
+                             const uint8_t* weights, const float* scales, const uint8_t* zero_points, int64_t n0,
+                             int64_t n1, float* y, int64_t N);
 /* The level's one-token product (bits 4 or 8), NULL below EDGELIN_ARM_NEON: the portable path. */
 EdgelinArmRows edgelin_arm_rows(int bits, int level);
 #endif
