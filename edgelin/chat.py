@@ -17,7 +17,7 @@ import numpy as np
 
 from edgelin.conversation import Conversation, Snapshot
 from edgelin.errors import EdgelinError
-from edgelin.generate import Sampling, check_finite, no_tokenizer, sample
+from edgelin.generate import Sampling, check_finite, no_tokenizer, sampled_tokens
 from edgelin.runtime import open_runner
 from edgelin.tokenizer import TextTokenizer
 
@@ -95,12 +95,10 @@ class ChatSession:
             feed(token)
         seen = np.zeros(logits.shape[-1], bool)
         seen[ids] = True
-        while produced < self.request.max_new_tokens:
-            token = sample(logits[0], self.request.sampling, self.rng, seen)
-            seen[token], produced = True, produced + 1
+        for token in sampled_tokens(self.conv, logits, self.request.sampling, self.rng, seen,
+                                    self.request.max_new_tokens, self.request.folder):
+            produced += 1
             if token == eos:  # not fed: the next turn follows the text, as generate --save-state leaves it
                 break
             on_text(feed(token))
-            logits = self.conv.step(token)
-            check_finite(logits[0], produced + 1, self.request.folder)
         return produced

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -197,6 +197,20 @@ class GenerateResult:
                 "rss_growth_bytes": self.rss_end_bytes - self.rss_start_bytes if self.rss_settled else None}
 
 
+def sampled_tokens(conv: "Conversation", logits: np.ndarray, sampling: Sampling, rng: np.random.Generator,
+                   seen: np.ndarray, limit: int, folder: Path) -> Iterator[int]:
+    """Up to `limit` tokens of batch row 0, each sampled from the logits (checked finite; `logits`: the prefill's,
+    checked by the caller), marked in `seen`, yielded, then stepped: a caller that stops on a token (an end of
+    text) breaks before it is stepped, so the conversation ends where the text does. generate's and chat's loop."""
+    for produced in range(limit):
+        if produced:
+            check_finite(logits[0], produced + 1, folder)
+        token = sample(logits[0], sampling, rng, seen)
+        seen[token] = True
+        yield token
+        logits = conv.step(token)
+
+
 def generate(
     folder: Path,
     prompt: str,
@@ -253,11 +267,7 @@ def generate(
     kept: list[int] | None = [] if keep_ids else None
     produced = 0
     started = time.perf_counter()
-    for _ in range(max_new_tokens):
-        if produced:  # the prefill's logits were checked above
-            check_finite(logits[0], produced + 1, folder)
-        token = sample(logits[0], sampling, rng, seen)
-        seen[token] = True
+    for token in sampled_tokens(conv, logits, sampling, rng, seen, max_new_tokens, folder):
         produced += 1
         if kept is not None:
             kept.append(token)
@@ -265,7 +275,6 @@ def generate(
             on_text(feed(token))
         if stop_at_eos and token == manifest.eos_token_id:
             break
-        logits = conv.step(token)
         if produced == SETTLE_STEPS:
             rss_start = rss_bytes()
     decode_seconds = time.perf_counter() - started

@@ -127,8 +127,7 @@ def _open(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     try:
         return load_file(str(path)), meta
     except (SafetensorError, OSError, ValueError) as exc:
-        raise EdgelinError(f"{path} cannot be read as a state file ({exc})", "it is truncated, corrupted or not a "
-                           "safetensors file", "save the state again (edgelin generate --save-state FILE)") from exc
+        raise _unreadable(path, exc) from exc
 
 
 def position_of(path: Path) -> int:
@@ -147,8 +146,12 @@ def _header(path: Path) -> dict[str, str]:
         with safe_open(str(path), framework="np") as handle:
             return dict(handle.metadata() or {})
     except (SafetensorError, OSError, ValueError) as exc:
-        raise EdgelinError(f"{path} cannot be read as a state file ({exc})", "it is truncated, corrupted or not a "
-                           "safetensors file", "save the state again (edgelin generate --save-state FILE)") from exc
+        raise _unreadable(path, exc) from exc
+
+
+def _unreadable(path: Path, exc: Exception) -> EdgelinError:
+    return EdgelinError(f"{path} cannot be read as a state file ({exc})", "it is truncated, corrupted or not a "
+                        "safetensors file", "save the state again (edgelin generate --save-state FILE)")
 
 
 def read(path: Path) -> StateFile:

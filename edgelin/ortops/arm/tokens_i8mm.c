@@ -43,22 +43,29 @@ static float zero_point(const uint8_t* zero_points, int bits, int64_t nb, int64_
   return (float)q4_zero_point(zero_points ? zero_points + row * ((nb + 1) / 2) : NULL, b);
 }
 
-/* One token pair (t0, t1; t1 == t0 for a lone last token): per block 4 zipped 16-byte operands, then the pair's
-   activation scales and scaled sums as [s0, s1, s0, s1] (the lanes of a row pair's result) */
-static void zip_tokens(const void* scratch, size_t stride, int64_t K, int bits, int64_t t0, int64_t t1, int8x16_t* ops,
-                       float* scales, float* sums) {
+/* The four 8-byte segments of two 32-byte blocks (x = x0 x1, y = y0 y1), paired as USMMLA's 2 x 8 operands:
+   out[j] = [segment j of x, segment j of y] */
+INLINE void pair_segments(uint8x16_t x0, uint8x16_t x1, uint8x16_t y0, uint8x16_t y1, uint8x16_t* out) {
+  uint64x2_t a0 = vreinterpretq_u64_u8(x0), a1 = vreinterpretq_u64_u8(x1);
+  uint64x2_t b0 = vreinterpretq_u64_u8(y0), b1 = vreinterpretq_u64_u8(y1);
+  out[0] = vreinterpretq_u8_u64(vzip1q_u64(a0, b0));
+  out[1] = vreinterpretq_u8_u64(vzip2q_u64(a0, b0));
+  out[2] = vreinterpretq_u8_u64(vzip1q_u64(a1, b1));
+  out[3] = vreinterpretq_u8_u64(vzip2q_u64(a1, b1));
+}
+
+/* One token pair (t0, t1; t1 == t0 for a lone last token): per block its 4 paired operands (int8 bytes), then the
+   pair's activation scales and scaled sums as [s0, s1, s0, s1] (the lanes of a row pair's result) */
+static void zip_tokens(const void* scratch, size_t stride, int64_t K, int bits, int64_t t0, int64_t t1,
+                       uint8x16_t* ops, float* scales, float* sums) {
   Scratch a = view((const char*)scratch + (size_t)t0 * stride, K), c = view((const char*)scratch + (size_t)t1 * stride, K);
   int64_t nb = n_blocks(K);
   for (int64_t b = 0; b < nb; ++b) {
     int8x16_t a0, a1, c0, c1;
     activation_halves(a, bits, b, &a0, &a1);
     activation_halves(c, bits, b, &c0, &c1);
-    int64x2_t x0 = vreinterpretq_s64_s8(a0), x1 = vreinterpretq_s64_s8(a1);
-    int64x2_t y0 = vreinterpretq_s64_s8(c0), y1 = vreinterpretq_s64_s8(c1);
-    ops[4 * b] = vreinterpretq_s8_s64(vzip1q_s64(x0, y0));
-    ops[4 * b + 1] = vreinterpretq_s8_s64(vzip2q_s64(x0, y0));
-    ops[4 * b + 2] = vreinterpretq_s8_s64(vzip1q_s64(x1, y1));
-    ops[4 * b + 3] = vreinterpretq_s8_s64(vzip2q_s64(x1, y1));
+    pair_segments(vreinterpretq_u8_s8(a0), vreinterpretq_u8_s8(a1), vreinterpretq_u8_s8(c0), vreinterpretq_u8_s8(c1),
+                  ops + 4 * b);
     float sa[4] = {a.sa[b], c.sa[b], a.sa[b], c.sa[b]}, cs[4] = {a.c[b], c.c[b], a.c[b], c.c[b]};
     vst1q_f32(scales + 4 * b, vld1q_f32(sa));
     vst1q_f32(sums + 4 * b, vld1q_f32(cs));
@@ -73,12 +80,7 @@ static void zip_rows(const uint8_t* w, const float* scales, const uint8_t* zero_
     uint8x16_t p0, p1, q0, q1;
     code_halves(w, bits, nb, r0, b, &p0, &p1);
     code_halves(w, bits, nb, r1, b, &q0, &q1);
-    uint64x2_t x0 = vreinterpretq_u64_u8(p0), x1 = vreinterpretq_u64_u8(p1);
-    uint64x2_t y0 = vreinterpretq_u64_u8(q0), y1 = vreinterpretq_u64_u8(q1);
-    ops[4 * b] = vreinterpretq_u8_u64(vzip1q_u64(x0, y0));
-    ops[4 * b + 1] = vreinterpretq_u8_u64(vzip2q_u64(x0, y0));
-    ops[4 * b + 2] = vreinterpretq_u8_u64(vzip1q_u64(x1, y1));
-    ops[4 * b + 3] = vreinterpretq_u8_u64(vzip2q_u64(x1, y1));
+    pair_segments(p0, p1, q0, q1, ops + 4 * b);
     float w0 = scales[r0 * nb + b], w1 = scales[r1 * nb + b];
     float z0 = w0 * zero_point(zero_points, bits, nb, r0, b), z1 = w1 * zero_point(zero_points, bits, nb, r1, b);
     float wv[4] = {w0, w0, w1, w1}, zv[4] = {z0, z0, z1, z1};
@@ -94,7 +96,7 @@ int edgelin_i8mm_rows_tokens(int bits, const void* scratch, size_t stride, int64
   /* every token pair's operands and scales, then one row pair's: (pairs + 1) x nb x (64 + 32) bytes */
   char* buffer = malloc((size_t)(pairs + 1) * (size_t)nb * (4 * 16 + 8 * sizeof(float)));
   if (!buffer) return -1;
-  int8x16_t* token_ops = (int8x16_t*)buffer;
+  uint8x16_t* token_ops = (uint8x16_t*)buffer;
   float* token_scales = (float*)(token_ops + pairs * nb * 4);
   float* token_sums = token_scales + pairs * nb * 4;
   uint8x16_t* row_ops = (uint8x16_t*)(token_sums + pairs * nb * 4);
@@ -109,14 +111,14 @@ int edgelin_i8mm_rows_tokens(int bits, const void* scratch, size_t stride, int64
     int64_t r1 = r0 + 1 < n1 ? r0 + 1 : r0;
     zip_rows(weights, scales, zero_points, bits, nb, r0, r1, row_ops, row_scales, row_zeros);
     for (int64_t p = 0; p < pairs; ++p) {
-      const int8x16_t* a = token_ops + p * nb * 4;
+      const uint8x16_t* a = token_ops + p * nb * 4;
       const float *sa = token_scales + p * nb * 4, *c = token_sums + p * nb * 4;
       float32x4_t acc = vdupq_n_f32(0.0f), off = vdupq_n_f32(0.0f);
       for (int64_t b = 0; b < nb; ++b) {
-        int32x4_t dot = vusmmlaq_s32(vdupq_n_s32(0), row_ops[4 * b], a[4 * b]);
-        dot = vusmmlaq_s32(dot, row_ops[4 * b + 1], a[4 * b + 1]);
-        dot = vusmmlaq_s32(dot, row_ops[4 * b + 2], a[4 * b + 2]);
-        dot = vusmmlaq_s32(dot, row_ops[4 * b + 3], a[4 * b + 3]);
+        int32x4_t dot = vusmmlaq_s32(vdupq_n_s32(0), row_ops[4 * b], vreinterpretq_s8_u8(a[4 * b]));
+        dot = vusmmlaq_s32(dot, row_ops[4 * b + 1], vreinterpretq_s8_u8(a[4 * b + 1]));
+        dot = vusmmlaq_s32(dot, row_ops[4 * b + 2], vreinterpretq_s8_u8(a[4 * b + 2]));
+        dot = vusmmlaq_s32(dot, row_ops[4 * b + 3], vreinterpretq_s8_u8(a[4 * b + 3]));
         acc = vfmaq_f32(acc, vcvtq_f32_s32(dot), vmulq_f32(vld1q_f32(row_scales + 4 * b), vld1q_f32(sa + 4 * b)));
         off = vfmaq_f32(off, vld1q_f32(row_zeros + 4 * b), vld1q_f32(c + 4 * b));
       }
