@@ -80,8 +80,7 @@ ENV = "EDGELIN_ORT_OPS"
 SOURCES = ("ops.c", "ops_attention.c", "ops_matmul.c", "ops_ssd.c", "ops_gdn.c", "ops_mlp.c", "glue.c", "q4_gemv.c",
            "q4_gemm.c", "q8_gemv.c", "q8_gemm.c", "nbits_grouped.c", "f32_gemv.c", "f16_gemm.c", "panels.c", "conv.c",
            "linear_attention.c", "attention.c", "cpu.c", "arm/panels.c", "arm/qdot_neon.c", "arm/qdot_dotprod.c",
-           "arm/qdot_i8mm.c", "arm/fused.c",
-           "arm/tokens_i8mm.c")
+           "arm/fused.c", "arm/tokens_i8mm.c")
 HEADERS = ("ort_api.h", "ort_abi.h", "glue.h", "q4_gemv.h", "q4_scratch.h", "q8_gemv.h", "nbits_grouped.h",
            "f32_gemv.h", "f16_gemm.h",
            "conv.h", "linear_attention.h", "attention.h", "simd_exp.h", "cpu.h", "rows_kernel.h", "tiles_kernel.h",

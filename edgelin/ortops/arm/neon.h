@@ -15,7 +15,8 @@ void edgelin_neon_panels(const float* x, int64_t M, int64_t K, int64_t N, const 
 /* rows_kernel.h's product: W [K, N] (ONNX's layout), rows k0 <= k < k1, y [M, N] written (f32_gemv.c, f16_gemm.c) */
 void edgelin_neon_rows(const float* x, int64_t M, int64_t K, int64_t N, const void* w, int half, int64_t k0,
                        int64_t k1, float* y);
-/* q4_gemv.h's and q8_gemv.h's one-token products, per level (qdot.h, instantiated by qdot_*.c) */
+/* q4_gemv.h's and q8_gemv.h's one-token products, per level (qdot.h, instantiated by qdot_neon.c and
+   qdot_dotprod.c; i8mm takes dotprod's) */
 typedef void (*EdgelinArmRows)(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
                                const uint8_t* zero_points, int64_t n0, int64_t n1, float* y);
 void edgelin_neon_q4_rows(const void*, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t, int64_t,
@@ -26,8 +27,6 @@ void edgelin_dotprod_q4_rows(const void*, int64_t, const uint8_t*, const float*,
                              float*);
 void edgelin_dotprod_q8_rows(const void*, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t, int64_t,
                              float*);
-void edgelin_i8mm_q8_rows(const void*, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t, int64_t,
-                          float*);
 /* The step's fused ops (fused.c): conv.c's SiLU over a row, linear_attention.c's one head (dv a multiple of 4, at
    most 256), attention.c's piece of one kv head (D a multiple of 4) */
 void edgelin_neon_silu(float* z, int64_t n);
