@@ -87,7 +87,7 @@ void edgelin_linear_attention(int rule, const float* q, const float* k, const fl
   int vector = edgelin_avx2() && dv % 8 == 0 && dv <= 256;
 #endif
 #if defined(__aarch64__)
-  int neon = edgelin_arm() != EDGELIN_ARM_NONE && dv % 4 == 0 && dv <= 256;
+  int neon = edgelin_arm() != EDGELIN_ARM_NONE && dv % 4 == 0 && dv <= 256 && dk <= 256;
 #endif
   for (int64_t pair = first; pair < first + count && pair < B * H; ++pair) {
     int64_t b = pair / H, h = pair % H;

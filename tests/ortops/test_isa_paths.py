@@ -302,12 +302,15 @@ def _linear_attention_reference(rule, q, k, v, decay, beta, state, group, scale)
     return out, S
 
 
+@pytest.mark.parametrize("dk,dv", [(8, 12), (10, 20)], ids=["dk8-dv12", "dk10-dv20"])
 @pytest.mark.parametrize("rule", list(RULES))
-@pytest.mark.parametrize("gw", [1, 8], ids=["per-head", "per-key"])
-def test_linear_attention_matches_float64_on_every_path(lib, rule, gw):
-    """Every update rule, decay per head or per key, 2 query heads over 4 value heads, 2 tokens, batch 2."""
-    B, T, Hq, H, dk, dv = 2, 2, 2, 4, 8, 12
-    rng = np.random.default_rng(RULES[rule] * 10 + gw)
+@pytest.mark.parametrize("per_key", [False, True], ids=["per-head", "per-key"])
+def test_linear_attention_matches_float64_on_every_path(lib, rule, per_key, dk, dv):
+    """Every update rule, decay per head or per key, 2 query heads over 4 value heads, 2 tokens, batch 2; value
+    widths of 3 and 5 column quads (the NEON path's line of 4 quads and its remainder), keys not a multiple of 4."""
+    B, T, Hq, H = 2, 2, 2, 4
+    gw = dk if per_key else 1
+    rng = np.random.default_rng(RULES[rule] * 10 + gw + dv)
     q = rng.standard_normal((B, T, Hq, dk)).astype(np.float32)
     k = (rng.standard_normal((B, T, H, dk)) / np.sqrt(dk)).astype(np.float32)
     v = rng.standard_normal((B, T, H, dv)).astype(np.float32)

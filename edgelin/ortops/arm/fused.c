@@ -41,35 +41,73 @@ void edgelin_neon_silu(float* z, int64_t n) {
   for (; i < n; ++i) z[i] = z[i] / (1.0f + expf(-z[i]));
 }
 
+/* Columns [4 c0, 4 (c0 + Q)) of one head's step (Q <= 4 quads, a constant where inlined: one 64-byte line of a state
+   row): the state's rows streamed once with the Q quads' readout and u in registers, four rows per pass (their k,
+   q and decay read as one vector each). a: the rows' decays (1 ungated), u: the head's update values. */
+INLINE void head_columns(const float* q, const float* k, const float* a, const float* u, const float* src, float* dst,
+                         int64_t dk, int64_t dv, int64_t c0, int Q, float scale, float* o) {
+  float32x4_t uc[4], out[4];
+  for (int j = 0; j < Q; ++j) {
+    uc[j] = vld1q_f32(u + 4 * (c0 + j));
+    out[j] = vdupq_n_f32(0.0f);
+  }
+  int64_t i = 0;
+  for (; i + 4 <= dk; i += 4) {
+    float32x4_t kv = vld1q_f32(k + i), qv = vld1q_f32(q + i), av = vld1q_f32(a + i);
+#define EDGELIN_HEAD_ROW(lane)                                                                               \
+    for (int j = 0; j < Q; ++j) {                                                                              \
+      int64_t at = (i + lane) * dv + 4 * (c0 + j);                                                             \
+      float32x4_t s = vfmaq_laneq_f32(vmulq_laneq_f32(uc[j], kv, lane), vld1q_f32(src + at), av, lane);      \
+      vst1q_f32(dst + at, s);                                                                                  \
+      out[j] = vfmaq_laneq_f32(out[j], s, qv, lane);                                                           \
+    }
+    EDGELIN_HEAD_ROW(0)
+    EDGELIN_HEAD_ROW(1)
+    EDGELIN_HEAD_ROW(2)
+    EDGELIN_HEAD_ROW(3)
+#undef EDGELIN_HEAD_ROW
+  }
+  for (; i < dk; ++i)
+    for (int j = 0; j < Q; ++j) {
+      int64_t at = i * dv + 4 * (c0 + j);
+      float32x4_t s = vfmaq_n_f32(vmulq_n_f32(uc[j], k[i]), vld1q_f32(src + at), a[i]);
+      vst1q_f32(dst + at, s);
+      out[j] = vfmaq_n_f32(out[j], s, q[i]);
+    }
+  for (int j = 0; j < Q; ++j) vst1q_f32(o + 4 * (c0 + j), vmulq_n_f32(out[j], scale));
+}
+
+/* u's columns [4 c0, 4 (c0 + Q)) for the delta rules: beta (v - (a S)^T k), ak = a k per row */
+INLINE void delta_columns(const float* v, const float* ak, float beta, const float* src, int64_t dk, int64_t dv,
+                          int64_t c0, int Q, float* u) {
+  float32x4_t acc[4];
+  for (int j = 0; j < Q; ++j) acc[j] = vdupq_n_f32(0.0f);
+  for (int64_t i = 0; i < dk; ++i)
+    for (int j = 0; j < Q; ++j) acc[j] = vfmaq_n_f32(acc[j], vld1q_f32(src + i * dv + 4 * (c0 + j)), ak[i]);
+  for (int j = 0; j < Q; ++j)
+    vst1q_f32(u + 4 * (c0 + j), vmulq_n_f32(vsubq_f32(vld1q_f32(v + 4 * (c0 + j)), acc[j]), beta));
+}
+
 void edgelin_neon_linear_head(int rule, const float* q, const float* k, const float* v, const float* g, int64_t gw,
                               float beta, const float* src, float* dst, int64_t dk, int64_t dv, float scale,
                               float* o, float* u) {
   int gated = rule == EDGELIN_RULE_GATED || rule == EDGELIN_RULE_GATED_DELTA;
   int delta = rule == EDGELIN_RULE_DELTA || rule == EDGELIN_RULE_GATED_DELTA;
-  int64_t quads = dv / 4;
+  float a[256], ak[256];  /* dk <= 256 (linear_attention.c's condition for this path) */
   float a_head = gated && gw == 1 ? expf(g[0]) : 1.0f;
-  if (delta) {  /* u = beta (v - (a S)^T k) with the old state */
-    float32x4_t acc[64];
-    for (int64_t c = 0; c < quads; ++c) acc[c] = vdupq_n_f32(0.0f);
-    for (int64_t i = 0; i < dk; ++i) {
-      float ak = (gated ? (gw == 1 ? a_head : expf(g[i])) : 1.0f) * k[i];
-      for (int64_t c = 0; c < quads; ++c) acc[c] = vfmaq_n_f32(acc[c], vld1q_f32(src + i * dv + 4 * c), ak);
-    }
-    for (int64_t c = 0; c < quads; ++c) vst1q_f32(u + 4 * c, vmulq_n_f32(vsubq_f32(vld1q_f32(v + 4 * c), acc[c]), beta));
+  for (int64_t i = 0; i < dk; ++i) {
+    a[i] = gated && gw != 1 ? expf(g[i]) : a_head;
+    ak[i] = a[i] * k[i];
+  }
+  int64_t quads = dv / 4, c0 = 0;
+  if (delta) {  /* u = beta (v - (a S)^T k) with the old state, all of it before any row is written */
+    for (; c0 + 4 <= quads; c0 += 4) delta_columns(v, ak, beta, src, dk, dv, c0, 4, u);
+    for (; c0 < quads; ++c0) delta_columns(v, ak, beta, src, dk, dv, c0, 1, u);
   } else {
     memcpy(u, v, sizeof(float) * (size_t)dv);
   }
-  float32x4_t out[64];
-  for (int64_t c = 0; c < quads; ++c) out[c] = vdupq_n_f32(0.0f);
-  for (int64_t i = 0; i < dk; ++i) {
-    float a = gated ? (gw == 1 ? a_head : expf(g[i])) : 1.0f;
-    for (int64_t c = 0; c < quads; ++c) {
-      float32x4_t s = vfmaq_n_f32(vmulq_n_f32(vld1q_f32(u + 4 * c), k[i]), vld1q_f32(src + i * dv + 4 * c), a);
-      vst1q_f32(dst + i * dv + 4 * c, s);
-      out[c] = vfmaq_n_f32(out[c], s, q[i]);
-    }
-  }
-  for (int64_t c = 0; c < quads; ++c) vst1q_f32(o + 4 * c, vmulq_n_f32(out[c], scale));
+  for (c0 = 0; c0 + 4 <= quads; c0 += 4) head_columns(q, k, a, u, src, dst, dk, dv, c0, 4, scale, o);
+  for (; c0 < quads; ++c0) head_columns(q, k, a, u, src, dst, dk, dv, c0, 1, scale, o);
 }
 
 /* 4 cached values from element `index` on: float32, or float16 widened */

@@ -27,8 +27,8 @@ void edgelin_dotprod_q4_rows(const void*, int64_t, const uint8_t*, const float*,
                              float*);
 void edgelin_dotprod_q8_rows(const void*, int64_t, const uint8_t*, const float*, const uint8_t*, int64_t, int64_t,
                              float*);
-/* The step's fused ops (fused.c): conv.c's SiLU over a row, linear_attention.c's one head (dv a multiple of 4, at
-   most 256), attention.c's piece of one kv head (D a multiple of 4) */
+/* The step's fused ops (fused.c): conv.c's SiLU over a row, linear_attention.c's one head (dv a multiple of 4, dv
+   and dk at most 256), attention.c's piece of one kv head (D a multiple of 4) */
 void edgelin_neon_silu(float* z, int64_t n);
 void edgelin_neon_linear_head(int rule, const float* q, const float* k, const float* v, const float* g, int64_t gw,
                               float beta, const float* src, float* dst, int64_t dk, int64_t dv, float scale,
