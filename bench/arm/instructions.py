@@ -99,7 +99,9 @@ def count(command: list[str], cpu: str, env_extra: dict[str, str], root: Path, l
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "count.txt"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "EDGELIN_", "QEMU_"))}
-        env.update(QEMU_CPU=cpu, **env_extra)
+        # one thread everywhere: numpy's OpenBLAS workers, spinning while they wait, would be counted too (they made
+        # the same product's count vary by 20% between runs); a fixed hash seed keeps Python's own work the same
+        env.update(QEMU_CPU=cpu, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONHASHSEED="0", **env_extra)
         done = subprocess.run(["qemu-aarch64", "-L", str(root), "-plugin", f"{library},out={out}", *command],
                               env=env, capture_output=True, text=True)
         if done.returncode != 0:

@@ -13,6 +13,7 @@
 static int g_avx2 = -1;  /* -1: not asked yet (or back to the hardware's answer) */
 static int g_vnni = -1;  /* the same for the AVX-512 VNNI 4-bit product */
 static int g_arm = -1;   /* the ARM level to take (EDGELIN_ARM_*), -1: the CPU's */
+static int g_arm_cpu = -1;  /* the CPU's ARM level, read once (the products ask per call) */
 
 int edgelin_cpu_avx2(void) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -43,7 +44,7 @@ int edgelin_avx512_vnni(void) {
   return g_vnni && edgelin_avx2();
 }
 
-int edgelin_cpu_arm(void) {
+static int read_arm_level(void) {
 #if defined(__aarch64__)
   unsigned long caps = getauxval(AT_HWCAP), caps2 = getauxval(AT_HWCAP2);
   if (!(caps & EDGELIN_HWCAP_ASIMD)) return EDGELIN_ARM_NONE;  /* (every ARMv8-A Linux CPU has it) */
@@ -52,6 +53,11 @@ int edgelin_cpu_arm(void) {
 #else
   return EDGELIN_ARM_NONE;
 #endif
+}
+
+int edgelin_cpu_arm(void) {
+  if (g_arm_cpu < 0) g_arm_cpu = read_arm_level();
+  return g_arm_cpu;
 }
 
 int edgelin_arm(void) {

@@ -1,4 +1,4 @@
-/* edgelin's aarch64 kernels: NEON (every ARMv8-A CPU), with dotprod (SDOT) and i8mm (USDOT) where the CPU has them
+/* edgelin's aarch64 kernels: NEON (every ARMv8-A CPU), with dotprod (SDOT) and i8mm (USMMLA) where the CPU has them
    (cpu.h's levels). The generic files dispatch here when edgelin_arm() names a level (panels.c, f32_gemv.c,
    f16_gemm.c, q4_gemv.c, q8_gemv.c); each function keeps the contract of the one that calls it, and the portable C
    path beside that caller is its tested reference (tests/ortops/test_isa_paths.py, run for every level under

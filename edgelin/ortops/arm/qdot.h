@@ -4,14 +4,13 @@
    Each instantiation defines, before including this file:
      NAME(x)           its functions' names (edgelin_<level>_x)
      DOT16(acc, a, b)  acc (int32x4) + the products of 16 int8 pairs, summed in lanes (a: codes, b: activations)
-     Q8_CODES(v)       an 8-bit row's 16 codes (uint8x16) as Q8_DOT16's first operand; Q8_SHIFT what that
-                       subtracted from each (128: codes read as q - 128, int8)
-     Q8_DOT16          DOT16 for the 8-bit codes as Q8_CODES gives them
+   The 8-bit codes are read as q - 128 (int8, one xor) and 128 goes into their zero point; the 4-bit ones (0..15)
+   are int8 as they are.
    Four weight rows at once (independent accumulator chains), four blocks per step, straight-line: a block's dot is
    summed to one int32 lane by pairwise adds, then the four blocks are scaled together (scale x activation scale)
    and the zero points' term goes in once per block through the activation sum (offset x c), as on x86. Written
-   with loops over arrays guarded by the blocks left, the same work ran 3.2x (4-bit) and 5.1x (8-bit) the
-   instructions (bench/arm/instructions.py's counts, docs/arm.md). */
+   with loops over arrays guarded by the blocks left, the same work ran 2.2x (4-bit) and 2.1x (8-bit) the
+   instructions (docs/arm.md, "Instructions per token"). */
 #include <arm_neon.h>
 #include <string.h>
 
@@ -61,8 +60,10 @@ INLINE float32x4_t NAME(zero_points4)(const uint8_t* zr, int bits, int64_t b, fl
 /* One block of one row: its 32 codes against the token's 32 activations (8-bit: two halves of 16; 4-bit: the low
    nibbles against the even values, the high ones against the odd) */
 INLINE int32x4_t NAME(block_dot)(const uint8_t* codes, int bits, int8x16_t a0, int8x16_t a1) {
+  const uint8x16_t flip = vdupq_n_u8(0x80);
   if (bits == 8)
-    return Q8_DOT16(Q8_DOT16(vdupq_n_s32(0), Q8_CODES(vld1q_u8(codes)), a0), Q8_CODES(vld1q_u8(codes + 16)), a1);
+    return DOT16(DOT16(vdupq_n_s32(0), vreinterpretq_s8_u8(veorq_u8(vld1q_u8(codes), flip)), a0),
+                 vreinterpretq_s8_u8(veorq_u8(vld1q_u8(codes + 16), flip)), a1);
   uint8x16_t v = vld1q_u8(codes);
   return DOT16(DOT16(vdupq_n_s32(0), vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), a0),
                vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), a1);
@@ -81,7 +82,7 @@ INLINE void NAME(rows_group)(Scratch s, int bits, int64_t nb, const uint8_t* w, 
                              const uint8_t* zero_points, int64_t n, int R, float* y) {
   const int64_t row_bytes = nb * (bits == 8 ? BLOCK : 16), block_bytes = bits == 8 ? BLOCK : 16;
   const int64_t zero_bytes = bits == 8 ? nb : (nb + 1) / 2;
-  const float shift = bits == 8 ? (float)Q8_SHIFT : 0.0f;
+  const float shift = bits == 8 ? 128.0f : 0.0f;  /* the 8-bit codes' q - 128 */
   float32x4_t acc[QROWS];
   for (int r = 0; r < QROWS; ++r) acc[r] = vdupq_n_f32(0.0f);
   int64_t b = 0;
@@ -122,36 +123,26 @@ INLINE void NAME(rows_group)(Scratch s, int bits, int64_t nb, const uint8_t* w, 
   for (int r = 0; r < R; ++r) y[n + r] = vaddvq_f32(acc[r]);
 }
 
-INLINE void NAME(q8_group)(Scratch s, int64_t nb, const uint8_t* w, const float* scales, const uint8_t* zero_points,
-                           int64_t n, int R, float* y) {
-  NAME(rows_group)(s, 8, nb, w, scales, zero_points, n, R, y);
-}
-
-INLINE void NAME(q4_group)(Scratch s, int64_t nb, const uint8_t* w, const float* scales, const uint8_t* zero_points,
-                           int64_t n, int R, float* y) {
-  NAME(rows_group)(s, 4, nb, w, scales, zero_points, n, R, y);
-}
-
-/* Every group of QROWS rows, then the last n1 - n0 % QROWS, each count its own unrolled group */
-#define QDOT_ROWS(group)                                                                                         \
-  Scratch s = view(scratch, K);                                                                                  \
-  int64_t nb = n_blocks(K), n = n0;                                                                              \
-  for (; n + QROWS <= n1; n += QROWS) group(s, nb, weights, scales, zero_points, n, QROWS, y);                   \
-  switch (n1 - n) {                                                                                              \
-    case 3: group(s, nb, weights, scales, zero_points, n, 3, y); break;                                          \
-    case 2: group(s, nb, weights, scales, zero_points, n, 2, y); break;                                          \
-    case 1: group(s, nb, weights, scales, zero_points, n, 1, y); break;                                          \
-    default: break;                                                                                              \
+/* Every group of QROWS rows, then the last (n1 - n0) % QROWS, each count its own unrolled group */
+INLINE void NAME(quant_rows)(int bits, const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
+                       const uint8_t* zero_points, int64_t n0, int64_t n1, float* y) {
+  Scratch s = view(scratch, K);
+  int64_t nb = n_blocks(K), n = n0;
+  for (; n + QROWS <= n1; n += QROWS) NAME(rows_group)(s, bits, nb, weights, scales, zero_points, n, QROWS, y);
+  switch (n1 - n) {
+    case 3: NAME(rows_group)(s, bits, nb, weights, scales, zero_points, n, 3, y); break;
+    case 2: NAME(rows_group)(s, bits, nb, weights, scales, zero_points, n, 2, y); break;
+    case 1: NAME(rows_group)(s, bits, nb, weights, scales, zero_points, n, 1, y); break;
+    default: break;
   }
+}
 
 void NAME(q8_rows)(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
                    const uint8_t* zero_points, int64_t n0, int64_t n1, float* y) {
-  QDOT_ROWS(NAME(q8_group))
+  NAME(quant_rows)(8, scratch, K, weights, scales, zero_points, n0, n1, y);
 }
 
-#ifndef QDOT_NO_Q4
 void NAME(q4_rows)(const void* scratch, int64_t K, const uint8_t* weights, const float* scales,
                    const uint8_t* zero_points, int64_t n0, int64_t n1, float* y) {
-  QDOT_ROWS(NAME(q4_group))
+  NAME(quant_rows)(4, scratch, K, weights, scales, zero_points, n0, n1, y);
 }
-#endif

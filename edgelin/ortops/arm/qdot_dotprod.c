@@ -1,13 +1,10 @@
 /* qdot.h with SDOT (ARMv8.2 dotprod: Cortex-A55/A76/A78, Raspberry Pi 5, Jetson Orin): 4 int8 products summed into
-   each int32 lane in one instruction; the 8-bit codes read as q - 128 (int8), as on NEON alone. */
+   each int32 lane in one instruction. */
 #if defined(__aarch64__)
 #pragma GCC target("arch=armv8.2-a+dotprod")
 #include "neon.h"
 
 #define NAME(x) edgelin_dotprod_##x
 #define DOT16(acc, a, b) vdotq_s32(acc, a, b)
-#define Q8_DOT16(acc, a, b) vdotq_s32(acc, a, b)
-#define Q8_CODES(v) vreinterpretq_s8_u8(veorq_u8(v, vdupq_n_u8(0x80)))
-#define Q8_SHIFT 128
 #include "qdot.h"
 #endif

@@ -14,14 +14,11 @@ static inline __attribute__((always_inline)) int32x4_t neon_dot16(int32x4_t acc,
 }
 
 #define DOT16(acc, a, b) neon_dot16(acc, a, b)
-#define Q8_DOT16(acc, a, b) neon_dot16(acc, a, b)
-#define Q8_CODES(v) vreinterpretq_s8_u8(veorq_u8(v, vdupq_n_u8(0x80)))
-#define Q8_SHIFT 128
 #include "qdot.h"
 
 EdgelinArmRows edgelin_arm_rows(int bits, int level) {
   switch (level) {
-    case EDGELIN_ARM_I8MM:  /* USDOT's one-token 8-bit product ran 12% more instructions than SDOT's (docs/arm.md) */
+    case EDGELIN_ARM_I8MM:  /* SDOT's one-token products: USDOT's 8-bit one ran 1.7% more instructions (docs/arm.md) */
     case EDGELIN_ARM_DOTPROD: return bits == 8 ? edgelin_dotprod_q8_rows : edgelin_dotprod_q4_rows;
     case EDGELIN_ARM_NEON: return bits == 8 ? edgelin_neon_q8_rows : edgelin_neon_q4_rows;
     default: return 0;
