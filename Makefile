@@ -11,7 +11,7 @@ OUT    := out/tiny
 # Python compiles a module the first time it is imported instead.
 EXTRAS ?= onnx,dev
 
-.PHONY: demo test test-all test-arm lint install clean peers-setup
+.PHONY: demo test test-all test-arm test-serve serve-env lint install clean peers-setup
 
 install: $(VENV)/.installed
 
@@ -39,10 +39,25 @@ demo: install
 PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 test: install
-	$(PYTEST) -m "not slow"
+	$(PYTEST) -m "not slow and not server"
 
 test-all: install
-	$(PYTEST)
+	$(PYTEST) -m "not server"
+
+# The serving environment (docs/serving.md): Triton Inference Server from the nvidia-pytriton wheel, whose Python
+# backend needs numpy < 2, so a venv of its own beside .venv, with edgelin installed editable (the same checkout).
+SERVE_VENV := .serve-venv
+serve-env: $(SERVE_VENV)/.installed
+
+$(SERVE_VENV)/.installed: pyproject.toml constraints-serve.txt CMakeLists.txt edgelin/ortops/CMakeLists.txt
+	$(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/python -m pip install -q --no-compile -c constraints-serve.txt -e ".[runtime,server]"
+	touch $@
+
+# The server tier (CI runs it after `make test`): a real tritonserver serving exports to concurrent clients,
+# and its faults (tests/serve/test_triton_server.py; ~3 min).
+test-serve: install serve-env
+	EDGELIN_SERVE_ENV=$(SERVE_VENV) $(BIN)/python -m pytest -q -m server tests/serve
 
 # The ARM tier (CI runs it after `make test`): edgelin's cross-built aarch64 wheel under qemu-user, every kernel path
 # on emulated Cortex-A72 / A76 / max and the shipped model's exports validated there (docs/arm.md; ~5-8 min).
@@ -54,7 +69,7 @@ lint: install
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) out .pytest_cache build dist
+	rm -rf $(VENV) $(SERVE_VENV) out .pytest_cache build dist
 
 # The CPU peers benchmark's own environments (bench/peers.md; never part of `make test` or CI):
 # llama-cpp-python built from source, ExecuTorch, each in a venv outside the repo ($(PEERS)).

@@ -26,7 +26,7 @@ TargetName = Literal[tuple(target_names())]  # type: ignore[valid-type]  # the r
 Precision = Literal[PRECISIONS]  # type: ignore[valid-type]  # the vocabulary, declared once (edgelin.artifact.vocabulary)
 Quantize = Literal[QUANTIZE]  # type: ignore[valid-type]
 Baseline = Literal["kv"]
-Serve = Literal["triton"]
+Serve = Literal["triton", "triton-native"]
 
 
 def _print_version(value: bool) -> None:
@@ -227,8 +227,9 @@ def export(
         None, "--baseline", help="Also export a same-size KV-cache softmax model into DIR/baseline-kv "
                                  "(for `bench --baseline kv`)."),
     serve: Optional[Serve] = typer.Option(
-        None, "--serve", help="Also write a Triton Inference Server model repository into DIR/triton/ (sequence "
-                              "batcher, implicit state, client.py; docs/serving.md)."),
+        None, "--serve", help="Also write a Triton Inference Server model repository into DIR/triton/: triton (Python "
+                              "backend running edgelin's runner: prefill, hybrids, every target; `edgelin serve DIR`) "
+                              "or triton-native (the target's own Triton backend, implicit state; docs/serving.md)."),
     as_json: bool = JSON,
     **target_flags: Any,
 ) -> None:
@@ -291,9 +292,11 @@ def export(
                  + f"; check {'passed' if gate.get('passed') else 'FAILED (exported with --force)'}")
     served = m.extra.get("serve", {}).get("triton")
     if served:
-        out.line(f"Triton repository: {result.folder}/{served['repository']}/{served['model']} ({served['backend']}, "
-                 f"{served['states']} implicit states, max batch {served['limits']['max_batch_size']}); client: "
-                 f"{result.folder}/{served['client']} (docs/serving.md)")
+        held = (f"{served['states']} implicit states" if "states" in served
+                else f"state held per sequence, {served['limits']['max_candidate_sequences']} sequences")
+        out.line(f"Triton repository: {result.folder}/{served['repository']}/{served['model']} ({served['backend']} "
+                 f"backend, {held}, max batch {served['limits']['max_batch_size']}); serve it: edgelin serve "
+                 f"{result.folder} (docs/serving.md)")
     if result.inert_fields:
         out.line(f"ignored (inert upstream fields): {', '.join(result.inert_fields)}")
 
@@ -517,6 +520,8 @@ def generate(
     prompt_cache: Optional[Path] = typer.Option(None, "--prompt-cache", help="Reuse FILE's state when the prompt "
                                                 "starts with its tokens (prefill only the rest); else prefill the "
                                                 "prompt and write FILE."),
+    server: Optional[str] = typer.Option(None, "--server", help="Generate on a running `edgelin serve` (gRPC "
+                                         "HOST:PORT) instead of here: the folder gives the tokenizer and model name."),
     no_verify: bool = NO_VERIFY,
     as_json: bool = JSON,
 ) -> None:
@@ -542,7 +547,7 @@ def generate(
     # one error line, not the prompt followed by an error.
     result = run_generate(folder, prompt, max_new_tokens, sampling, on_text=out.stream, keep_ids=as_json,
                           stop_at_eos=not ignore_eos, threads=threads, on_start=lambda: out.stream(prompt),
-                          device=profile, states=StateFiles(load_state, save_state, prompt_cache))
+                          device=profile, states=StateFiles(load_state, save_state, prompt_cache), server=server)
     out.stream("\n")
     out.result(result.to_dict())
     out.note(f"{result.new_tokens} tokens, {result.tokens_per_second:,.0f} tok/s, prefill "
@@ -637,7 +642,7 @@ def build(
         out.line(f"not built: {built.missing}")
 
 
-from edgelin import cli_train_report  # noqa: E402,F401  (registers train and report after the commands above)
+from edgelin import cli_serve, cli_train_report  # noqa: E402,F401  (register serve, train, report after the above)
 
 
 def main() -> None:

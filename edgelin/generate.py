@@ -21,6 +21,7 @@ from edgelin.tokenizer import TOKENIZER, TextTokenizer
 if TYPE_CHECKING:
     from edgelin.conversation import Conversation
     from edgelin.devices import DeviceProfile
+    from edgelin.serve.client import ServedConversation
 
 
 SETTLE_STEPS = 16  # the runtime allocates its buffers in the first steps; growth is measured after
@@ -223,16 +224,22 @@ def generate(
     on_start: Callable[[], None] | None = None,
     device: "DeviceProfile | None" = None,
     states: StateFiles = StateFiles(),
+    server: str | None = None,
 ) -> GenerateResult:
     """`on_start` is called once the folder, tokenizer and prompt prefill have succeeded, before the
     first token: the CLI echoes the prompt there, so a failure never prints the prompt first. The
-    state stays in the runner's handle (advanced in place); only the logits come back each step."""
+    state stays in the runner's handle (advanced in place); only the logits come back each step.
+    `server`: a running `edgelin serve` (gRPC HOST:PORT) does the prefill and steps, holding the state; the folder
+    gives the tokenizer and the model's name (edgelin.serve.client)."""
     if any("\ud800" <= char <= "\udfff" for char in prompt):  # the tokenizer takes Unicode text only
         raise EdgelinError("the prompt is not valid text", "it holds surrogate code points (bytes that were not "
                            "UTF-8, decoded with errors='surrogateescape')", "pass the prompt as UTF-8 text")
     states.check()
-    runner = open_runner(folder, threads, device)
-    manifest = runner.manifest
+    if server is not None:
+        runner, manifest = None, served_manifest(folder, states)
+    else:
+        runner = open_runner(folder, threads, device)
+        manifest = runner.manifest
     if manifest.tokenizer is None:
         raise no_tokenizer(folder, manifest.source.get("path"))
     tokenizer = TextTokenizer(Path(folder) / manifest.tokenizer)
@@ -250,7 +257,7 @@ def generate(
 
     check_length(manifest, (position_of(states.load) if states.load is not None else 0) + len(ids), max_new_tokens)
     started = time.perf_counter()
-    conv, reused, fresh = _start(runner, states, ids)
+    conv, reused, fresh = _start(runner, states, ids) if server is None else (_served(server, manifest), 0, ids)
     logits = conv.prefill(np.asarray(fresh, np.int64))
     prefilled = conv.position - reused  # a missed prompt cache's prompt in two calls, both counted
     prefill_seconds = time.perf_counter() - started
@@ -280,6 +287,30 @@ def generate(
     decode_seconds = time.perf_counter() - started
     if states.save is not None:
         conv.save(states.save)
+    if server is not None:
+        conv.close()  # ends the sequence: the server frees its slot
     text = tokenizer.decode(kept) if kept is not None else None
+    label = runner_label(runner) if runner is not None else f"triton server {server} (model {conv.model})"
     return GenerateResult(len(ids), produced, prefill_seconds, decode_seconds, rss_start, rss_bytes(), kept, text,
-                          runner_label(runner), reused, prefilled)
+                          label, reused, prefilled)
+
+
+def served_manifest(folder: Path, states: StateFiles):
+    """The manifest of an export served by `edgelin serve` (generate --server), checked: the server holds the
+    state, so state files are refused."""
+    from edgelin.runtime import load_artifact
+
+    if states != StateFiles():
+        raise EdgelinError("--server with a state file option", "the server holds the conversation's state",
+                           "drop --load-state, --save-state and --prompt-cache, or generate locally")
+    manifest = load_artifact(folder).manifest
+    if (manifest.extra.get("serve", {}).get("triton") or {}).get("backend") != "python":
+        raise EdgelinError(f"{folder} was not exported with --serve triton", "generate --server talks to the "
+                           "Python-backend model that flag writes", "re-export with --serve triton, then edgelin serve")
+    return manifest
+
+
+def _served(server: str, manifest) -> "ServedConversation":
+    from edgelin.serve.client import ServedConversation
+
+    return ServedConversation(server, manifest.extra["serve"]["triton"]["model"])

@@ -164,8 +164,8 @@ def test_force_replaces_our_own_export_with_a_triton_repository(ckpt, fast_graph
 
     for add, undo in ((lambda: (theirs / "notes.md").write_text("mine"), lambda: (theirs / "notes.md").unlink()),
                       (lambda: (theirs / "mine").mkdir(), lambda: (theirs / "mine").rmdir()),
-                      (lambda: relink(theirs / "1" / "model.onnx", ckpt / "config.json"),  # a listed name, a link out
-                       lambda: (theirs / "1" / "model.onnx").unlink())):
+                      (lambda: relink(theirs / "1" / "model.py", ckpt / "config.json"),  # a listed name, a link out
+                       lambda: (theirs / "1" / "model.py").unlink())):
         add()
         before = tree_hashes(out)
         refused(run("export", ckpt, "--out", out, "--force", "--serve", "triton"), "will not replace",

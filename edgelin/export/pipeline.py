@@ -92,9 +92,9 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
     `baselines`: names of edgelin.artifact.baselines.BASELINES to export inside the folder (--baseline kv).
     `text`: held-out text for the recorded quality figures (--text FILE; default: the checkpoint's recipe
     validation split, else random tokens). The quality gate's result (fp16/quantised exports) goes into
-    extra["quality"], and a check failed under --force is also a warning of the result. `serve`: "triton" (--serve
-    triton) also writes DIR/triton/, a Triton Inference Server repository (edgelin.serve.triton); a model whose
-    state cannot be Triton's implicit state is refused before anything is written. `on_progress(done, total,
+    extra["quality"], and a check failed under --force is also a warning of the result. `serve`: "triton" or
+    "triton-native" (--serve) also writes DIR/triton/, a Triton Inference Server repository (edgelin.serve.triton);
+    an export that flavour cannot serve is refused before anything is written. `on_progress(done, total,
     what)` hears each phase as it starts (a progress bar's count). `consume_model`: `model` is the export's own
     (export_checkpoint loaded it): once its fp32 figures are recorded, a quantised export's parity reference may
     take the place of its float weights (memory: edgelin.export.reference_vectors.record), and once the reference
@@ -128,11 +128,12 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
         from edgelin.serve.triton import check_config, check_server, check_servable
 
         check_server(serve)
-        check_servable([t for t in _io(model, "step", settings.state_dtype)[0] if t.role == "state"], target.name)
+        check_servable([t for t in _io(model, "step", settings.state_dtype)[0] if t.role == "state"], target.name,
+                       serve)
         # the config.pbtxt it will write, parsed with Triton's schema before anything is written
         serve_warning = check_config(build_manifest(model, target.name, settings.precision,
                                                     {kind: f"{kind}.onnx" for kind in GRAPHS}, source, None,
-                                                    settings.state_dtype), device)
+                                                    settings.state_dtype), device, serve)
     if not target.pads_state_dims:  # a target that pads the state instead of refusing (Target.pads_state_dims)
         check_state_dims(model.state_tensors(), settings)
     from edgelin.precision import check_state_dtype
@@ -190,7 +191,7 @@ def export_model(model: CausalLM, out: Path, target_name: str, source: dict, tok
             from edgelin.serve.triton import MANIFEST_KEY as SERVE_KEY, write_repository
 
             phase("writing the Triton repository")
-            recorded[SERVE_KEY] = write_repository(tmp, manifest, device)
+            recorded[SERVE_KEY] = write_repository(tmp, manifest, device, serve)
         if state_precision:  # the verdicts the state dtype was checked against (failing ones too under --force)
             recorded["state_precision"] = [v.to_dict() for v in state_precision]
         phase("writing the manifest")

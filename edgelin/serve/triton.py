@@ -1,4 +1,8 @@
-"""`edgelin export --serve triton`: a Triton Inference Server model repository under DIR/triton/.
+"""`edgelin export --serve triton|triton-native`: a Triton Inference Server model repository under DIR/triton/.
+
+`--serve triton` (the default flavour) writes a Python-backend model running edgelin's runner, holding each
+sequence's state itself, with prefill and hybrids: edgelin.serve.triton_python. This module writes that
+repository's shared parts (the client) and the *native* flavour, `--serve triton-native`, below.
 
 Triton's sequence batcher with *implicit state* keeps, per sequence, exactly what edgelin's step graph takes
 and returns: every `past_key_values.*` input is a `state` whose next value is its `present.*` output, zero at
@@ -35,15 +39,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgelin.errors import EdgelinError
+from edgelin.serve.repository import CLIENT, FOLDER, client_text, parse_config  # noqa: F401 (shared)
 
 if TYPE_CHECKING:
     from edgelin.devices import DeviceProfile, ServingLimits
     from edgelin.artifact.manifest import Manifest
     from edgelin.artifact.tensors import TensorIO
 
-SERVERS = ("triton",)
-FOLDER = "triton"
-CLIENT = "client.py"
+PYTHON_FLAVOUR, NATIVE_FLAVOUR = "triton", "triton-native"
+SERVERS = (PYTHON_FLAVOUR, NATIVE_FLAVOUR)
 # Triton's names for what serves a graph (a target says which: Target.triton_backend): the ONNX Runtime backend,
 # or the TensorRT platform that loads a plan
 ONNXRUNTIME, TENSORRT_PLAN = "onnxruntime", "tensorrt_plan"
@@ -60,8 +64,11 @@ def check_server(serve: str | None) -> None:
                            "pass --serve triton, or leave --serve out")
 
 
-def unservable(state: Sequence["TensorIO"], target: str) -> str | None:
-    """Why this export cannot be served by Triton with implicit state, or None."""
+def unservable(state: Sequence["TensorIO"], target: str, serve: str) -> str | None:
+    """Why this export cannot be served by Triton in flavour `serve`, or None (the Python flavour serves any
+    export: its model runs the target's own runner)."""
+    if serve == PYTHON_FLAVOUR:
+        return None
     if _backend(target) is None:
         from edgelin.export.targets import get_target, target_names
 
@@ -84,11 +91,11 @@ def _backend(target: str) -> str | None:
     return get_target(target).triton_backend
 
 
-def check_servable(state: Sequence["TensorIO"], target: str) -> None:
-    why = unservable(state, target)
+def check_servable(state: Sequence["TensorIO"], target: str, serve: str) -> None:
+    why = unservable(state, target, serve)
     if why:
-        raise EdgelinError("--serve triton", why, "export without --serve, or a model whose attention layers have "
-                           "a sliding window (constant state)")
+        raise EdgelinError(f"--serve {serve}", why, "pass --serve triton (the Python backend serves every export, "
+                           "hybrids included), or export without --serve")
 
 
 def model_name(source: dict[str, Any]) -> str:
@@ -164,24 +171,6 @@ def config_text(manifest: "Manifest", name: str, limits: "ServingLimits", backen
     return "\n".join(lines) + "\n"
 
 
-def parse_config(text: str, where: str) -> bool:
-    """`text` parsed with Triton's own schema (tritonclient's ModelConfig, protobuf text format), so that a
-    config.pbtxt Triton's parser rejects is one line, never a repository reported written. False: tritonclient is
-    not installed here, so nothing was parsed."""
-    try:
-        from google.protobuf import text_format
-        from tritonclient.grpc.model_config_pb2 import ModelConfig
-    except ImportError:
-        return False
-    try:
-        text_format.Parse(text, ModelConfig())
-    except text_format.ParseError as exc:
-        raise EdgelinError(f"{where} would not load in Triton", f"Triton's ModelConfig parser rejects it: {exc}",
-                           "check the device profile's [serving] values (devices/README.md), or report "
-                           "this as an edgelin bug") from None
-    return True
-
-
 def _choices(manifest: "Manifest", device: "DeviceProfile | None") -> tuple[str, str, "ServingLimits", bool | None]:
     """(model name, backend, batching limits, GPU instances) of the repository for this export and device."""
     from edgelin.devices import ServingLimits
@@ -191,12 +180,18 @@ def _choices(manifest: "Manifest", device: "DeviceProfile | None") -> tuple[str,
     return model_name(manifest.source), backend, limits, None if device is None else device.compute == "cuda"
 
 
-def check_config(manifest: "Manifest", device: "DeviceProfile | None") -> str | None:
+def check_config(manifest: "Manifest", device: "DeviceProfile | None", serve: str) -> str | None:
     """Before anything is written (the graphs' I/O is known from the model): the config.pbtxt this export would
     write, parsed with Triton's schema (parse_config). Returns a warning line when tritonclient is not installed."""
     name, backend, limits, gpu = _choices(manifest, device)
     where = f"{FOLDER}/{name}/config.pbtxt"
-    if parse_config(config_text(manifest, name, limits, backend, gpu), where):
+    if serve == PYTHON_FLAVOUR:
+        from edgelin.serve import triton_python
+
+        text = triton_python.config_text(manifest, name, limits, device)
+    else:
+        text = config_text(manifest, name, limits, backend, gpu)
+    if parse_config(text, where):
         return None
     return (f"tritonclient is not installed, so {where} was not parsed with Triton's schema (pip install "
             "'edgelin[serve]' to have export check it)")
@@ -260,11 +255,15 @@ def _link(source: Path, target: Path) -> None:
 
 
 # ---- the repository ---------------------------------------------------------------------------------
-def write_repository(folder: Path, manifest: "Manifest", device: "DeviceProfile | None") -> dict[str, Any]:
+def write_repository(folder: Path, manifest: "Manifest", device: "DeviceProfile | None", serve: str) -> dict[str, Any]:
     """DIR/triton/ for the export in `folder` (its graphs and weights written, `manifest` describing them).
     Returns the manifest's extra["serve"] entry."""
-    check_servable(manifest.state_inputs, manifest.target)
+    check_servable(manifest.state_inputs, manifest.target, serve)
     name, backend, limits, gpu = _choices(manifest, device)
+    if serve == PYTHON_FLAVOUR:
+        from edgelin.serve import triton_python
+
+        return {"triton": triton_python.write_repository(folder, manifest, name, limits, device)}
     root = Path(folder) / FOLDER
     version = root / name / "1"
     version.mkdir(parents=True)
@@ -281,9 +280,7 @@ def write_repository(folder: Path, manifest: "Manifest", device: "DeviceProfile 
     from edgelin.export.targets import get_target
 
     get_target(manifest.target).write_serving_notes(root, manifest, name, limits)  # e.g. how to build the plan
-    template = (Path(__file__).parent / "triton_client.py").read_text()
-    (root / CLIENT).write_text(template.replace('MODEL = "model"  # filled in by edgelin export',
-                                                f'MODEL = "{name}"'))
+    (root / CLIENT).write_text(client_text(name, prefill=False))
     return {"triton": {"repository": FOLDER, "model": name, "backend": backend, "graph": f"{name}/1/model.onnx",
                        "weights": [f"{name}/1/{loc}" for loc in locations], "client": f"{FOLDER}/{CLIENT}",
                        "position": (f"implicit state {POSITION_IN} -> {POSITION_OUT}" if manifest.needs_position

@@ -4,8 +4,9 @@ and a running server (docs/serving.md):
 
     python DIR/triton/client.py --prompt "def main(" -n 64 [--url localhost:8001] [--sequence-id 7]
 
-Every token, the prompt's included, is one request of the sequence: the server keeps the recurrent state (and
-the position) between requests, so a request carries one token id. Greedy decoding; the text streams to stdout.
+The server keeps the sequence's state between requests. The Python-backend repository (--serve triton) takes
+the whole prompt in one request and answers each step with the next token only; the native one (--serve
+triton-native) takes one token per request and answers with the logits. Greedy decoding; the text streams to stdout.
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from pathlib import Path
 import numpy as np
 
 MODEL = "model"  # filled in by edgelin export
+PREFILL = True  # filled in by edgelin export: whether the model takes several tokens in one request
 TOKENIZER = Path(__file__).resolve().parent.parent / "tokenizer.json"  # the export's tokenizer
 
 
-def step(client, grpc, token: int, sequence_id: int, start: bool, end: bool) -> np.ndarray:
-    ids = grpc.InferInput("input_ids", [1, 1], "INT64")
-    ids.set_data_from_numpy(np.array([[token]], np.int64))
-    result = client.infer(MODEL, [ids], outputs=[grpc.InferRequestedOutput("logits")], sequence_id=sequence_id,
+def step(client, grpc, tokens: list[int], sequence_id: int, start: bool, end: bool) -> int:
+    """Send `tokens` (one request); the argmax of the answer's last position."""
+    ids = grpc.InferInput("input_ids", [1, len(tokens)], "INT64")
+    ids.set_data_from_numpy(np.array([tokens], np.int64))
+    output = "next_token" if PREFILL else "logits"
+    result = client.infer(MODEL, [ids], outputs=[grpc.InferRequestedOutput(output)], sequence_id=sequence_id,
                           sequence_start=start, sequence_end=end)
-    return result.as_numpy("logits")[0]
+    return int(np.argmax(result.as_numpy(output).reshape(-1))) if not PREFILL else int(result.as_numpy(output)[0, 0])
 
 
 def main() -> None:
@@ -45,17 +49,18 @@ def main() -> None:
     if not prompt:
         sys.exit("error: --prompt encodes to no tokens")
     sys.stdout.write(args.prompt)
-    logits = None
-    for i, token in enumerate(prompt):  # the prompt, one step per token (the server has no prefill model)
-        logits = step(client, grpc, token, args.sequence_id, start=i == 0, end=False)
+    if PREFILL:  # the prompt in one request
+        token = step(client, grpc, prompt, args.sequence_id, start=True, end=False)
+    else:  # one request per token (the native repository has no prefill model)
+        for i, t in enumerate(prompt):
+            token = step(client, grpc, [t], args.sequence_id, start=i == 0, end=False)
     ids: list[int] = []
     for i in range(args.max_new_tokens):
-        token = int(np.argmax(logits))
         ids.append(token)
         sys.stdout.write(tokenizer.decode(ids[-1:]))
         sys.stdout.flush()
         # the last request ends the sequence: the server frees its state slot
-        logits = step(client, grpc, token, args.sequence_id, start=False, end=i == args.max_new_tokens - 1)
+        token = step(client, grpc, [token], args.sequence_id, start=False, end=i == args.max_new_tokens - 1)
     sys.stdout.write("\n")
 
 

@@ -1,5 +1,6 @@
-"""`export --serve triton`: the Triton Inference Server repository, checked against Triton's own config schema
-(tritonclient's ModelConfig) and run through ONNX Runtime (the server itself cannot run here)."""
+"""`export --serve triton|triton-native`: the Triton Inference Server repositories, checked against Triton's own
+config schema (tritonclient's ModelConfig); the native one's model.onnx run through ONNX Runtime (no server here
+has its backend). The Python-backend repository runs on a real server in test_triton_server.py."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("serve")
     # linear + sliding-window softmax
     ckpt = make_checkpoint(root / "tiny-hybrid", "hybrid", tokenizer=False, vocab_size=TOKENIZER_VOCAB)
-    return export_checkpoint(ckpt, root / "out", serve="triton").folder
+    return export_checkpoint(ckpt, root / "out", serve="triton-native").folder
 
 
 def parse(path: Path):
@@ -135,10 +136,34 @@ def test_growing_state_is_refused_before_anything_is_written(tmp_path: Path) -> 
 
     attention = AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, window=None)  # a full KV cache
     ckpt = make_checkpoint(tmp_path / "full", "hybrid", tokenizer=False, attention=attention)
-    with pytest.raises(EdgelinError, match=r"--serve triton: state past_key_values\.1\.key has dims .*past_sequence"
-                                           r".* grows with the context"):
-        export_checkpoint(ckpt, tmp_path / "out", serve="triton")
+    with pytest.raises(EdgelinError, match=r"--serve triton-native: state past_key_values\.1\.key has dims "
+                                           r".*past_sequence.* grows with the context"):
+        export_checkpoint(ckpt, tmp_path / "out", serve="triton-native")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_python_backend_repository_serves_a_growing_cache(tmp_path: Path) -> None:
+    """--serve triton takes the hybrid the native flavour refuses: a Python-backend config (parsed with Triton's
+    schema) whose limits are the device profile's, and a model.py that only imports edgelin's model."""
+    from edgelin.devices import get_device
+    from edgelin.model.config import AttentionConfig
+
+    attention = AttentionConfig(num_heads=2, num_kv_heads=1, head_dim=16, window=None)
+    ckpt = make_checkpoint(tmp_path / "full", "hybrid", tokenizer=False, attention=attention)
+    folder = export_checkpoint(ckpt, tmp_path / "out", device=get_device("desktop-cpu"), serve="triton").folder
+    config, DataType, _, _ = parse(folder / "triton" / "full" / "config.pbtxt")
+    assert (config.backend, config.max_batch_size) == ("python", 8)
+    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [("input_ids", DataType.TYPE_INT64, [-1])]
+    assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [
+        ("logits", DataType.TYPE_FP32, [Manifest.load(folder).vocab_size]), ("next_token", DataType.TYPE_INT64, [1])]
+    batching = config.sequence_batching
+    assert [c.name for c in batching.control_input] == ["START", "END", "CORRID"] and not batching.state
+    assert (batching.oldest.max_candidate_sequences, list(batching.oldest.preferred_batch_size)) == (32, [4, 8])
+    assert config.parameters["device"].string_value == "desktop-cpu"
+    source = (folder / "triton" / "full" / "1" / "model.py").read_text()
+    assert [line for line in source.splitlines() if not line.startswith("#")] == [
+        "from edgelin.serve.python_model import TritonPythonModel  # noqa: F401"]
+    assert "triton/full/1/model.py" in Manifest.load(folder).sha256  # verified when the server opens the folder
 
 
 def test_bad_serving_table_is_refused() -> None:
@@ -178,7 +203,8 @@ def _unparsable_device():
     return replace(get_device("desktop-cpu"), serving=too_large)
 
 
-def test_a_config_triton_rejects_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("serve", ["triton", "triton-native"])
+def test_a_config_triton_rejects_is_refused_before_anything_is_written(tmp_path: Path, monkeypatch, serve) -> None:
     from edgelin.export.onnx.target import OnnxTarget
 
     def traced(*args, **kwargs):
@@ -187,17 +213,18 @@ def test_a_config_triton_rejects_is_refused_before_anything_is_written(tmp_path:
     monkeypatch.setattr(OnnxTarget, "export", traced)
     ckpt = make_checkpoint(tmp_path / "tiny", "hybrid", tokenizer=False)
     with pytest.raises(EdgelinError) as caught:
-        export_checkpoint(ckpt, tmp_path / "out", device=_unparsable_device(), serve="triton")
+        export_checkpoint(ckpt, tmp_path / "out", device=_unparsable_device(), serve=serve)
     assert caught.value.line().startswith("triton/tiny/config.pbtxt would not load in Triton: Triton's ModelConfig "
                                           "parser rejects it: ") and "max_batch_size" in caught.value.line()
     assert not (tmp_path / "out").exists()
 
 
-def test_the_written_config_is_parsed_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("serve", ["triton", "triton-native"])
+def test_the_written_config_is_parsed_back(tmp_path: Path, serve: str) -> None:
     from edgelin.serve.triton import write_repository
 
     with pytest.raises(EdgelinError, match="triton/tiny/config.pbtxt would not load in Triton"):
-        write_repository(tmp_path, _manifest(), _unparsable_device())  # (the pipeline's temp folder goes with it)
+        write_repository(tmp_path, _manifest(), _unparsable_device(), serve)  # (the pipeline's temp folder goes with it)
 
 
 def test_without_tritonclient_the_config_check_is_a_warning(monkeypatch) -> None:
@@ -205,8 +232,9 @@ def test_without_tritonclient_the_config_check_is_a_warning(monkeypatch) -> None
 
     from edgelin.serve.triton import check_config
 
-    assert check_config(_manifest(), None) is None  # parsed: nothing to say
+    assert check_config(_manifest(), None, "triton") is None  # parsed: nothing to say
+    assert check_config(_manifest(), None, "triton-native") is None
     monkeypatch.setitem(sys.modules, "tritonclient.grpc.model_config_pb2", None)  # as if not installed
-    assert check_config(_manifest(), _unparsable_device()) == (
+    assert check_config(_manifest(), _unparsable_device(), "triton") == (
         "tritonclient is not installed, so triton/tiny/config.pbtxt was not parsed with Triton's schema (pip install "
         "'edgelin[serve]' to have export check it)")
