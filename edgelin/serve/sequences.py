@@ -91,8 +91,9 @@ class SequencePool:
                 steps.append(i)
             else:
                 self._answer([results[i]], lambda call=call: self._prefill(call)[None])
+        index = {calls[i].sequence: i for i in steps}
         for group in self._groups([calls[i].sequence for i in steps]):
-            rows = [i for i in steps if calls[i].sequence in group]
+            rows = [index[s] for s in group]  # the calls in the group's row order
             ids = np.array([int(calls[i].ids[0]) for i in rows], np.int64)
             self._answer([results[i] for i in rows], lambda group=group, ids=ids: self._step(group, ids))
         for call, result in zip(calls, results):
@@ -162,14 +163,19 @@ class SequencePool:
 
     # ---- state movement --------------------------------------------------------------------------------
     def _groups(self, sequences: list[int]) -> list[tuple[int, ...]]:
+        """The step calls for `sequences`: one, or one per position where the KV cache must line up; a group holding
+        the resident batch's sequences takes its row order (Triton hands them over in any order)."""
         if not sequences:
             return []
         if not self._same_position:
-            return [tuple(sequences)]
-        by_position: dict[int, list[int]] = {}
-        for s in sequences:
-            by_position.setdefault(self._sequences[s].position, []).append(s)
-        return [tuple(g) for g in by_position.values()]
+            groups = [sequences]
+        else:
+            by_position: dict[int, list[int]] = {}
+            for s in sequences:
+                by_position.setdefault(self._sequences[s].position, []).append(s)
+            groups = list(by_position.values())
+        resident = self._batch[0] if self._batch is not None else ()
+        return [resident if set(g) == set(resident) and len(g) == len(resident) else tuple(g) for g in groups]
 
     def _scatter(self) -> None:
         """The resident batch back into per-sequence states (rows of sequences that were dropped are discarded)."""
@@ -179,6 +185,8 @@ class SequencePool:
         values = self.runner.read_state(handle)
         for row, sequence in enumerate(order):
             if sequence in self._sequences:
+                # copies, not views: a view would keep the whole batch's arrays alive (measured slower: fresh pages
+                # for every gather)
                 self._sequences[sequence].state = {k: v[row:row + 1].copy() for k, v in values.items()}
 
     def _handle_for(self, group: tuple[int, ...]) -> StateHandle:
