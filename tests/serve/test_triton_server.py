@@ -267,3 +267,17 @@ def test_generate_on_the_server_gives_the_text_of_local_generate(exports, window
     there = CliRunner().invoke(app, [*args, "--server", window_server.grpc_url])
     assert here.exit_code == 0 and there.exit_code == 0, (here.output, there.output)
     assert there.stdout == here.stdout and len(here.stdout) > len("def main(") + 10
+
+
+def test_a_changed_model_py_is_refused_before_the_server_runs_it(exports, tmp_path):
+    """Triton imports model.py: `edgelin serve` verifies the folder first, so a changed one never runs."""
+    import shutil
+
+    from edgelin.serve.server import ServeRequest, TritonServer
+
+    copy = tmp_path / "copy"
+    shutil.copytree(exports["window"], copy)
+    model_py = next((copy / "triton").glob("*/1/model.py"))
+    model_py.write_text("import os; os.system('echo pwned')\n")
+    with pytest.raises(EdgelinError, match=r"model\.py"):
+        TritonServer(ServeRequest(copy, _serve_env()))
