@@ -97,7 +97,7 @@ FILE_SECONDS = {
     "test_quality.py": 19, "test_coreai_quantize.py": 17, "test_train.py": 16, "test_trained_upstream.py": 15,
     "test_report.py": 15, "test_fuse_matmuls.py": 15, "test_cli.py": 14, "test_ortops_f16.py": 12,
     "test_runtime_checks.py": 11, "test_ortops_matmul.py": 9, "test_integrity.py": 9, "test_devices.py": 9,
-    "test_report_inputs.py": 7,
+    "test_report_inputs.py": 7, "test_sequences.py": 90,
     # the slow tier's heavy files (make test-all)
     "test_kv_static.py": 130, "test_validate_stream.py": 111, "test_hostile.py": 71, "test_tensorrt_build.py": 65,
     "test_gdn2_clvr.py": 60, "test_trt_plugin.py": 55, "test_optimum_cli.py": 41, "test_kernel_compile.py": 39,

@@ -1,5 +1,6 @@
-"""edgelin.serve.sequences: many sequences over one runner, each exactly as if alone, on real ONNX exports (a
-constant-state hybrid whose sliding window takes positions, and a hybrid whose KV cache grows). The reference
+"""edgelin.serve.sequences: many sequences over one runner, each exactly as if alone, on real exports: ONNX (a
+constant-state hybrid whose sliding window takes positions, and a hybrid whose KV cache grows) and the torch
+reference (what the Python backend runs on a GPU; on CUDA where there is one). The reference
 for every sequence is the same conversation run alone (edgelin.conversation, batch 1); nothing here is computed
 by the pool."""
 
@@ -11,15 +12,35 @@ import pytest
 from edgelin.conversation import Conversation
 from edgelin.runtime import open_runner
 from edgelin.serve.sequences import Call, SequencePool
-from helpers import assert_close, export_family, export_growing_hybrid
+from helpers import assert_close, export_family, export_growing_hybrid, make_checkpoint
 
 TOLERANCE = 1e-5  # a row of a batch vs the sequence alone (the runtime's batched products differ in rounding)
 
 
+class Exports(dict):
+    """The exports, each made the first time a test asks for it (a test that is left out costs no export)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, model: str):
+        from edgelin.export.pipeline import export_checkpoint
+
+        if model == "window":
+            folder = export_family(self.root, "hybrid")
+        elif model == "growing":
+            folder = export_growing_hybrid(self.root)
+        else:
+            ckpt = make_checkpoint(self.root / "torch-ckpt", "hybrid", tokenizer=False)
+            folder = export_checkpoint(ckpt, self.root / "torch-out", "torch").folder
+        self[model] = folder
+        return folder
+
+
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pool")
-    return {"window": export_family(root, "hybrid"), "growing": export_growing_hybrid(root)}
+    return Exports(tmp_path_factory.mktemp("pool"))
 
 
 class Clock:
@@ -39,7 +60,7 @@ def _alone(folder, tokens: list[int]) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("model", ["window", "growing"])
+@pytest.mark.parametrize("model", ["window", "growing", pytest.param("torch", marks=pytest.mark.slow)])
 def test_interleaved_sequences_each_equal_the_sequence_alone(exports, model):
     """8 sequences with different prompts (1 to 8 tokens), stepped in changing subsets and orders (the batch is
     gathered and scattered again and again), one sequence restarted and one ended midway: every answer equals the

@@ -281,3 +281,22 @@ def test_a_changed_model_py_is_refused_before_the_server_runs_it(exports, tmp_pa
     model_py.write_text("import os; os.system('echo pwned')\n")
     with pytest.raises(EdgelinError, match=r"model\.py"):
         TritonServer(ServeRequest(copy, _serve_env()))
+
+
+def test_the_generated_client_streams_the_text_of_greedy_generate(exports, window_server):
+    """DIR/triton/client.py (standalone: tritonclient, tokenizers, numpy) prints what `edgelin generate --greedy`
+    prints locally."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from edgelin.cli import app
+
+    folder = exports["window"]
+    client = subprocess.run([sys.executable, str(folder / "triton" / "client.py"), "--prompt", "def main(", "-n", "16",
+                             "--url", window_server.grpc_url], capture_output=True, text=True, timeout=120)
+    assert client.returncode == 0, client.stderr
+    here = CliRunner().invoke(app, ["generate", str(folder), "--prompt", "def main(", "-n", "16", "--greedy",
+                                    "--ignore-eos"])
+    assert here.exit_code == 0 and client.stdout == here.stdout, (client.stdout, here.output)
