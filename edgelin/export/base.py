@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -160,6 +161,34 @@ class Runner(ABC):
         """An independent copy of the handle (bench from one state, beam search)."""
         self._own(state)
         return StateHandle(self, state.batch, self._copy(state))
+
+    def read_rows(self, state: StateHandle, rows: Sequence[int]) -> State:
+        """Copies of batch rows `rows` of a constant-size state (serving: the rows a batched step must leave as
+        they were). A target with direct access overrides `_read_rows`; otherwise the whole state is read."""
+        self._own(state)
+        self._check_rows(state, rows)
+        return self._read_rows(state, list(rows))
+
+    def write_rows(self, state: StateHandle, rows: Sequence[int], values: State) -> None:
+        """Put back rows read by read_rows (same names, shapes and dtype: values this runner produced)."""
+        self._own(state)
+        self._check_rows(state, rows)
+        self._write_rows(state, list(rows), values)
+
+    def _check_rows(self, state: StateHandle, rows: Sequence[int]) -> None:
+        if not self.manifest.constant_memory or any(not 0 <= r < state.batch for r in rows):
+            raise EdgelinError(f"rows {list(rows)} of a state of batch {state.batch}", "rows are read and written "
+                               "only within the batch, and only for a constant-size state (a KV cache's rows "
+                               "share one length)", "pass rows in 0..batch-1 of a constant-memory export's state")
+
+    def _read_rows(self, state: StateHandle, rows: list[int]) -> State:
+        return {name: value[rows] for name, value in self._read(state).items()}
+
+    def _write_rows(self, state: StateHandle, rows: list[int], values: State) -> None:
+        current = self._read(state)
+        for name, value in current.items():
+            value[rows] = values[name]
+        self._write(state, current)
 
     # ---- what a target implements ----------------------------------------------------------------
     @abstractmethod

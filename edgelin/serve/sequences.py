@@ -3,8 +3,9 @@
 
 A sequence is a correlation id, its position and its own state. Steps that arrive together are run as one batch:
 their states are gathered into one handle, stepped once, and stay there while the same sequences keep stepping
-together (the usual case under Triton's oldest-first batcher: no copy per token); any other call first scatters
-that batch back into per-sequence states. Rows never share a state, so nothing can leak from one sequence into
+together (the usual case under Triton's oldest-first batcher: no copy per token). When at least half of that
+batch steps, the whole batch steps and the absent rows are put back (Runner.read_rows / write_rows: only those rows
+are copied); any other call first scatters the batch back into per-sequence states. Rows never share a state, so nothing can leak from one sequence into
 another: a row's state is read from and written to its own sequence only.
 
 A growing KV cache (a hybrid exported without --kv-cache static) cannot hold rows of different lengths in one
@@ -207,12 +208,39 @@ class SequencePool:
         return handle
 
     def _step(self, group: tuple[int, ...], ids: np.ndarray) -> np.ndarray:
+        if self._within_batch(group):
+            return self._step_within(group, ids)
         handle = self._handle_for(group)
         positions = np.array([self._sequences[s].position for s in group], np.int64)
         logits = self.runner.step(ids, handle, positions)
         for s in group:
             self._sequences[s].position += 1
         return logits
+
+    def _within_batch(self, group: tuple[int, ...]) -> bool:
+        """Whether `group` steps inside the resident batch: a constant-size state (rows independent), `group` a
+        part of the batch, and at least half of it (the absent rows are stepped too, then put back)."""
+        if self._batch is None or not self.runner.manifest.constant_memory:
+            return False
+        resident = set(self._batch[0])
+        return set(group) < resident and 2 * len(group) >= len(resident)
+
+    def _step_within(self, group: tuple[int, ...], ids: np.ndarray) -> np.ndarray:
+        """Step the whole resident batch and put its absent rows back as they were (read_rows / write_rows copy
+        only those rows), instead of scattering the batch and gathering `group`: what keeps a batch that the
+        batcher hands over a few requests short from moving every state (docs/serving.md, "Measured")."""
+        order, handle = self._batch
+        where = {s: row for row, s in enumerate(order)}
+        absent = [row for row, s in enumerate(order) if s not in set(group)]
+        kept = self.runner.read_rows(handle, absent)
+        all_ids = np.zeros(len(order), np.int64)  # an absent row steps on token 0: its result is put back
+        all_ids[[where[s] for s in group]] = ids
+        positions = np.array([self._sequences[s].position for s in order], np.int64)
+        logits = self.runner.step(all_ids, handle, positions)
+        self.runner.write_rows(handle, absent, kept)
+        for s in group:
+            self._sequences[s].position += 1
+        return logits[[where[s] for s in group]]
 
     def _prefill(self, call: Call) -> np.ndarray:
         """One sequence's tokens through the prefill graph, from its state (alone: batch 1). A sequence outside

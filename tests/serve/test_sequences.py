@@ -157,3 +157,25 @@ def test_an_idle_sequence_is_dropped_and_the_others_go_on(exports):
     clock.now += 1
     last = pool.run([Call(1, np.array([9]))])[0]
     assert_close(last.logits, _alone(folder, [*tokens, 9])[-1], TOLERANCE, "the sequence that went on")
+
+
+def test_rows_read_and_written_back_are_as_they_were(exports):
+    """read_rows / write_rows (what a step inside the batch uses): rows put back after a step equal, bit for bit,
+    the rows before it, the stepped row moved on; a state whose rows share a KV cache length is refused."""
+    from edgelin.errors import EdgelinError
+    from edgelin.runtime import prefill
+
+    runner = open_runner(exports["window"])
+    ids = np.random.default_rng(5).integers(0, runner.manifest.vocab_size, (3, 4))
+    _, handle = prefill(runner, ids)
+    before = runner.read_state(handle)
+    kept = runner.read_rows(handle, [0, 2])
+    runner.step(np.array([1, 2, 3]), handle, np.full(3, 4))
+    runner.write_rows(handle, [0, 2], kept)
+    after = runner.read_state(handle)
+    for name in before:
+        np.testing.assert_array_equal(after[name][[0, 2]], before[name][[0, 2]])
+    assert any(not np.array_equal(after[n][1], before[n][1]) for n in before)
+    growing = open_runner(exports["growing"])
+    with pytest.raises(EdgelinError, match="only for a constant-size state"):
+        growing.read_rows(growing.new_state(2), [0])

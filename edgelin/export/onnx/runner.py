@@ -318,6 +318,18 @@ class OnnxRunner(Runner):
             buffers.current = [self._ortvalue(np.array(values[name], dtype, copy=True))
                                for name, dtype in zip(self.state_names, self._dtypes)]
 
+    def _read_rows(self, state: StateHandle, rows: list[int]) -> State:
+        if self.capacity is not None:
+            return super()._read_rows(state, rows)
+        # a CPU OrtValue's numpy() is a view of its buffer: only the rows are copied
+        return {name: value.numpy()[rows] for name, value in zip(self.state_names, state._value.current)}
+
+    def _write_rows(self, state: StateHandle, rows: list[int], values: State) -> None:
+        if self.capacity is not None:
+            return super()._write_rows(state, rows, values)
+        for name, value in zip(self.state_names, state._value.current):
+            value.numpy()[rows] = values[name]
+
     def _copy(self, state: StateHandle) -> _Buffers:
         if self.capacity is not None:
             buffers: _Buffers = state._value
