@@ -298,16 +298,12 @@ def generate(
 def served_manifest(folder: Path, states: StateFiles):
     """The manifest of an export served by `edgelin serve` (generate --server), checked: the server holds the
     state, so state files are refused."""
-    from edgelin.runtime import load_artifact
+    from edgelin.serve.server import served_manifest as checked
 
     if states != StateFiles():
         raise EdgelinError("--server with a state file option", "the server holds the conversation's state",
                            "drop --load-state, --save-state and --prompt-cache, or generate locally")
-    manifest = load_artifact(folder).manifest
-    if (manifest.extra.get("serve", {}).get("triton") or {}).get("backend") != "python":
-        raise EdgelinError(f"{folder} was not exported with --serve triton", "generate --server talks to the "
-                           "Python-backend model that flag writes", "re-export with --serve triton, then edgelin serve")
-    return manifest
+    return checked(folder)
 
 
 def _served(server: str, manifest) -> "ServedConversation":

@@ -50,19 +50,10 @@ def open_pool(config: dict[str, Any], folder: Path):
     return SequencePool(runner, capacity, idle, evict_when_full=True)  # Triton queues the rest
 
 
-def state_bytes(manifest) -> int:
-    """One sequence's state in bytes (a growing KV cache counted at its capacity, or not at all without one)."""
-    total = 0
-    for t in manifest.state_inputs:
-        dims = [d if isinstance(d, int) else (manifest.kv_capacity or 0) for d in t.dims[1:]]
-        total += int(np.prod(dims)) * np.dtype(t.dtype).itemsize
-    return total
-
-
 def check_memory(manifest, capacity: int) -> None:
     """Refuse to load when `capacity` sequences' states (held twice at most: own rows and the batch being built)
     exceed the memory this machine has available now."""
-    need = 2 * capacity * state_bytes(manifest)
+    need = 2 * capacity * manifest.state_bytes(1, manifest.kv_capacity or 0)  # a growing cache: at its capacity
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))

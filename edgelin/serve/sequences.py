@@ -5,12 +5,13 @@ A sequence is a correlation id, its position and its own state. Steps that arriv
 their states are gathered into one handle, stepped once, and stay there while the same sequences keep stepping
 together (the usual case under Triton's oldest-first batcher: no copy per token). When at least half of that
 batch steps, the whole batch steps and the absent rows are put back (Runner.read_rows / write_rows: only those rows
-are copied); any other call first scatters the batch back into per-sequence states. Rows never share a state, so nothing can leak from one sequence into
-another: a row's state is read from and written to its own sequence only.
+are copied); any other call first scatters the batch back into per-sequence states. Rows never share a state,
+so nothing can leak from one sequence into another: a row's state is read from and written to its own sequence
+only.
 
 A growing KV cache (a hybrid exported without --kv-cache static) cannot hold rows of different lengths in one
 handle, and a fixed-capacity cache takes one position per call: for those, only sequences at the same position
-are batched (StepGroups). Prefill (a request of several tokens) runs one sequence at a time, in pieces
+are batched. Prefill (a request of several tokens) runs one sequence at a time, in pieces
 (edgelin.runtime.prefill). Idle sequences are dropped after `idle_seconds`. A start beyond `capacity` live
 sequences is refused, or, with `evict_when_full` (the Triton model), takes the place of the sequence seen least
 recently: Triton holds at most max_candidate_sequences (= `capacity`) sequences and queues the rest, so when it
@@ -28,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from edgelin.errors import EdgelinError
-from edgelin.export.base import Runner, StateHandle
+from edgelin.export.base import Runner, StateHandle, check_ids
 from edgelin.runtime import prefill as prefill_pieces
 
 
@@ -135,10 +136,10 @@ class SequencePool:
         """Why `call` is refused, or None; a start (re)creates its sequence at position 0."""
         if call.ids.ndim != 1 or len(call.ids) == 0:
             return f"sequence {call.sequence}: a request carries one or more token ids (got shape {list(call.ids.shape)})"
-        bad = call.ids[(call.ids < 0) | (call.ids >= self.runner.manifest.vocab_size)]
-        if len(bad):
-            return (f"sequence {call.sequence}: token id {int(bad[0])} is outside the vocabulary "
-                    f"(0..{self.runner.manifest.vocab_size - 1})")
+        try:  # here, not in the batched step: one bad id refuses its own request only
+            check_ids(call.ids, self.runner.manifest.vocab_size)
+        except EdgelinError as exc:
+            return f"sequence {call.sequence}: {exc}"
         if any(c.sequence == call.sequence for c in earlier):
             return (f"sequence {call.sequence}: two requests of one sequence in one batch (send the next token "
                     "after the previous answer)")
@@ -199,7 +200,7 @@ class SequencePool:
         handle = self.runner.new_state(len(group))
         states = [self._sequences[s].state for s in group]
         if any(s is not None for s in states):
-            zero = self.runner.read_state(self.runner.new_state(1)) if any(s is None for s in states) else None
+            zero = self.runner.manifest.initial_state(1)  # a sequence that has not run yet
             rows = [s if s is not None else zero for s in states]
             self.runner.write_state(handle, {k: np.concatenate([r[k] for r in rows]) for k in rows[0]})
         for s in group:

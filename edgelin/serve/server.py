@@ -25,8 +25,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgelin.errors import EdgelinError
+
+if TYPE_CHECKING:
+    from edgelin.artifact.manifest import Manifest
 
 SETUP = ("python3 -m venv ~/.edgelin-serve && ~/.edgelin-serve/bin/pip install 'edgelin[runtime,server]', then "
          "pass --env ~/.edgelin-serve (docs/serving.md, \"The serving environment\")")
@@ -126,9 +130,9 @@ def backend_folder(env: ServerEnvironment) -> Path:
     return folder
 
 
-def served_model(folder: Path) -> str:
-    """The model name of DIR's Python-backend repository, after the folder is verified (every file, the
-    repository's included, against the manifest's digests)."""
+def served_manifest(folder: Path) -> "Manifest":
+    """The manifest of an export with a Python-backend repository (`edgelin serve`, `generate --server`), after the
+    folder is verified (every file, the repository's included, against the manifest's digests)."""
     from edgelin.runtime import load_artifact
     from edgelin.serve.triton_python import PYTHON
 
@@ -142,7 +146,7 @@ def served_model(folder: Path) -> str:
                            "the nvidia-pytriton server has only the Python backend",
                            "re-export with --serve triton, or run that repository in NVIDIA's Triton container "
                            "(docs/serving.md, \"The native flavour\")")
-    return str(served["model"])
+    return manifest
 
 
 def _check_port(host: str, port: int, flag: str) -> None:
@@ -159,7 +163,7 @@ class TritonServer:
 
     def __init__(self, request: ServeRequest):
         self.request = request
-        self.model = served_model(request.folder)
+        self.model = str(served_manifest(request.folder).extra["serve"]["triton"]["model"])
         self.environment = find_environment(request.environment)
         for flag, port in (("--grpc-port", request.grpc_port), ("--http-port", request.http_port),
                            ("--metrics-port", request.metrics_port)):

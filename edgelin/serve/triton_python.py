@@ -69,7 +69,6 @@ def config_text(manifest: "Manifest", name: str, limits: "ServingLimits", device
 def write_repository(folder: Path, manifest: "Manifest", name: str, limits: "ServingLimits",
                      device: "DeviceProfile | None") -> dict[str, Any]:
     """DIR/triton/ for the Python backend; returns the manifest's extra["serve"]["triton"] entry."""
-    from edgelin.serve.python_model import state_bytes
     from edgelin.serve.repository import CLIENT, FOLDER, client_text, parse_config
 
     root = Path(folder) / FOLDER
@@ -79,7 +78,7 @@ def write_repository(folder: Path, manifest: "Manifest", name: str, limits: "Ser
     parse_config(config.read_text(), f"{FOLDER}/{name}/config.pbtxt")
     (root / name / "1" / "model.py").write_text(MODEL_PY)
     (root / CLIENT).write_text(client_text(name, prefill=True))
-    per_sequence = state_bytes(manifest)
+    per_sequence = manifest.state_bytes(1, manifest.kv_capacity or 0)
     return {"repository": FOLDER, "model": name, "backend": PYTHON, "client": f"{FOLDER}/{CLIENT}",
             "serves": "..", "prefill": True, "state_bytes_per_sequence": per_sequence,
             "limits": {"max_batch_size": limits.max_batch_size,
